@@ -1,0 +1,1 @@
+"""PagedAttention kernels, imported as `minivllm.kernels` (see pyproject's package-dir)."""

@@ -1,0 +1,1 @@
+"""The scheduler and the block manager: plain Python, no torch, runnable with no model."""

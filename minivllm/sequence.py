@@ -1,0 +1,389 @@
+"""Requests as the scheduler sees them: `Sequence`, `SequenceGroup` and their status.
+
+Mirrors `vllm/sequence.py` (v0). One request is a `SequenceGroup`; it holds `n` (or
+`best_of`, or the beam width) `Sequence`s that share the prompt. Everything here is plain
+Python with no torch, so the scheduler and block manager run in a notebook with no model.
+
+Token accounting, the one idea to keep in mind:
+    tokens = prompt_token_ids + output_token_ids
+    num_computed_tokens = how many leading tokens already have their K/V in the paged cache.
+A prefill computes a chunk of the uncomputed tokens; a decode computes exactly the last one.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from minivllm.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Life cycle of one sequence (the order matters: everything after SWAPPED is finished)."""
+
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH_CAPPED = 4
+    FINISHED_ABORTED = 5
+    FINISHED_IGNORED = 6
+
+    @staticmethod
+    def is_finished(status: "SequenceStatus") -> bool:
+        return status > SequenceStatus.SWAPPED
+
+    @staticmethod
+    def get_finished_reason(status: "SequenceStatus") -> str | None:
+        """The OpenAI-style `finish_reason` for a status ("stop", "length", "abort")."""
+        return _FINISH_REASONS.get(status)
+
+
+# An ignored prompt reports "length", as in vLLM: it was too long to ever be scheduled.
+_FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+    SequenceStatus.FINISHED_IGNORED: "length",
+}
+
+
+class SequenceStage(enum.Enum):
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+
+
+@dataclass
+class SequenceData:
+    """The token ids of one sequence and how many of them are already in the KV cache."""
+
+    prompt_token_ids: list[int]
+    output_token_ids: list[int] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+
+    def append_token_id(self, token_id: int, logprob: float) -> None:
+        self.output_token_ids.append(token_id)
+        self.cumulative_logprob += logprob
+
+    def get_len(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def get_prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def get_output_len(self) -> int:
+        return len(self.output_token_ids)
+
+    def get_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.output_token_ids[-1] if self.output_token_ids else self.prompt_token_ids[-1]
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.get_len() - self.num_computed_tokens
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        if self.num_computed_tokens + num_new_computed_tokens > self.get_len():
+            raise ValueError(
+                f"cannot mark {num_new_computed_tokens} more tokens computed: "
+                f"{self.num_computed_tokens} of {self.get_len()} already are."
+            )
+        self.num_computed_tokens += num_new_computed_tokens
+
+    def reset_state_for_recompute(self) -> None:
+        """Preemption by recompute drops the KV cache: every token must be computed again."""
+        self.num_computed_tokens = 0
+
+    @property
+    def stage(self) -> SequenceStage:
+        # While any token before the last one is uncomputed we are still prefilling.
+        if self.get_num_uncomputed_tokens() > 1 or not self.output_token_ids:
+            return SequenceStage.PREFILL
+        return SequenceStage.DECODE
+
+
+class Sequence:
+    """One stream of tokens: a prompt and the tokens generated after it.
+
+    Args:
+        seq_id: unique id across the engine.
+        prompt: the prompt text, if the request gave text.
+        prompt_token_ids: the prompt's token ids (never empty).
+        block_size: tokens per KV-cache block; used to count the blocks this sequence needs.
+        eos_token_id: the model's end-of-sequence id, or None.
+    """
+
+    def __init__(
+        self,
+        seq_id: int,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        block_size: int,
+        eos_token_id: int | None = None,
+    ) -> None:
+        if not prompt_token_ids:
+            raise ValueError("a sequence needs at least one prompt token.")
+        self.seq_id = seq_id
+        self.prompt = prompt
+        self.block_size = block_size
+        self.eos_token_id = eos_token_id
+        self.data = SequenceData(list(prompt_token_ids))
+        self.output_text = ""
+        # One dict per generated token: {token_id: logprob} (the sampled token and the top-N).
+        self.output_logprobs: list[dict[int, float]] = []
+        self.status = SequenceStatus.WAITING
+        self.stop_reason: int | str | None = None
+        # Incremental detokenization state (see `minivllm.engine.detokenizer`).
+        self.tokens: list[str] | None = None
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    # ------------------------------------------------------------ token view
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.data.prompt_token_ids
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.data.output_token_ids
+
+    @property
+    def n_blocks(self) -> int:
+        """Blocks needed to hold every token of this sequence."""
+        return (self.get_len() + self.block_size - 1) // self.block_size
+
+    def get_len(self) -> int:
+        return self.data.get_len()
+
+    def get_prompt_len(self) -> int:
+        return self.data.get_prompt_len()
+
+    def get_output_len(self) -> int:
+        return self.data.get_output_len()
+
+    def get_token_ids(self) -> list[int]:
+        return self.data.get_token_ids()
+
+    def get_output_token_ids(self) -> list[int]:
+        return self.data.output_token_ids
+
+    def get_last_token_id(self) -> int:
+        return self.data.get_last_token_id()
+
+    def get_cumulative_logprob(self) -> float:
+        return self.data.cumulative_logprob
+
+    def get_num_computed_tokens(self) -> int:
+        return self.data.num_computed_tokens
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return self.data.get_num_uncomputed_tokens()
+
+    def is_prefill(self) -> bool:
+        return self.data.stage == SequenceStage.PREFILL
+
+    def is_finished(self) -> bool:
+        return SequenceStatus.is_finished(self.status)
+
+    # --------------------------------------------------------------- updates
+    def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
+        """Add a sampled token; `logprobs` maps token ids (the sampled one included) to logprobs."""
+        self.output_logprobs.append(logprobs)
+        self.data.append_token_id(token_id, logprobs.get(token_id, 0.0))
+
+    def get_beam_search_score(
+        self, length_penalty: float = 1.0, seq_len: int | None = None, eos_token_id: int | None = None
+    ) -> float:
+        """Beam score as in vLLM and transformers: cumulative logprob / length ** length_penalty.
+
+        The length counts prompt and output tokens, less a final EOS token.
+        """
+        if seq_len is None:
+            seq_len = self.get_len()
+            if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
+                seq_len -= 1
+        return self.get_cumulative_logprob() / (seq_len**length_penalty)
+
+    def fork(self, new_seq_id: int) -> "Sequence":
+        """A child with the same tokens (its KV blocks are shared via `BlockSpaceManager.fork`)."""
+        child = Sequence.__new__(Sequence)
+        child.__dict__.update(self.__dict__)
+        child.seq_id = new_seq_id
+        child.data = SequenceData(
+            list(self.data.prompt_token_ids),
+            list(self.data.output_token_ids),
+            self.data.cumulative_logprob,
+            self.data.num_computed_tokens,
+        )
+        child.output_logprobs = list(self.output_logprobs)
+        child.tokens = None if self.tokens is None else list(self.tokens)
+        return child
+
+    def reset_state_for_recompute(self) -> None:
+        self.data.reset_state_for_recompute()
+
+    def __repr__(self) -> str:
+        return f"Sequence(seq_id={self.seq_id}, status={self.status.name}, num_tokens={self.get_len()})"
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (seconds, `time.monotonic()`-like) for latency metrics."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    time_in_queue: float | None = None
+    finished_time: float | None = None
+    last_token_time: float | None = None
+
+
+class SequenceGroup:
+    """One request: its sequences, its sampling parameters, arrival time and priority.
+
+    Lower `priority` values are served first (vLLM's convention); ties go to earlier arrival.
+    """
+
+    def __init__(
+        self,
+        request_id: str,
+        seqs: list[Sequence],
+        sampling_params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+        priority: int = 0,
+    ) -> None:
+        if not seqs:
+            raise ValueError("a sequence group needs at least one sequence.")
+        self.request_id = request_id
+        self.seqs = list(seqs)
+        self.sampling_params = sampling_params or SamplingParams()
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.priority = priority
+        self.metrics = RequestMetrics(arrival_time=self.arrival_time)
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        # Why the request was ignored or aborted, for the user (None while it runs).
+        self.finish_message: str | None = None
+
+    # --------------------------------------------------------------- queries
+    @property
+    def first_seq(self) -> Sequence:
+        return self.seqs[0]
+
+    @property
+    def prompt(self) -> str | None:
+        return self.first_seq.prompt
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.first_seq.prompt_token_ids
+
+    def get_seqs(self, status: SequenceStatus | None = None) -> list[Sequence]:
+        if status is None:
+            return list(self.seqs)
+        return [seq for seq in self.seqs if seq.status == status]
+
+    def get_unfinished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if not seq.is_finished()]
+
+    def get_finished_seqs(self) -> list[Sequence]:
+        return [seq for seq in self.seqs if seq.is_finished()]
+
+    def num_seqs(self, status: SequenceStatus | None = None) -> int:
+        return len(self.get_seqs(status))
+
+    def find(self, seq_id: int) -> Sequence:
+        for seq in self.seqs:
+            if seq.seq_id == seq_id:
+                return seq
+        raise ValueError(f"sequence {seq_id} not found in request {self.request_id}.")
+
+    def add(self, seq: Sequence) -> None:
+        if any(s.seq_id == seq.seq_id for s in self.seqs):
+            raise ValueError(f"sequence {seq.seq_id} already exists in request {self.request_id}.")
+        self.seqs.append(seq)
+
+    def remove(self, seq_id: int) -> None:
+        self.seqs.remove(self.find(seq_id))
+
+    def is_finished(self) -> bool:
+        return all(seq.is_finished() for seq in self.seqs)
+
+    def is_prefill(self) -> bool:
+        # All sequences of a group share the prompt, so the first one tells.
+        return self.first_seq.is_prefill()
+
+    def get_max_num_running_seqs(self) -> int:
+        """How many sequences this group may run at once (its future block demand).
+
+        During prefill only one sequence exists but it will fork into `best_of` (or the beam
+        width) right after, so the scheduler must budget for all of them.
+        """
+        if self.sampling_params.use_beam_search or self.is_prefill():
+            return self.sampling_params.best_of
+        return len(self.get_unfinished_seqs())
+
+    def get_num_uncomputed_tokens(self) -> int:
+        return sum(seq.get_num_uncomputed_tokens() for seq in self.get_unfinished_seqs())
+
+    def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
+        for seq in self.get_unfinished_seqs():
+            seq.data.update_num_computed_tokens(num_new_computed_tokens)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        for seq in self.get_unfinished_seqs():
+            seq.status = status
+
+    def __repr__(self) -> str:
+        return (
+            f"SequenceGroup(request_id={self.request_id!r}, priority={self.priority}, "
+            f"num_seqs={len(self.seqs)})"
+        )
+
+
+@dataclass
+class SequenceGroupMetadata:
+    """What the worker needs to run one scheduled group for one step.
+
+    Attributes:
+        request_id: the request.
+        is_prompt: True for a prefill (or a chunk of one), False for a decode step.
+        seq_data: seq_id -> its `SequenceData` (the running sequences only).
+        sampling_params: the request's sampling parameters.
+        block_tables: seq_id -> list of physical block numbers.
+        token_chunk_size: how many new tokens each sequence computes this step.
+        do_sample: False for a prefill chunk that does not reach the end of the prompt.
+        computed_block_nums: prefix-cached blocks whose K/V need not be computed.
+    """
+
+    request_id: str
+    is_prompt: bool
+    seq_data: dict[int, SequenceData]
+    sampling_params: SamplingParams
+    block_tables: dict[int, list[int]]
+    token_chunk_size: int
+    do_sample: bool = True
+    computed_block_nums: list[int] = field(default_factory=list)
+
+
+@dataclass
+class SequenceOutput:
+    """One sampled token for one sequence: which parent it extends, and its logprobs.
+
+    With beam search or `n > 1` several outputs may share a parent; the engine then forks.
+    """
+
+    parent_seq_id: int
+    output_token: int
+    logprobs: dict[int, float]
+
+
+@dataclass
+class SequenceGroupOutput:
+    """The sampler's result for one group in one step."""
+
+    samples: list[SequenceOutput]
+    # For a prefill with `prompt_logprobs`: one dict per prompt token computed this step.
+    prompt_logprobs: list[dict[int, float] | None] | None = None

@@ -1,0 +1,9 @@
+"""Drawing functions and widgets for notebooks.
+
+Each picture is a pure function that takes state and a matplotlib `Axes`; each widget is an
+ipywidgets stepper over a recorded trace, with a static small-multiples twin.
+"""
+
+from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
+
+__all__ = ["COLORS", "REQUEST_PALETTE", "request_color"]
