@@ -134,6 +134,8 @@ class Sequence:
         self.output_text = ""
         # One dict per generated token: {token_id: logprob} (the sampled token and the top-N).
         self.output_logprobs: list[dict[int, float]] = []
+        # Rank (1 = most likely) of each generated token, when logprobs are requested.
+        self.output_ranks: list[int | None] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
         # Incremental detokenization state (see `minivllm.engine.detokenizer`).
@@ -189,9 +191,12 @@ class Sequence:
         return SequenceStatus.is_finished(self.status)
 
     # --------------------------------------------------------------- updates
-    def append_token_id(self, token_id: int, logprobs: dict[int, float]) -> None:
+    def append_token_id(
+        self, token_id: int, logprobs: dict[int, float], rank: int | None = None
+    ) -> None:
         """Add a sampled token; `logprobs` maps token ids (the sampled one included) to logprobs."""
         self.output_logprobs.append(logprobs)
+        self.output_ranks.append(rank)
         self.data.append_token_id(token_id, logprobs.get(token_id, 0.0))
 
     def get_beam_search_score(
@@ -219,6 +224,7 @@ class Sequence:
             self.data.num_computed_tokens,
         )
         child.output_logprobs = list(self.output_logprobs)
+        child.output_ranks = list(self.output_ranks)
         child.tokens = None if self.tokens is None else list(self.tokens)
         return child
 
@@ -264,6 +270,7 @@ class SequenceGroup:
         self.priority = priority
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_ranks: list[int | None] | None = None
         # Why the request was ignored or aborted, for the user (None while it runs).
         self.finish_message: str | None = None
 
@@ -378,6 +385,8 @@ class SequenceOutput:
     parent_seq_id: int
     output_token: int
     logprobs: dict[int, float]
+    # Rank of `output_token` in its distribution (1 = most likely), when logprobs are requested.
+    rank: int | None = None
 
 
 @dataclass
@@ -387,3 +396,5 @@ class SequenceGroupOutput:
     samples: list[SequenceOutput]
     # For a prefill with `prompt_logprobs`: one dict per prompt token computed this step.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # The rank of each of those prompt tokens in the model's distribution (1 = most likely).
+    prompt_ranks: list[int | None] | None = None
