@@ -1,0 +1,76 @@
+"""The attention layer of the model: write the new keys/values into the paged cache, then
+attend over it. As in vLLM v0, the model's attention module knows nothing about blocks; this
+layer hides the cache behind `forward(q, k, v, kv_cache, attn_metadata)`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.attention.metadata import AttentionMetadata
+from minivllm.kernels import get_ops
+
+
+class Attention(nn.Module):
+    """Grouped-query attention over a paged KV cache.
+
+    Args:
+        num_heads: query heads. num_kv_heads: key/value heads (divides num_heads; each KV head
+        is shared by num_heads // num_kv_heads query heads). head_dim: size of one head.
+        scale: the softmax scale, usually head_dim ** -0.5. backend: "torch" or "triton".
+    """
+
+    def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
+                 backend: str = "torch") -> None:
+        super().__init__()
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim, self.scale = head_dim, scale
+        self.backend = backend
+        self.ops = get_ops(backend)
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim],
+        kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+        An empty kv_cache (`kv_cache.numel() == 0`, the worker's memory-profiling run, made
+        before the cache exists) means: no context, plain causal attention within each sequence.
+        """
+        if kv_cache.numel() == 0:
+            return self._forward_without_cache(q, k, v, attn_metadata)
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        # Write first: the kernels read every key, the new ones included, from the cache.
+        self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        out = torch.empty_like(q)
+        num_prefill_tokens = attn_metadata.num_prefill_tokens
+        if (prefill := attn_metadata.prefill_metadata) is not None:
+            out[:num_prefill_tokens] = self.ops.paged_prefill_attention(
+                q[:num_prefill_tokens], key_cache, value_cache, prefill.block_tables,
+                prefill.query_start_loc, prefill.seq_lens, self.scale)
+        if (decode := attn_metadata.decode_metadata) is not None:
+            out[num_prefill_tokens:] = self.ops.paged_attention_decode(
+                q[num_prefill_tokens:], key_cache, value_cache, decode.block_tables,
+                decode.seq_lens, self.scale)
+        return out
+
+    def _forward_without_cache(self, q, k, v, attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Causal attention of each sequence's tokens over themselves (no cached context)."""
+        group_size = self.num_heads // self.num_kv_heads
+        out = torch.empty_like(q)
+        starts = attn_metadata.query_start_loc.tolist()  # a host sync: fine in a profiling run
+        for start, end in zip(starts[:-1], starts[1:]):
+            # SDPA wants [heads, tokens, head_dim]; repeat each KV head for its query heads.
+            qs = q[start:end].transpose(0, 1)
+            ks = k[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1)
+            vs = v[start:end].repeat_interleave(group_size, dim=1).transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
+            out[start:end] = o.transpose(0, 1)
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
+                f"head_dim={self.head_dim}, scale={self.scale:.4g}, backend={self.backend!r}")

@@ -1,0 +1,158 @@
+"""What the attention layers need to know about one flattened batch, as in vLLM v0's
+`AttentionMetadata`.
+
+A step's tokens are laid out back to back, prefills first, then decodes:
+
+    tokens:  [ p0 p0 p0 p0 | p1 p1 | d2 | d3 | d4 ]     num_prefills=2, num_prefill_tokens=6
+    seqs:       seq 0        seq 1   seq 2 ...           num_decode_tokens=3
+
+A prefill is a prompt chunk (maybe the whole prompt, maybe continuing after a cached prefix
+or an earlier chunk); a decode is one new token of a running sequence. The same metadata is
+read by every layer, so it is built once per step (by the model runner) and passed down
+explicitly, never through a global.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    """One batch's layout. Shapes (num_seqs = prefills + decodes):
+
+    slot_mapping     [num_tokens] int64   cache slot each new token's key/value is written to
+                                          (-1 = do not write, e.g. padding)
+    seq_lens         [num_seqs] int32     context + new tokens of each sequence
+    query_start_loc  [num_seqs + 1] int32 cumulative new-token counts: sequence i's tokens are
+                                          rows query_start_loc[i]:query_start_loc[i+1]
+    block_tables     [num_seqs, max_blocks] int32  physical block numbers, row per sequence
+    max_query_len, max_seq_len            python ints, so kernels size their grids with no
+                                          device-to-host copy
+    """
+
+    num_prefills: int
+    num_prefill_tokens: int
+    num_decode_tokens: int
+    slot_mapping: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    block_tables: torch.Tensor
+    max_query_len: int
+    max_seq_len: int
+
+    def __post_init__(self) -> None:
+        num_seqs = self.num_prefills + self.num_decode_tokens  # a decode is one token
+        if self.seq_lens.shape != (num_seqs,) or self.query_start_loc.shape != (num_seqs + 1,):
+            raise ValueError(
+                f"expected {num_seqs} sequences ({self.num_prefills} prefills + "
+                f"{self.num_decode_tokens} decodes), got seq_lens {tuple(self.seq_lens.shape)} "
+                f"and query_start_loc {tuple(self.query_start_loc.shape)}."
+            )
+        if self.slot_mapping.shape != (self.num_tokens,):
+            raise ValueError(
+                f"slot_mapping must have one entry per token ({self.num_tokens}), "
+                f"got shape {tuple(self.slot_mapping.shape)}."
+            )
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prefill_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return self.num_prefills + self.num_decode_tokens
+
+    # The two halves are views (no copies), built once per step and shared by every layer.
+    @cached_property
+    def prefill_metadata(self) -> AttentionMetadata | None:
+        """The prefill sequences alone (None if there are none)."""
+        if self.num_prefills == 0:
+            return None
+        n, t = self.num_prefills, self.num_prefill_tokens
+        return AttentionMetadata(
+            num_prefills=n,
+            num_prefill_tokens=t,
+            num_decode_tokens=0,
+            slot_mapping=self.slot_mapping[:t],
+            seq_lens=self.seq_lens[:n],
+            query_start_loc=self.query_start_loc[: n + 1],
+            block_tables=self.block_tables[:n],
+            max_query_len=self.max_query_len,
+            max_seq_len=self.max_seq_len,
+        )
+
+    @cached_property
+    def decode_metadata(self) -> AttentionMetadata | None:
+        """The decode sequences alone (None if there are none); query_start_loc restarts at 0."""
+        if self.num_decode_tokens == 0:
+            return None
+        n, t = self.num_prefills, self.num_prefill_tokens
+        return AttentionMetadata(
+            num_prefills=0,
+            num_prefill_tokens=0,
+            num_decode_tokens=self.num_decode_tokens,
+            slot_mapping=self.slot_mapping[t:],
+            seq_lens=self.seq_lens[n:],
+            query_start_loc=self.query_start_loc[n:] - t,
+            block_tables=self.block_tables[n:],
+            max_query_len=1,
+            max_seq_len=self.max_seq_len,
+        )
+
+
+def build_attn_metadata(
+    block_tables: list[list[int]],
+    context_lens: list[int],
+    query_lens: list[int],
+    num_prefills: int,
+    block_size: int,
+    device: torch.device | str = "cpu",
+) -> AttentionMetadata:
+    """Build the metadata from plain python lists, one entry per sequence (prefills first).
+
+    block_tables[i]  physical blocks of sequence i, enough for context + new tokens
+    context_lens[i]  tokens of sequence i already in the cache (cached prefix, earlier chunks)
+    query_lens[i]    new tokens of sequence i in this step (1 for a decode)
+
+    Example (block_size=4): one sequence with 5 cached tokens and 2 new ones in blocks [7, 2]
+    -> slot_mapping [2*4+1, 2*4+2] = [9, 10], seq_lens [7], query_start_loc [0, 2].
+    """
+    if not len(block_tables) == len(context_lens) == len(query_lens):
+        raise ValueError("block_tables, context_lens and query_lens need one entry per sequence.")
+    if any(q != 1 for q in query_lens[num_prefills:]):
+        raise ValueError(f"decodes (sequences after the first {num_prefills}) have 1 new token.")
+    slot_mapping = []
+    for table, context_len, query_len in zip(block_tables, context_lens, query_lens):
+        if len(table) * block_size < context_len + query_len:
+            raise ValueError(
+                f"block table {table} holds {len(table) * block_size} tokens, "
+                f"fewer than {context_len + query_len}."
+            )
+        for pos in range(context_len, context_len + query_len):
+            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+    seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    query_start_loc = [0]
+    for q in query_lens:
+        query_start_loc.append(query_start_loc[-1] + q)
+    max_blocks = max((len(t) for t in block_tables), default=0)
+    # Rows are padded with 0; the kernels never read past a sequence's seq_len.
+    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
+
+    def as_tensor(values, dtype):
+        return torch.tensor(values, dtype=dtype, device=device)
+
+    return AttentionMetadata(
+        num_prefills=num_prefills,
+        num_prefill_tokens=sum(query_lens[:num_prefills]),
+        num_decode_tokens=len(query_lens) - num_prefills,
+        slot_mapping=as_tensor(slot_mapping, torch.int64),
+        seq_lens=as_tensor(seq_lens, torch.int32),
+        query_start_loc=as_tensor(query_start_loc, torch.int32),
+        block_tables=as_tensor(padded, torch.int32).reshape(len(block_tables), max_blocks),
+        max_query_len=max(query_lens, default=0),
+        max_seq_len=max(seq_lens, default=0),
+    )

@@ -1,0 +1,43 @@
+"""RMSNorm (Zhang & Sennrich, 2019), the normalization of every Llama-family model.
+
+    y = x / sqrt(mean(x^2) + eps) * weight
+
+No mean subtraction and no bias, unlike LayerNorm. The statistics are taken in fp32 even for
+bf16/fp16 activations (a sum of squares over 4096 features overflows fp16's range).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last dimension, with vLLM's fused residual add.
+
+    `forward(x)` returns the normalized x. `forward(x, residual)` first adds the residual
+    stream, `residual = x + residual`, and returns `(norm(residual), residual)`: each decoder
+    layer hands its output and the running residual to the next layer's input norm, which
+    does the add, so the add and the norm are one step (one kernel in vLLM).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
+        # Cast back before scaling, as Hugging Face does, so logits match bit for bit in fp32
+        # and closely in bf16.
+        return self.weight * x32.to(x.dtype)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
