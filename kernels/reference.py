@@ -127,6 +127,7 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_query_len: int | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's new tokens over its whole cached context plus themselves.
 
@@ -135,6 +136,7 @@ def paged_prefill_attention(
     seq_lens:         [num_seqs] int32, context (already cached) + new tokens
     Every key and value is read from the paged cache, so reshape_and_cache must have written
     the new tokens first. Query i of a sequence with context c sees keys 0 .. c + i.
+    max_query_len:    ignored here (sizes the Triton kernel's grid); kept for the same signature.
     Returns out:      [num_tokens, num_heads, head_dim], dtype of query.
     """
     out = torch.empty_like(query)

@@ -1,0 +1,335 @@
+"""PagedAttention decode in Triton: one new query token per sequence over its paged KV cache.
+
+What you will learn here:
+  * how a kernel follows a block table: token t of a sequence lives in physical block
+    `block_table[t // block_size]`, row `t % block_size`;
+  * grouped-query attention (GQA) done right: ONE program per (sequence, KV head) handles all
+    the query heads that share that KV head, so every key and value is read from memory once;
+  * online softmax (running max `m`, running sum `l`, rescaled accumulator) in fp32;
+  * split-KV ("flash-decoding", v2): when there are too few (sequence, KV head) pairs to fill
+    the GPU, each sequence's context is cut into `num_kv_splits` pieces attended in parallel,
+    then merged by a second, tiny kernel with log-sum-exp weights.
+
+Decode is memory-bound: per query token we read its whole context of keys and values and do
+only ~2 flops per byte. So the goal is to stream K/V at the speed of device memory, and the
+design choices follow from that: read K/V once (GQA grouping), keep enough programs in flight
+(split-KV), and do all address arithmetic in 64 bits (a big cache is > 2**31 elements).
+
+Shapes (the kernel-API contract, see `minivllm.kernels.reference`):
+    query, out          [num_seqs, num_heads, head_dim]
+    key/value_cache     [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables        [num_seqs, max_blocks] int32
+    seq_lens            [num_seqs] int32
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+# exp(x) == exp2(x * log2(e)); exp2 is the native instruction, so scores live in base 2.
+LOG2E = 1.4426950408889634
+# tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
+MIN_DOT_SIZE = 16
+# Keys/values per loop iteration. 16 tokens x 128 dims x 2 bytes = one 4 KiB tile of K (and V).
+# The loop looks up the block of every token, so this may span several cache blocks.
+TILE_TOKENS = 16
+NUM_WARPS = 4
+NUM_STAGES = 3  # software pipelining depth: loads of the next tiles are in flight meanwhile
+
+# Split-KV heuristic (see `choose_num_kv_splits`).
+V1_MIN_PROGRAMS_PER_SM = 2  # with this many (sequence, KV head) programs per SM, v1 streams well
+TARGET_PROGRAMS_PER_SM = 4  # otherwise split until the grid has this many programs per SM
+MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (load q, write partials) dominates
+MAX_KV_SPLITS = 64
+
+
+# --------------------------------------------------------------------------------------------
+# The inner loop, shared by v1 and v2: attend one query-head group over keys [start, end).
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _attend_token_range(
+    q,  # [GROUP_PAD, HEAD_DIM_PAD] query heads of this KV head group (padding rows are 0)
+    key_cache_ptr, value_cache_ptr, block_table_ptr,  # block_table_ptr: this sequence's row
+    kv_head_offset,  # int64: kv_head * stride_ch
+    start, end,  # token range of the context to attend (end <= seq_len)
+    qk_scale,  # softmax scale * log2(e)
+    stride_cb, stride_ct, stride_cd,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """Returns (acc [GROUP_PAD, HEAD_DIM_PAD], l [GROUP_PAD], m [GROUP_PAD]), unnormalized, fp32."""
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    dim_mask = offs_d < HEAD_DIM
+    m_i = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # running max (base-2 scores)
+    l_i = tl.zeros([GROUP_PAD], dtype=tl.float32)  # running sum of exp2(score - m_i)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)  # running sum of p * v
+
+    for tile_start in range(start, end, TILE_N):
+        offs_t = tile_start + tl.arange(0, TILE_N)  # logical token positions of this tile
+        token_mask = offs_t < end
+        # Follow the block table: the physical block of each token, then its row inside it.
+        # The block number is widened to int64 BEFORE multiplying by the block stride, because
+        # block * block_size * num_kv_heads * head_dim overflows int32 on a large cache.
+        block = tl.load(block_table_ptr + offs_t // BLOCK_SIZE, mask=token_mask, other=0)
+        row = block.to(tl.int64) * stride_cb + (offs_t % BLOCK_SIZE) * stride_ct  # [TILE_N]
+        kv_offs = kv_head_offset + row[:, None] + offs_d[None, :] * stride_cd  # [TILE_N, D]
+        kv_mask = token_mask[:, None] & dim_mask[None, :]
+        k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+        v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
+
+        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, TILE_N], fp32
+        scores = tl.where(token_mask[None, :], scores, float("-inf"))
+        # Online softmax: rescale what we have so far to the new running max.
+        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
+        alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
+        p = tl.exp2(scores - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _load_query_group(
+    query_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """The GROUP_SIZE query heads of `kv_head` as a [GROUP_PAD, HEAD_DIM_PAD] tile (padding = 0).
+
+    Also returns their head indices [GROUP_PAD] and the [GROUP_PAD, HEAD_DIM_PAD] mask of real
+    (head, dim) entries, for storing the result.
+    """
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    heads = kv_head * GROUP_SIZE + offs_g  # query heads kv_head*G .. kv_head*G + G - 1
+    offs = seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    mask = (offs_g[:, None] < GROUP_SIZE) & (offs_d[None, :] < HEAD_DIM)
+    return tl.load(query_ptr + offs, mask=mask, other=0.0), heads, mask
+
+
+# --------------------------------------------------------------------------------------------
+# v1: one pass. Grid (num_seqs, num_kv_heads); each program walks its sequence's whole context.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _paged_attention_v1_kernel(
+    out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale,
+    stride_qs, stride_qh, stride_qd,
+    stride_os, stride_oh, stride_od,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_bts,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    q, heads, mask = _load_query_group(
+        query_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+        GROUP_SIZE, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
+    )
+    acc, l_i, m_i = _attend_token_range(
+        q, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bts,
+        kv_head.to(tl.int64) * stride_ch, 0, seq_len, qk_scale,
+        stride_cb, stride_ct, stride_cd,
+        BLOCK_SIZE, TILE_N, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
+    )
+    out = acc / l_i[:, None]
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    out_offs = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# --------------------------------------------------------------------------------------------
+# v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits); each program attends one slice of
+# the context and writes a partial output plus its log-sum-exp; a reduce kernel merges them.
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
+    """Tokens per split for this sequence: seq_len / num_splits, rounded up to whole tiles.
+
+    Computed per sequence on the device (no host sync): a short sequence uses fewer splits.
+    """
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
+
+
+@triton.jit
+def _paged_attention_v2_kernel(
+    partial_out_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32, normalized per split
+    partial_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2(sum exp2(scores)) per split
+    query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
+    qk_scale, num_splits,
+    stride_qs, stride_qh, stride_qd,
+    stride_cb, stride_ct, stride_ch, stride_cd,
+    stride_bts,
+    NUM_HEADS: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    split_len = _split_len(seq_len, num_splits, TILE_N)
+    start = split * split_len
+    # A short sequence needs fewer splits: programs past its end do nothing, and the reduce
+    # kernel never reads their (unwritten) partials.
+    if start < seq_len:
+        end = tl.minimum(start + split_len, seq_len)
+        q, heads, mask = _load_query_group(
+            query_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
+            GROUP_SIZE, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
+        )
+        acc, l_i, m_i = _attend_token_range(
+            q, key_cache_ptr, value_cache_ptr, block_tables_ptr + seq.to(tl.int64) * stride_bts,
+            kv_head.to(tl.int64) * stride_ch, start, end, qk_scale,
+            stride_cb, stride_ct, stride_cd,
+            BLOCK_SIZE, TILE_N, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
+        )
+        # Partials are contiguous buffers we allocate, so their offsets are computed directly.
+        row = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        offs_d = tl.arange(0, HEAD_DIM_PAD)
+        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                 acc / l_i[:, None], mask=mask)
+        # log2 of this split's softmax denominator, in the same base-2 units as the scores.
+        tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=tl.arange(0, GROUP_PAD) < GROUP_SIZE)
+
+
+@triton.jit
+def _paged_attention_v2_reduce_kernel(
+    out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, num_splits,
+    stride_os, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    """Grid (num_seqs, num_heads). Merge the splits: out = sum_s w_s * out_s, w_s ∝ 2**lse_s."""
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    seq_len = tl.load(seq_lens_ptr + seq)
+    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, TILE_N))  # non-empty splits
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s  # [SPLITS_PAD]
+    split_mask = offs_s < num_valid
+    dim_mask = offs_d < HEAD_DIM
+
+    lse = tl.load(partial_lse_ptr + row, mask=split_mask, other=float("-inf"))
+    weights = tl.exp2(lse - tl.max(lse, axis=0))  # 0 for empty splits
+    weights = weights / tl.sum(weights, axis=0)
+    partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                      mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
+    out = tl.sum(partial * weights[:, None], axis=0)  # [HEAD_DIM_PAD]
+    out_offs = seq.to(tl.int64) * stride_os + head * stride_oh + offs_d * stride_od
+    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+# --------------------------------------------------------------------------------------------
+# The Python side: validate, choose v1 or v2, launch.
+# --------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the CPU interpreter: parallelism is irrelevant, keep the one-pass kernel
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
+    """How many pieces to cut each sequence's context into (1 = the one-pass v1 kernel).
+
+    v1 runs num_seqs * num_kv_heads programs. When that already gives every SM several programs
+    (V1_MIN_PROGRAMS_PER_SM, large batch), splitting only adds a reduce. When it does not
+    (batch 1, or a few very long sequences), split until the grid has ~TARGET_PROGRAMS_PER_SM
+    programs per SM, but keep each split at least MIN_TOKENS_PER_SPLIT tokens long.
+
+    >>> choose_num_kv_splits(num_seqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132)
+    1
+    >>> choose_num_kv_splits(num_seqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132)
+    64
+    """
+    programs = num_seqs * num_kv_heads
+    if programs >= V1_MIN_PROGRAMS_PER_SM * num_sms:
+        return 1
+    wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
+    most_useful = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
+    return int(min(wanted, most_useful, MAX_KV_SPLITS))
+
+
+def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits):
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError("query must be [num_seqs, num_heads, head_dim] and key_cache "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
+    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if query.shape[2] != key_cache.shape[3]:
+        raise ValueError(f"head_dim mismatch: query {query.shape[2]}, cache {key_cache.shape[3]}")
+    if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
+        raise ValueError("block_tables and seq_lens need one row per sequence of query")
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
+
+
+def paged_attention_decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_kv_splits: int | None = None,
+) -> torch.Tensor:
+    """Decode attention over the paged cache; v1 (one pass) or v2 (split-KV), see the module doc.
+
+    num_kv_splits: None = choose from batch size, context length and SM count;
+    1 = force v1; > 1 = force v2 with that many splits per sequence.
+    Returns out [num_seqs, num_heads, head_dim] in query's dtype.
+    """
+    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits)
+    num_seqs, num_heads, head_dim = query.shape
+    _, block_size, num_kv_heads, _ = key_cache.shape
+    group_size = num_heads // num_kv_heads
+    if num_kv_splits is None:
+        # The block table's width bounds every context length: a shape, so no device sync.
+        max_context_len = block_tables.shape[1] * block_size
+        num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(query.device))
+
+    out = torch.empty_like(query)
+    meta = dict(
+        BLOCK_SIZE=block_size, TILE_N=TILE_TOKENS,
+        GROUP_SIZE=group_size, GROUP_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(group_size)),
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )
+    qk_scale = scale * LOG2E
+    cache_strides = key_cache.stride()
+    if num_kv_splits == 1:
+        _paged_attention_v1_kernel[(num_seqs, num_kv_heads)](
+            out, query, key_cache, value_cache, block_tables, seq_lens, qk_scale,
+            *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0), **meta,
+        )
+        return out
+
+    partial_out = torch.empty(num_seqs, num_heads, num_kv_splits, meta["HEAD_DIM_PAD"],
+                              dtype=torch.float32, device=query.device)
+    partial_lse = torch.empty(num_seqs, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
+    _paged_attention_v2_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+        partial_out, partial_lse, query, key_cache, value_cache, block_tables, seq_lens,
+        qk_scale, num_kv_splits, *query.stride(), *cache_strides, block_tables.stride(0),
+        NUM_HEADS=num_heads, **meta,
+    )
+    _paged_attention_v2_reduce_kernel[(num_seqs, num_heads)](
+        out, partial_out, partial_lse, seq_lens, num_kv_splits, *out.stride(),
+        NUM_HEADS=num_heads,
+        SPLITS_PAD=triton.next_power_of_2(num_kv_splits), TILE_N=TILE_TOKENS,
+        HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
+    )
+    return out
