@@ -1,0 +1,245 @@
+"""An OpenAI-compatible HTTP server over `AsyncLLMEngine` (FastAPI + uvicorn).
+
+Mirrors `vllm/entrypoints/openai/api_server.py` (v0, ~0.6). Routes:
+
+    POST /v1/completions        POST /v1/chat/completions      (JSON, or SSE with "stream": true)
+    GET  /v1/models             GET  /health                   GET  /metrics  (Prometheus text)
+    POST /tokenize              POST /detokenize
+
+Any OpenAI client works against it:
+
+    client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
+    client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=16)
+
+Errors always come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`:
+400 for a value the request may not have, 404 for an unknown model or route, 422 for
+malformed JSON or a wrong type. A request never brings the server down.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import threading
+import time
+from pathlib import Path
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorInfo,
+    ErrorResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from minivllm.entrypoints.openai.serving_engine import OpenAIError
+
+logger = logging.getLogger(__name__)
+
+# How long `ServerThread.start` waits for uvicorn to bind before giving up.
+_SERVER_START_TIMEOUT_S = 30.0
+
+
+def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None = None) -> FastAPI:
+    """A FastAPI app serving `engine`; registers a Prometheus stat logger on the engine.
+
+    `served_model_name`: the name(s) clients put in `"model"` (default: the model's folder name).
+    """
+    names = _served_model_names(engine, served_model_name)
+    registry = CollectorRegistry()
+    stat_logger = PrometheusStatLogger(registry, model_name=names[0])
+    engine.engine.add_logger("prometheus", stat_logger)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start_background_loop()
+        yield
+        await engine.stop_background_loop()  # lets the current step finish, aborts the rest
+
+    app = FastAPI(title="minivllm OpenAI-compatible server", lifespan=lifespan)
+    app.state.engine = engine
+    app.state.stat_logger = stat_logger
+    _add_error_handlers(app)
+    _add_openai_routes(app, OpenAIServingCompletion(engine, names), OpenAIServingChat(engine, names))
+    _add_server_routes(app, engine, stat_logger)
+    return app
+
+
+def _served_model_names(engine: AsyncLLMEngine, served_model_name: str | list[str] | None) -> list[str]:
+    if served_model_name is None:
+        return [Path(engine.model_config.model).name]
+    return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
+
+
+# --------------------------------------------------------------------- routes
+def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: OpenAIServingChat) -> None:
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request):
+        return _answer(await completion.create_completion(request, raw_request.receive))
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request):
+        return _answer(await chat.create_chat_completion(request, raw_request.receive))
+
+    @app.get("/v1/models")
+    async def show_models() -> ModelList:
+        max_model_len = completion.max_model_len
+        root = completion.engine.model_config.model
+        cards = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in completion.served_model_names]
+        return ModelList(data=cards)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
+        chat.check_model(request.model)
+        if (request.prompt is None) == (request.messages is None):
+            raise OpenAIError("Give exactly one of `prompt` and `messages`.", param="prompt")
+        if request.messages is not None:
+            tokens = chat.render_chat(request.messages, request.add_generation_prompt)
+        else:
+            tokens = chat.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+        return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=chat.max_model_len)
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
+        chat.check_model(request.model)
+        chat.check_token_ids(request.tokens, param="tokens")
+        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+
+
+def _answer(result) -> Response:
+    """A pydantic response as JSON, or an async iterator of SSE events as a stream."""
+    if hasattr(result, "model_dump_json"):
+        # pydantic's JSON (not json.dumps): it writes a non-finite float as null instead of failing.
+        return Response(result.model_dump_json(), media_type="application/json")
+    return StreamingResponse(result, media_type="text/event-stream")
+
+
+def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, stat_logger: PrometheusStatLogger) -> None:
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await engine.check_health()
+        except RuntimeError as e:
+            return _error_response(503, str(e), "service_unavailable")
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(stat_logger.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+# --------------------------------------------------------------------- errors
+def _error_response(status_code: int, message: str, error_type: str, param=None, code=None) -> JSONResponse:
+    body = ErrorResponse(error=ErrorInfo(message=message, type=error_type, param=param, code=code))
+    return JSONResponse(body.model_dump(), status_code=status_code)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(_, exc: OpenAIError):
+        return JSONResponse(exc.to_response().model_dump(), status_code=exc.status_code)
+
+    @app.exception_handler(ValueError)
+    async def value_error(_, exc: ValueError):  # e.g. the engine refusing a request
+        return _error_response(400, str(exc), "invalid_request_error")
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_, exc: RequestValidationError):
+        # Only locations and messages: echoing the input back could carry undecodable bytes.
+        details = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        param = _first_field(exc.errors())
+        return _error_response(422, f"Invalid request: {details}", "invalid_request_error", param=param)
+
+    @app.exception_handler(EngineStepError)
+    async def engine_error(_, exc: EngineStepError):  # the engine failed, not the request
+        return _error_response(500, str(exc), "server_error")
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_, exc: StarletteHTTPException):  # unknown route (404), wrong method (405), ...
+        error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return _error_response(exc.status_code, str(exc.detail), error_type)
+
+
+def _first_field(errors) -> str | None:
+    """The request field an error is about ("body", "max_tokens") -> "max_tokens"."""
+    for error in errors:
+        fields = [p for p in error["loc"] if isinstance(p, str) and p != "body"]
+        if fields:
+            return fields[0]
+    return None
+
+
+# --------------------------------------------------------------- running it
+class ServerThread:
+    """uvicorn in a background thread, on a free port: for tests and notebooks.
+
+    Example:
+        >>> with ServerThread(build_app(engine)) as server:          # doctest: +SKIP
+        ...     openai.OpenAI(base_url=server.url + "/v1", api_key="unused")
+    """
+
+    def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
+        # port 0: the OS picks a free port at bind time, so parallel servers never race for one.
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self.server = uvicorn.Server(config)
+        self.host = host
+        self._thread = threading.Thread(target=self.server.run, name="minivllm-server", daemon=True)
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        deadline = time.monotonic() + _SERVER_START_TIMEOUT_S
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the server did not start (see the log above).")
+            time.sleep(0.01)
+        return self
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join()
+
+    def __enter__(self) -> "ServerThread":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """`minivllm serve`: build the engine from the command line and serve until Ctrl-C."""
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    app = build_app(engine, args.served_model_name)
+    logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    from minivllm.entrypoints.openai.cli_args import make_arg_parser
+
+    run_server(make_arg_parser().parse_args())

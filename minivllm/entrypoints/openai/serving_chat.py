@@ -1,0 +1,159 @@
+"""`POST /v1/chat/completions`: messages -> the chat template -> one prompt -> the engine.
+
+Mirrors `vllm/entrypoints/openai/serving_chat.py`. The only chat-specific step is turning
+the messages into a prompt with the tokenizer's chat template (a Jinja template shipped in
+`tokenizer_config.json`); after that a chat request is a completion request whose answer is
+wrapped as an assistant message. A stream sends `{"role": "assistant"}` first, then the
+content in pieces, then the finish reason.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from minivllm.entrypoints.openai.protocol import (
+    ChatCompletionLogProbs,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChatResponseMessage,
+    ChatTokenLogprob,
+    ChatTopLogprob,
+    DeltaMessage,
+    UsageInfo,
+    random_uuid,
+)
+from minivllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    collect_final_outputs,
+    merge_streams,
+    reported_logprob,
+    sse_event,
+    top_entries,
+)
+from minivllm.outputs import CompletionOutput, Logprob
+
+# For a tokenizer without a chat template (a base model such as the bundled one): a plain
+# play-script layout, "ROLE:" then the text, which any causal LM can continue.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
+)
+
+
+class OpenAIServingChat(OpenAIServing):
+    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+        """Messages -> prompt token ids, through the tokenizer's chat template."""
+        conversation = [{"role": m.role, "content": m.text()} for m in messages]
+        template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
+        try:
+            text = self.tokenizer.apply_chat_template(
+                conversation, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
+            raise OpenAIError(f"The chat template could not render the messages: {e}", param="messages") from e
+        # The template writes any BOS token itself; adding special tokens again would double it.
+        return self.encode(text, add_special_tokens=False)
+
+    async def create_chat_completion(
+        self, request: ChatCompletionRequest, receive
+    ) -> ChatCompletionResponse | AsyncIterator[str]:
+        self.check_model(request.model)
+        prompt_ids = self.render_chat(request.messages, request.add_generation_prompt)
+        params = self.build_sampling_params(request, len(prompt_ids))
+        request_id = f"chatcmpl-{random_uuid()}"
+        streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority)
+        model = request.model or self.served_model_names[0]
+        if request.stream:
+            return self._stream(request, request_id, model, len(prompt_ids), streams)
+        (final,) = await collect_final_outputs(streams, receive, self.engine.abort)
+        return self._response(request, request_id, model, len(prompt_ids), final)
+
+    # ------------------------------------------------------------- answers
+    def _response(self, request, request_id, model, num_prompt, final) -> ChatCompletionResponse:
+        outputs = final.outputs if final is not None else []
+        choices = [
+            ChatCompletionResponseChoice(
+                index=position,
+                message=ChatResponseMessage(content=output.text),
+                logprobs=self._logprobs(request, output.token_ids, output.logprobs),
+                finish_reason=output.finish_reason,
+                stop_reason=output.stop_reason,
+            )
+            for position, output in enumerate(outputs)
+        ]
+        num_generated = sum(len(output.token_ids) for output in outputs)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
+        return ChatCompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    def _logprobs(self, request, token_ids, step_logprobs: list[dict[int, Logprob]] | None) -> ChatCompletionLogProbs | None:
+        """Chat's logprobs: per token its text, bytes, logprob and the top alternatives."""
+        if not request.logprobs:
+            return None
+        content = []
+        for token_id, step in zip(token_ids, step_logprobs or []):
+            token = self.decoded(token_id, step[token_id])
+            top = [
+                ChatTopLogprob(token=(t := self.decoded(tid, lp)), logprob=reported_logprob(lp.logprob), bytes=list(t.encode()))
+                for tid, lp in top_entries(step, request.top_logprobs or 0)
+            ]
+            content.append(
+                ChatTokenLogprob(token=token, logprob=reported_logprob(step[token_id].logprob), bytes=list(token.encode()), top_logprobs=top)
+            )
+        return ChatCompletionLogProbs(content=content)
+
+    # -------------------------------------------------------------- stream
+    async def _stream(self, request, request_id, model, num_prompt, streams) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_tokens: dict[int, int] = {}
+        finished: set[int] = set()
+        num_generated = 0
+
+        def chunk(choices, usage=None) -> str:
+            return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+        try:
+            # OpenAI opens every choice with the role, before any content.
+            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
+            async for _, request_output in merge_streams(streams):
+                for output in request_output.outputs:
+                    if output.index in finished:
+                        continue
+                    piece = self._delta(request, output, sent_text, sent_tokens)
+                    if piece is None:
+                        continue
+                    yield chunk([piece])
+                    if output.finish_reason is not None:
+                        finished.add(output.index)
+                        num_generated += len(output.token_ids)
+            if request.include_usage:
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated))
+        except Exception as e:  # the headers are gone: report the error in-band, like vLLM
+            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
+        finally:
+            await self.abort_unfinished(streams)
+        yield SSE_DONE
+
+    def _delta(self, request, output: CompletionOutput, sent_text, sent_tokens) -> ChatCompletionStreamChoice | None:
+        """What choice `output.index` has not sent yet, or None if nothing new."""
+        n_chars, n_tokens = sent_text.get(output.index, 0), sent_tokens.get(output.index, 0)
+        delta = output.text[n_chars:]
+        new_ids = output.token_ids[n_tokens:]
+        if not delta and not new_ids and output.finish_reason is None:
+            return None
+        sent_text[output.index] = max(len(output.text), n_chars)
+        sent_tokens[output.index] = len(output.token_ids)
+        return ChatCompletionStreamChoice(
+            index=output.index,
+            delta=DeltaMessage(content=delta),
+            logprobs=self._logprobs(request, new_ids, (output.logprobs or [])[n_tokens:]),
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )

@@ -1,0 +1,149 @@
+"""`POST /v1/completions`: prompts in, text out, whole or streamed as Server-Sent Events.
+
+Mirrors `vllm/entrypoints/openai/serving_completion.py`. One HTTP request may carry a batch
+of prompts; each becomes its own engine request, and choice `i` of prompt `p` is reported
+as choice `p * n + i`, as OpenAI does.
+
+The engine's text is cumulative (everything generated so far); a stream sends the part a
+choice has not sent yet:
+
+    step 1: "To"      -> data: {"choices": [{"index": 0, "text": "To"}]}
+    step 2: "To be"   -> data: {"choices": [{"index": 0, "text": " be"}]}
+    ...                  data: [DONE]
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+
+from minivllm.engine.async_llm_engine import AsyncStream
+from minivllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_uuid,
+)
+from minivllm.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    OpenAIError,
+    OpenAIServing,
+    collect_final_outputs,
+    merge_streams,
+    reported_logprob,
+    sse_event,
+)
+from minivllm.outputs import CompletionOutput, Logprob
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    async def create_completion(self, request: CompletionRequest, receive) -> CompletionResponse | AsyncIterator[str]:
+        """Validate, add one engine request per prompt, then answer (or stream).
+
+        `receive` is the ASGI receive channel, used to notice a client that hangs up.
+        """
+        self.check_model(request.model)
+        prompts = self._prompts_token_ids(request.prompt)
+        params = [self.build_sampling_params(request, len(ids)) for ids in prompts]
+        request_id = f"cmpl-{random_uuid()}"
+        streams = await self.add_requests(request_id, prompts, params, request.priority)
+        model = request.model or self.served_model_names[0]
+        if request.stream:
+            return self._stream(request, request_id, model, prompts, streams)
+        finals = await collect_final_outputs(streams, receive, self.engine.abort)
+        return self._response(request, request_id, model, prompts, finals)
+
+    def _prompts_token_ids(self, prompt: str | list) -> list[list[int]]:
+        """OpenAI's four prompt shapes -> one list of token ids per prompt."""
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError("The prompt is empty.", param="prompt")
+        prompts = [self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+        for token_ids in prompts:
+            self.check_token_ids(token_ids)
+        return prompts
+
+    # ------------------------------------------------------------- answers
+    def _response(self, request, request_id, model, prompts, finals) -> CompletionResponse:
+        choices, num_generated = [], 0
+        for prompt_index, final in enumerate(finals):
+            if final is None:
+                continue  # aborted before its first token (the client left)
+            for position, output in enumerate(final.outputs):
+                # best_of > n may return indices >= n; OpenAI numbers the n choices densely.
+                index = prompt_index * request.n + position
+                echo = self._echo_text(request, prompts[prompt_index])
+                choices.append(self._choice(request, index, output, output.token_ids, output.logprobs, echo + output.text))
+                num_generated += len(output.token_ids)
+        num_prompt = sum(len(ids) for ids in prompts)
+        usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    def _echo_text(self, request: CompletionRequest, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True) if request.echo else ""
+
+    def _choice(self, request, index, output: CompletionOutput, token_ids, logprobs, text, text_offset=0):
+        return CompletionResponseChoice(
+            index=index,
+            text=text,
+            logprobs=self._logprobs(token_ids, logprobs, text_offset) if request.logprobs is not None else None,
+            finish_reason=output.finish_reason,
+            stop_reason=output.stop_reason,
+        )
+
+    def _logprobs(self, token_ids, step_logprobs: list[dict[int, Logprob]] | None, text_offset: int) -> CompletionLogProbs:
+        """OpenAI's legacy logprobs: per token its text, logprob, alternatives and char offset."""
+        result = CompletionLogProbs()
+        for token_id, step in zip(token_ids, step_logprobs or []):
+            token = self.decoded(token_id, step[token_id])
+            result.tokens.append(token)
+            result.token_logprobs.append(reported_logprob(step[token_id].logprob))
+            result.top_logprobs.append({self.decoded(t, lp): reported_logprob(lp.logprob) for t, lp in step.items()})
+            result.text_offset.append(text_offset)
+            text_offset += len(token)
+        return result
+
+    # -------------------------------------------------------------- stream
+    async def _stream(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
+        created = int(time.time())
+        sent_text: dict[int, int] = {}  # choice index -> characters already sent
+        sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
+        finished: set[int] = set()
+        num_generated = 0
+
+        def chunk(choices, usage=None) -> str:
+            return sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
+
+        try:
+            async for prompt_index, request_output in merge_streams(streams):
+                for output in request_output.outputs:
+                    index = prompt_index * request.n + output.index
+                    if index in finished:
+                        continue
+                    n_chars, n_tokens = sent_text.get(index, 0), sent_tokens.get(index, 0)
+                    delta = output.text[n_chars:]
+                    if index not in sent_text:  # first chunk of this choice
+                        delta = self._echo_text(request, prompts[prompt_index]) + delta
+                    new_ids = output.token_ids[n_tokens:]
+                    new_logprobs = (output.logprobs or [])[n_tokens:]
+                    if not delta and not new_ids and output.finish_reason is None:
+                        continue
+                    sent_text[index], sent_tokens[index] = max(len(output.text), n_chars), len(output.token_ids)
+                    yield chunk([self._choice(request, index, output, new_ids, new_logprobs, delta, n_chars)])
+                    if output.finish_reason is not None:
+                        finished.add(index)
+                        num_generated += len(output.token_ids)
+            if request.include_usage:
+                num_prompt = sum(len(ids) for ids in prompts)
+                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
+                yield chunk([], usage)
+        except Exception as e:  # the headers are gone: report the error in-band, like vLLM
+            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
+        finally:
+            # The client hung up (this generator was cancelled or closed): free the blocks.
+            await self.abort_unfinished(streams)
+        yield SSE_DONE
