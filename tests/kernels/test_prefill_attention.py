@@ -1,0 +1,81 @@
+"""The Triton paged prefill kernel against the PyTorch reference (checked against SDPA elsewhere).
+
+The cache is written the way the attention layer does it: reshape_and_cache stores the new
+tokens' keys/values, then the kernel reads context and new tokens alike from the paged cache.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels import prefill_attention, reference
+from minivllm.kernels.reshape_and_cache import reshape_and_cache
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [  # the interpreter's bf16 dot is wrong: bf16 on the GPU only
+    pytest.param(torch.float32, id="fp32"),
+    pytest.param(torch.float16, id="fp16"),
+    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu),
+]
+CASES = [  # num_heads, num_kv_heads, head_dim, block_size
+    pytest.param(2, 2, 64, 16, id="group1-d64-bs16"),
+    pytest.param(4, 2, 128, 8, id="group2-d128-bs8"),
+    pytest.param(8, 2, 32, 32, id="group4-d32-bs32"),
+    pytest.param(8, 1, 64, 8, id="group8-d64-bs8"),
+]
+
+
+def _slots(table, start, end, block_size):
+    """Slots of tokens start..end-1 of a sequence, by the contract's formula."""
+    return [int(table[t // block_size]) * block_size + t % block_size for t in range(start, end)]
+
+
+def _prefill(paged_cache, shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, max_query_len=None):
+    """Run kernel and reference on one batch. shapes: (cached context, new tokens) per sequence."""
+    seq_lens = [c + n for c, n in shapes]
+    cache = paged_cache(64, block_size, num_kv_heads, head_dim, dtype)
+    tables = cache.block_tables(seq_lens)
+    starts = [0]
+    for _, new in shapes:
+        starts.append(starts[-1] + new)
+    num_tokens = starts[-1]
+    # The new tokens' K/V go into the cache first, as in the attention layer.
+    slot_mapping = torch.tensor(sum((_slots(tables[i], c, c + n, block_size) for i, (c, n) in enumerate(shapes)), []),
+                                device=DEVICE)
+    key, value = (cache.randn(num_tokens, num_kv_heads, head_dim, dtype=dtype) for _ in range(2))
+    reshape_and_cache(key, value, cache.key_cache, cache.value_cache, slot_mapping)
+    query = cache.randn(num_tokens, num_heads, head_dim, dtype=dtype)
+    args = (tables, torch.tensor(starts, dtype=torch.int32, device=DEVICE),
+            torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE), head_dim**-0.5)
+    out = prefill_attention.paged_prefill_attention(query, cache.key_cache, cache.value_cache, *args,
+                                                    max_query_len=max_query_len)
+    expected = reference.paged_prefill_attention(query.float(), cache.key_cache.float(),
+                                                 cache.value_cache.float(), *args)
+    return out, expected
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim,block_size", CASES)
+def test_prefill_matches_reference(paged_cache, check_close, dtype, num_heads, num_kv_heads, head_dim, block_size):
+    # (context, new): one-token prompt, a prompt of exactly two blocks, a block-aligned
+    # prefix-cache hit, and a chunked-prefill continuation that starts mid-block.
+    shapes = [(0, 1), (0, 2 * block_size), (block_size, 5), (7, block_size + 2)]
+    out, expected = _prefill(paged_cache, shapes, num_heads, num_kv_heads, head_dim, block_size, dtype,
+                             max_query_len=max(n for _, n in shapes))
+    assert out.dtype == dtype
+    check_close(out, expected, dtype)
+
+
+def test_prefill_grid_without_max_query_len_covers_every_token(paged_cache, check_close):
+    """max_query_len=None sizes the grid by num_tokens: idle tiles must not write anything."""
+    out, expected = _prefill(paged_cache, [(3, 20), (0, 2)], 4, 2, 32, 8, torch.float32)
+    check_close(out, expected, torch.float32)
+
+
+@pytest.mark.gpu
+def test_prefill_long_prompts_on_gpu(paged_cache, check_close):
+    """Qwen3-like shape, prompts spanning many query tiles and key tiles, with cached context."""
+    shapes = [(0, 700), (256, 300), (33, 129)]
+    out, expected = _prefill(paged_cache, shapes, 16, 8, 128, 16, torch.bfloat16, max_query_len=700)
+    check_close(out, expected, torch.bfloat16)
