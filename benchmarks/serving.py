@@ -1,0 +1,240 @@
+"""Online serving benchmark: Poisson arrivals against a running server, latency percentiles.
+
+In the spirit of vLLM's `benchmarks/benchmark_serving.py`. For each request rate, requests
+arrive as a Poisson process (exponential gaps with mean 1 / rate); each streams a completion
+and we time, per request:
+
+    TTFT  time to first token:   request sent -> first streamed token
+    TPOT  time per output token: (latency - TTFT) / (output tokens - 1)
+    ITL   inter-token latency:   the gap between two streamed chunks
+    E2E   end-to-end latency:    request sent -> last token
+
+and per run the request and output-token throughput. Prompts are random token ids (drawn
+from ids the server's own tokenizer produces) and every request generates exactly
+`--output-len` tokens (`ignore_eos`), so runs compare like with like.
+
+    minivllm serve --port 8000 &
+    python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rates 2 8 \\
+        --num-prompts 32 --json serving.json --plot serving.png
+
+The benchmark talks only to a server on this machine (loopback) and is bounded: at most
+`--num-prompts` requests and `--max-duration` seconds of arrivals per rate.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import platform
+import random
+import statistics
+import string
+import time
+from dataclasses import asdict, dataclass, field
+from urllib.parse import urlparse
+
+import httpx
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+PERCENTILES = (50, 90, 99)
+_REQUEST_TIMEOUT_S = 300.0
+
+
+@dataclass
+class RequestResult:
+    """What one streamed request measured (seconds)."""
+
+    success: bool = False
+    ttft: float = 0.0
+    latency: float = 0.0
+    output_tokens: int = 0
+    itl: list[float] = field(default_factory=list)
+    error: str = ""
+
+
+# ----------------------------------------------------------------- the client
+async def stream_one(client: httpx.AsyncClient, url: str, payload: dict) -> RequestResult:
+    """Send one streaming completion and time its chunks."""
+    result = RequestResult()
+    start = last = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=payload, timeout=_REQUEST_TIMEOUT_S) as response:
+            if response.status_code != 200:
+                result.error = f"HTTP {response.status_code}: {(await response.aread())[:200]!r}"
+                return result
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[len("data: "):])
+                if "error" in chunk:
+                    result.error = chunk["error"]["message"]
+                    return result
+                if chunk.get("usage"):
+                    result.output_tokens = chunk["usage"]["completion_tokens"]
+                if not chunk["choices"] or not chunk["choices"][0]["text"]:
+                    continue
+                now = time.perf_counter()
+                if result.ttft == 0.0:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+        result.latency = last - start
+        result.success = result.output_tokens > 0
+    except (httpx.HTTPError, json.JSONDecodeError) as e:
+        result.error = repr(e)
+    return result
+
+
+async def token_pool(client: httpx.AsyncClient, base_url: str) -> list[int]:
+    """Token ids that exist in the server's vocabulary (its tokenizer's ids for plain text)."""
+    text = " ".join(string.ascii_letters + string.digits) + " " + string.punctuation
+    response = await client.post(f"{base_url}/tokenize", json={"prompt": text, "add_special_tokens": False})
+    response.raise_for_status()
+    return sorted(set(response.json()["tokens"]))
+
+
+async def run_at_rate(client, base_url, model, rate, prompts, output_len, max_duration, rng) -> dict:
+    """Fire `prompts` as a Poisson process of `rate` requests/s; gather the results."""
+    url = f"{base_url}/v1/completions"
+    tasks = []
+    start = time.perf_counter()
+    for prompt in prompts:
+        payload = {
+            "model": model, "prompt": prompt, "max_tokens": output_len, "temperature": 0.0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+        }
+        tasks.append(asyncio.create_task(stream_one(client, url, payload)))
+        if rate != float("inf"):
+            await asyncio.sleep(rng.expovariate(rate))
+        if time.perf_counter() - start > max_duration:
+            break
+    results = await asyncio.gather(*tasks)
+    return summarize(rate, results, time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- statistics
+def percentile(values: list[float], p: float) -> float:
+    """Linear-interpolated percentile (numpy's default), without numpy."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    k = (len(ordered) - 1) * p / 100
+    low, high = int(k), min(int(k) + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (k - low)
+
+
+def describe_ms(values: list[float]) -> dict[str, float]:
+    stats = {"mean": statistics.fmean(values) * 1000 if values else float("nan")}
+    stats.update({f"p{p}": percentile(values, p) * 1000 for p in PERCENTILES})
+    return stats
+
+
+def summarize(rate: float, results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.success]
+    output_tokens = sum(r.output_tokens for r in ok)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
+    return {
+        "request_rate": rate,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "errors": sorted({r.error for r in results if not r.success})[:5],
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "ttft_ms": describe_ms([r.ttft for r in ok]),
+        "tpot_ms": describe_ms(tpots),
+        "itl_ms": describe_ms([gap for r in ok for gap in r.itl]),
+        "e2e_ms": describe_ms([r.latency for r in ok]),
+    }
+
+
+# ---------------------------------------------------------------------- plot
+def plot(runs: list[dict], path: str, title: str) -> None:
+    """Latency percentiles and achieved throughput against the offered request rate."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz.style import COLORS
+
+    rates = [run["request_rate"] for run in runs]
+    labels = [("inf" if r == float("inf") else f"{r:g}") for r in rates]
+    xs = range(len(runs))
+    fig, (ax_lat, ax_tput) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for key, name, colour in (("ttft_ms", "TTFT", COLORS["prompt"]), ("tpot_ms", "TPOT", COLORS["generated"])):
+        ax_lat.plot(xs, [run[key]["p50"] for run in runs], "o-", color=colour, label=f"{name} p50")
+        ax_lat.plot(xs, [run[key]["p99"] for run in runs], "s--", color=colour, label=f"{name} p99")
+    ax_lat.set(xticks=list(xs), xticklabels=labels, xlabel="offered rate (requests/s)", ylabel="ms", title="latency")
+    ax_lat.legend(fontsize=8)
+    ax_tput.bar(xs, [run["output_throughput"] for run in runs], color=COLORS["generated"])
+    for x, run in zip(xs, runs):
+        ax_tput.annotate(f"{run['request_throughput']:.2f} req/s", (x, run["output_throughput"]), ha="center", va="bottom", fontsize=8)
+    ax_tput.set(xticks=list(xs), xticklabels=labels, xlabel="offered rate (requests/s)", ylabel="output tokens/s", title="throughput")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------- main
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default=None, help="default: the server's first model")
+    parser.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0], help="requests/s; inf = all at once")
+    parser.add_argument("--num-prompts", type=int, default=32, help="requests per rate")
+    parser.add_argument("--input-len", type=int, default=32, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=16, help="generated tokens per request")
+    parser.add_argument("--max-duration", type=float, default=120.0, help="seconds of arrivals per rate, at most")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--plot", default=None, help="write the figure here (.png)")
+    args = parser.parse_args(argv)
+    if urlparse(args.base_url).hostname not in LOOPBACK_HOSTS:
+        parser.error(f"--base-url must be a loopback address {LOOPBACK_HOSTS}: this benchmark only loads local servers.")
+    return args
+
+
+async def main(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None)) as client:
+        model = args.model or (await client.get(f"{args.base_url}/v1/models")).json()["data"][0]["id"]
+        pool = await token_pool(client, args.base_url)
+        runs = []
+        for rate in args.request_rates:
+            prompts = [[rng.choice(pool) for _ in range(args.input_len)] for _ in range(args.num_prompts)]
+            run = await run_at_rate(client, args.base_url, model, rate, prompts, args.output_len, args.max_duration, rng)
+            runs.append(run)
+            print(format_run(run))
+    return {"config": vars(args), "model": model, "machine": machine(), "runs": runs}
+
+
+def format_run(run: dict) -> str:
+    def ms(key: str) -> str:
+        d = run[key]
+        return f"{key[:-3].upper()} mean {d['mean']:.1f} / p50 {d['p50']:.1f} / p99 {d['p99']:.1f} ms"
+
+    return (
+        f"rate {run['request_rate']:g} req/s: {run['completed']}/{run['num_requests']} ok in {run['duration_s']:.1f} s, "
+        f"{run['request_throughput']:.2f} req/s, {run['output_throughput']:.1f} tok/s | "
+        + " | ".join(ms(k) for k in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms"))
+    )
+
+
+def machine() -> dict:
+    import os
+
+    return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
+
+
+if __name__ == "__main__":
+    arguments = parse_args()
+    report = asyncio.run(main(arguments))
+    if arguments.json:
+        with open(arguments.json, "w") as f:
+            json.dump(report, f, indent=2)
+    if arguments.plot:
+        plot(report["runs"], arguments.plot, f"serving {report['model']} ({report['machine']['cpu_count']} CPU cores)")
