@@ -4,6 +4,7 @@ Each picture is a pure function that takes state and a matplotlib `Axes`; each w
 ipywidgets stepper over a recorded trace, with a static small-multiples twin.
 """
 
+from minivllm.viz.archmap import draw_architecture, import_graph
 from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
 
-__all__ = ["COLORS", "REQUEST_PALETTE", "request_color"]
+__all__ = ["COLORS", "REQUEST_PALETTE", "draw_architecture", "import_graph", "request_color"]
