@@ -1,0 +1,612 @@
+"""The scheduler: which requests run in the next model step, and with how many tokens.
+
+Mirrors `vllm/core/scheduler.py` (v0, ~0.6). Every step the engine calls `schedule()`; it
+moves `SequenceGroup`s between three queues and returns what the worker runs:
+
+    waiting  new prompts, and groups preempted by recompute (their KV cache was dropped)
+    running  groups with blocks on the GPU: decoding, or (chunked prefill) mid-prompt
+    swapped  groups preempted by swap (their KV cache sits in the CPU pool)
+
+This is iteration-level ("continuous") batching: a finished request leaves the batch at
+the end of a step and a waiting one can join at the next, instead of a whole batch waiting
+for its longest member.
+
+Default mode, `_schedule_default` (vLLM v0's order, step by step):
+    1. The budget (`max_num_batched_tokens`, `max_num_seqs`) first counts every running
+       sequence, so new prompts cannot push the batch past `max_num_seqs`.
+    2. If nothing is swapped: admit waiting prompts in queue order while they fit the
+       budget and the block manager says OK. LATER stops admission (head-of-line: FCFS
+       never lets a later request overtake); NEVER, or a prompt over the prompt limit,
+       finishes the request as FINISHED_IGNORED with a reason.
+    3. If no prompt was admitted and the policy is "priority": preempt running groups of
+       lower priority (by recompute) until the waiting head fits (`_schedule_priority_preemption`).
+    4. If no prompt was admitted: decode every running group. When a group cannot get a
+       slot for its next token, preempt from the back of the running queue (lowest priority,
+       latest arrival) until it can; if it is the last one left, preempt the group itself.
+    5. If nothing was preempted in 4: swap groups back in while they fit.
+    So a step is all prefills or all decodes; new prompts win over decodes (throughput),
+    swapped groups win over new prompts (they are older and hold CPU memory).
+
+Chunked prefill, `_schedule_chunked_prefill` (`enable_chunked_prefill=True`):
+    1. Running groups, decodes first (one token each), then unfinished prompt chunks cut to
+       the remaining token budget; preemption as in step 4 above.
+    2. If nothing was preempted: swap groups back in.
+    3. New prompts, the last one cut to what is left of the token budget.
+    One step mixes decodes and prompt chunks, so a long prompt no longer stalls every
+    decode behind it (better inter-token latency, at some cost in time to first token).
+
+Preemption mode (`_preempt`): recompute when the group has one running sequence, swap
+otherwise (vLLM v0's rule); `SchedulerConfig.preemption_mode` overrides it. Two cases
+vLLM v0 leaves to an assert or a crash are handled here, never crashing the engine:
+    - a group with several running sequences (n > 1 after its fork) cannot be recomputed
+      (its sequences no longer share one prompt), so it is swapped even under "recompute";
+    - when a swap is needed but the CPU pool is full, a one-sequence group falls back to
+      recompute, and a several-sequence group is finished as FINISHED_ABORTED with
+      `finish_message` saying why (vLLM v0 raises "Aborted due to the lack of CPU swap
+      space") and returned in `ignored_seq_groups`, so the engine reports it.
+
+Prefix caching: at admission a sequence's `num_computed_tokens` is set to the number of
+leading tokens whose KV blocks the cache already holds (`get_num_cached_tokens`), so those
+tokens are neither computed nor counted against the token budget.
+
+Differences from vLLM v0 worth knowing (each keeps an invariant the tests check):
+    - Queues are sorted by the policy at each step (FCFS: arrival time; priority:
+      (priority, arrival time)); with chunked prefill running decodes go before prompt chunks.
+    - Both modes count running sequences up front, so the running set never exceeds
+      `max_num_seqs`; a several-sequence decode that does not fit the remaining token budget
+      waits instead of overflowing it.
+    - Priority preemption only recomputes one-sequence groups (vLLM v0 may swap a victim
+      and then put it in the waiting queue) and also runs with chunked prefill.
+    - A swapped group that cannot come back even with an idle GPU (LATER because of the
+      watermark) is ignored instead of blocking the queue forever, and its CPU blocks freed.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
+from minivllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
+
+BlockMapping = list[tuple[int, int]]
+
+
+class PreemptionMode(enum.Enum):
+    """SWAP moves a group's blocks to the CPU pool and back; RECOMPUTE drops them and
+    prefills prompt + generated tokens again later (cheap for short sequences)."""
+
+    SWAP = enum.auto()
+    RECOMPUTE = enum.auto()
+
+
+@dataclass
+class SchedulingBudget:
+    """Tokens and sequences still free in one step.
+
+    Counts per request: adding the same request twice counts it once, because running
+    sequences are counted before they are scheduled (then added again when scheduled).
+    """
+
+    token_budget: int
+    max_num_seqs: int
+    _tokens: dict[str, int] = field(default_factory=dict)
+    _seqs: dict[str, int] = field(default_factory=dict)
+    num_batched_tokens: int = 0
+    num_curr_seqs: int = 0
+
+    def can_schedule(self, *, num_new_tokens: int, num_new_seqs: int) -> bool:
+        return (self.num_batched_tokens + num_new_tokens <= self.token_budget
+                and self.num_curr_seqs + num_new_seqs <= self.max_num_seqs)
+
+    def remaining_token_budget(self) -> int:
+        return self.token_budget - self.num_batched_tokens
+
+    def add_num_batched_tokens(self, request_id: str, num_tokens: int) -> None:
+        if request_id not in self._tokens:
+            self._tokens[request_id] = num_tokens
+            self.num_batched_tokens += num_tokens
+
+    def add_num_seqs(self, request_id: str, num_seqs: int) -> None:
+        if request_id not in self._seqs:
+            self._seqs[request_id] = num_seqs
+            self.num_curr_seqs += num_seqs
+
+    def subtract(self, request_id: str) -> None:
+        """Forget a request (it was preempted): its tokens and sequences are free again."""
+        self.num_batched_tokens -= self._tokens.pop(request_id, 0)
+        self.num_curr_seqs -= self._seqs.pop(request_id, 0)
+
+
+@dataclass
+class ScheduledSequenceGroup:
+    """A group in this step's batch. `token_chunk_size`: new tokens per sequence
+    (the prompt chunk for a prefill, 1 for a decode)."""
+
+    seq_group: SequenceGroup
+    token_chunk_size: int
+
+
+@dataclass
+class SchedulerOutputs:
+    """The decision of one `schedule()` call.
+
+    `scheduled_seq_groups` lists prefills first, then decodes (the order the worker
+    flattens the batch in). Block mappings are (src, dst) block-number pairs the worker
+    applies before running the model. `ignored_seq_groups` holds groups finished without
+    running: FINISHED_IGNORED (too long, can never fit) and FINISHED_ABORTED (no CPU swap
+    space); each has `finish_message`. `preempted` counts this step's preemptions.
+    """
+
+    scheduled_seq_groups: list[ScheduledSequenceGroup]
+    num_prefill_groups: int
+    num_batched_tokens: int
+    blocks_to_swap_in: BlockMapping
+    blocks_to_swap_out: BlockMapping
+    blocks_to_copy: BlockMapping
+    ignored_seq_groups: list[SequenceGroup]
+    preempted: int
+    running_queue_size: int = 0
+    # Request ids, for pictures and metrics (not in vLLM's SchedulerOutputs).
+    preempted_by_recompute: list[str] = field(default_factory=list)
+    preempted_by_swap: list[str] = field(default_factory=list)
+    swapped_in: list[str] = field(default_factory=list)
+
+    def is_empty(self) -> bool:
+        return not (self.scheduled_seq_groups or self.blocks_to_swap_in
+                    or self.blocks_to_swap_out or self.blocks_to_copy)
+
+
+@dataclass
+class _StepState:
+    """Everything one `schedule()` call collects before it updates the queues."""
+
+    budget: SchedulingBudget
+    prefills: list[ScheduledSequenceGroup] = field(default_factory=list)  # new prompts
+    running_prefills: list[ScheduledSequenceGroup] = field(default_factory=list)
+    swapped_in_prefills: list[ScheduledSequenceGroup] = field(default_factory=list)
+    decodes: list[ScheduledSequenceGroup] = field(default_factory=list)
+    swapped_in_decodes: list[ScheduledSequenceGroup] = field(default_factory=list)
+    preempted_by_recompute: list[SequenceGroup] = field(default_factory=list)
+    preempted_by_swap: list[SequenceGroup] = field(default_factory=list)
+    blocks_to_swap_in: BlockMapping = field(default_factory=list)
+    blocks_to_swap_out: BlockMapping = field(default_factory=list)
+    blocks_to_copy: BlockMapping = field(default_factory=list)
+    ignored: list[SequenceGroup] = field(default_factory=list)
+
+    @property
+    def num_preempted(self) -> int:
+        return len(self.preempted_by_recompute) + len(self.preempted_by_swap)
+
+    def scheduled(self) -> list[ScheduledSequenceGroup]:
+        return (self.prefills + self.running_prefills + self.swapped_in_prefills
+                + self.decodes + self.swapped_in_decodes)
+
+
+class Scheduler:
+    """Decides each step's batch (vLLM v0 API).
+
+    Args:
+        scheduler_config: budgets and policies.
+        cache_config: block size, pool sizes (`num_gpu_blocks` must be set) and prefix caching.
+        clock: time source for request metrics; a simulator passes its step counter.
+    """
+
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set (the worker's profile "
+                             "run fills it in; a simulation sets it by hand).")
+        self.scheduler_config = scheduler_config
+        self.cache_config = cache_config
+        self.clock = clock
+        self.block_manager = BlockSpaceManager(
+            block_size=cache_config.block_size,
+            num_gpu_blocks=cache_config.num_gpu_blocks,
+            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        # Without chunking a whole prompt must fit in one step's token budget.
+        self.prompt_limit = scheduler_config.max_model_len
+        if not scheduler_config.enable_chunked_prefill:
+            self.prompt_limit = min(self.prompt_limit, scheduler_config.max_num_batched_tokens)
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: deque[SequenceGroup] = deque()
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_cumulative_preemption = 0
+
+    # ============================================================ requests in / out
+    def add_seq_group(self, seq_group: SequenceGroup) -> None:
+        self.waiting.append(seq_group)
+
+    def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
+        """Finish the given requests as FINISHED_ABORTED wherever they are and free their
+        blocks (GPU or CPU). Unknown ids are ignored."""
+        request_ids = {request_id} if isinstance(request_id, str) else set(request_id)
+        for queue in (self.waiting, self.running, self.swapped):
+            for seq_group in [g for g in queue if g.request_id in request_ids]:
+                queue.remove(seq_group)
+                self._finish_group(seq_group, SequenceStatus.FINISHED_ABORTED, "aborted")
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        return self.block_manager.get_prefix_cache_hit_rate()
+
+    def fork_seq(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        self.block_manager.fork(parent_seq, child_seq)
+
+    def free_seq(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        """Free the blocks of finished sequences; drop finished groups from `running`."""
+        remaining: deque[SequenceGroup] = deque()
+        for seq_group in self.running:
+            for seq in seq_group.get_finished_seqs():
+                self.free_seq(seq)
+            if not seq_group.is_finished():
+                remaining.append(seq_group)
+        self.running = remaining
+
+    # ===================================================================== schedule
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
+        """Pick this step's batch; returns the worker's per-group metadata and the decision."""
+        if self.scheduler_config.enable_chunked_prefill:
+            outputs = self._schedule_chunked_prefill()
+        else:
+            outputs = self._schedule_default()
+        now = self.clock()
+        metadata = []
+        for scheduled in outputs.scheduled_seq_groups:
+            seq_group = scheduled.seq_group
+            if seq_group.metrics.first_scheduled_time is None:
+                seq_group.metrics.first_scheduled_time = now
+                seq_group.metrics.time_in_queue = now - seq_group.arrival_time
+            metadata.append(self._make_metadata(scheduled))
+            # The step runs before the next schedule: its full blocks may be cached now.
+            self.block_manager.mark_blocks_as_computed(seq_group, scheduled.token_chunk_size)
+        return metadata, outputs
+
+    def _schedule_default(self) -> SchedulerOutputs:
+        state = self._start_step()
+        if not self.swapped:
+            self._schedule_prefills(state, enable_chunking=False)
+        if not state.prefills:
+            if self.scheduler_config.policy == "priority":
+                self._schedule_priority_preemption(state, enable_chunking=False)
+            self._schedule_running(state, enable_chunking=False)
+            if state.num_preempted == 0:
+                self._schedule_swapped(state, enable_chunking=False)
+        return self._finish_step(state)
+
+    def _schedule_chunked_prefill(self) -> SchedulerOutputs:
+        state = self._start_step()
+        if self.scheduler_config.policy == "priority":
+            self._schedule_priority_preemption(state, enable_chunking=True)
+        self._schedule_running(state, enable_chunking=True)
+        if state.num_preempted == 0:
+            self._schedule_swapped(state, enable_chunking=True)
+        self._schedule_prefills(state, enable_chunking=True)
+        return self._finish_step(state)
+
+    def _start_step(self) -> _StepState:
+        self.waiting = deque(sorted(self.waiting, key=self._policy_key))
+        self.swapped = deque(sorted(self.swapped, key=self._policy_key))
+        budget = SchedulingBudget(self.scheduler_config.max_num_batched_tokens,
+                                  self.scheduler_config.max_num_seqs)
+        for seq_group in self.running:
+            budget.add_num_seqs(seq_group.request_id, seq_group.get_max_num_running_seqs())
+        return _StepState(budget=budget)
+
+    def _finish_step(self, state: _StepState) -> SchedulerOutputs:
+        """Put every group in its new queue and package the decision."""
+        scheduled = state.scheduled()
+        self.waiting.extendleft(state.preempted_by_recompute)
+        self.waiting = deque(sorted(self.waiting, key=self._policy_key))
+        self.running.extend(s.seq_group for s in scheduled)
+        self.swapped.extend(state.preempted_by_swap)
+        return SchedulerOutputs(
+            scheduled_seq_groups=scheduled,
+            num_prefill_groups=len(state.prefills) + len(state.running_prefills)
+            + len(state.swapped_in_prefills),
+            num_batched_tokens=state.budget.num_batched_tokens,
+            blocks_to_swap_in=state.blocks_to_swap_in,
+            blocks_to_swap_out=state.blocks_to_swap_out,
+            blocks_to_copy=state.blocks_to_copy,
+            ignored_seq_groups=state.ignored,
+            preempted=state.num_preempted,
+            running_queue_size=len(self.running),
+            preempted_by_recompute=[g.request_id for g in state.preempted_by_recompute],
+            preempted_by_swap=[g.request_id for g in state.preempted_by_swap],
+            swapped_in=[s.seq_group.request_id
+                        for s in state.swapped_in_prefills + state.swapped_in_decodes],
+        )
+
+    # ------------------------------------------------------------------ waiting
+    def _schedule_prefills(self, state: _StepState, enable_chunking: bool) -> None:
+        """Admit waiting prompts in queue order until one does not fit (head-of-line)."""
+        budget = state.budget
+        while self.waiting:
+            seq_group = self.waiting[0]
+            reason = self._why_never_admissible(seq_group, state)
+            if reason is not None:
+                self.waiting.popleft()
+                self._finish_group(seq_group, SequenceStatus.FINISHED_IGNORED, reason)
+                state.ignored.append(seq_group)
+                continue
+            if self.block_manager.can_allocate(seq_group) != AllocStatus.OK:
+                break  # LATER: wait until running requests free blocks
+            seq = self._waiting_seq(seq_group)
+            num_cached_tokens = self._get_num_cached_tokens(seq)
+            num_new_tokens = self._chunk(seq.get_len() - num_cached_tokens, 1, budget,
+                                         enable_chunking)
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            if num_new_tokens == 0 or not budget.can_schedule(num_new_tokens=num_new_tokens,
+                                                              num_new_seqs=num_new_seqs):
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(seq_group)
+            seq.status = SequenceStatus.RUNNING
+            # The cached prefix is already in the KV cache: skip it.
+            seq.data.num_computed_tokens = num_cached_tokens
+            state.prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+            budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
+            budget.add_num_seqs(seq_group.request_id, num_new_seqs)
+
+    def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState) -> str | None:
+        """The reason this waiting group can never be scheduled, or None if it may be."""
+        seq = self._waiting_seq(seq_group)
+        num_tokens = seq.get_len()
+        if num_tokens > self.prompt_limit:
+            return (f"prompt of {num_tokens} tokens exceeds the limit of {self.prompt_limit} "
+                    f"(max_model_len={self.scheduler_config.max_model_len}, max_num_batched_tokens="
+                    f"{self.scheduler_config.max_num_batched_tokens}, chunked prefill "
+                    f"{'on' if self.scheduler_config.enable_chunked_prefill else 'off'}).")
+        num_seqs = seq_group.get_max_num_running_seqs()
+        if num_seqs > self.scheduler_config.max_num_seqs:
+            return (f"request needs {num_seqs} sequences (n / best_of) but max_num_seqs is "
+                    f"{self.scheduler_config.max_num_seqs}.")
+        status = self.block_manager.can_allocate(seq_group)
+        if status == AllocStatus.NEVER or (status == AllocStatus.LATER and self._gpu_idle(state)):
+            bm = self.block_manager
+            return (f"prompt of {num_tokens} tokens needs {seq.n_blocks} KV-cache blocks; the "
+                    f"GPU pool has {bm.num_total_gpu_blocks} blocks with {bm.watermark_blocks} "
+                    f"kept free (watermark), so it can never fit (AllocStatus.NEVER).")
+        return None
+
+    def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:
+        seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if len(seqs) != 1:
+            raise RuntimeError(f"request {seq_group.request_id} is waiting with {len(seqs)} "
+                               "sequences; a waiting group has exactly one prompt sequence.")
+        return seqs[0]
+
+    def _get_num_cached_tokens(self, seq: Sequence) -> int:
+        # Keep at least the last token to compute: the prefill must produce logits.
+        return min(self.block_manager.get_num_cached_tokens(seq), seq.get_len() - 1)
+
+    # ------------------------------------------------------------------ running
+    def _schedule_running(self, state: _StepState, enable_chunking: bool) -> None:
+        """Give every running group its next tokens, preempting when blocks run out."""
+        self.running = deque(sorted(self.running, key=self._running_key(enable_chunking)))
+        while self.running:
+            seq_group = self.running[0]
+            num_new_tokens = self._num_new_tokens(seq_group, SequenceStatus.RUNNING,
+                                                  state.budget, enable_chunking)
+            if num_new_tokens == 0:
+                break  # token budget spent; the rest stay running, unscheduled
+            self.running.popleft()
+            if self._make_room_for(seq_group, state):
+                self._append_slots(seq_group, state)
+                if self._is_prefill(seq_group):
+                    state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+                else:
+                    state.decodes.append(ScheduledSequenceGroup(seq_group, 1))
+                state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
+                state.budget.add_num_seqs(seq_group.request_id,
+                                          seq_group.get_max_num_running_seqs())
+
+    def _make_room_for(self, seq_group: SequenceGroup, state: _StepState) -> bool:
+        """Preempt from the back of the running queue until `seq_group` can grow by one
+        token per sequence. False if `seq_group` itself had to be preempted."""
+        while not self.block_manager.can_append_slots(seq_group):
+            victim = self.running.pop() if self.running else seq_group
+            state.budget.subtract(victim.request_id)
+            self._preempt(victim, state)
+            if victim is seq_group:
+                return False
+        return True
+
+    def _append_slots(self, seq_group: SequenceGroup, state: _StepState) -> None:
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            state.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+
+    # ------------------------------------------------------------------ swapped
+    def _schedule_swapped(self, state: _StepState, enable_chunking: bool) -> None:
+        """Swap groups back in (queue order) while the GPU pool and the budget allow."""
+        while self.swapped:
+            seq_group = self.swapped[0]
+            status = self.block_manager.can_swap_in(seq_group)
+            if status == AllocStatus.LATER and self._gpu_idle(state):
+                status = AllocStatus.NEVER  # the watermark alone keeps it out, forever
+            if status == AllocStatus.LATER:
+                break
+            if status == AllocStatus.NEVER:
+                self.swapped.popleft()
+                self._finish_group(seq_group, SequenceStatus.FINISHED_IGNORED,
+                                   "swapped-out request can never fit back in the GPU pool.")
+                state.ignored.append(seq_group)
+                continue
+            num_new_seqs = seq_group.get_max_num_running_seqs()
+            num_new_tokens = self._num_new_tokens(seq_group, SequenceStatus.SWAPPED,
+                                                  state.budget, enable_chunking)
+            if num_new_tokens == 0 or not state.budget.can_schedule(
+                    num_new_tokens=num_new_tokens, num_new_seqs=num_new_seqs):
+                break
+            self.swapped.popleft()
+            self._swap_in(seq_group, state, num_new_tokens)
+            state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
+            state.budget.add_num_seqs(seq_group.request_id, num_new_seqs)
+
+    def _swap_in(self, seq_group: SequenceGroup, state: _StepState, num_new_tokens: int) -> None:
+        state.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
+        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+            seq.status = SequenceStatus.RUNNING
+        self._append_slots(seq_group, state)
+        if self._is_prefill(seq_group):
+            state.swapped_in_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+        else:
+            state.swapped_in_decodes.append(ScheduledSequenceGroup(seq_group, 1))
+
+    # --------------------------------------------------------------- preemption
+    def _schedule_priority_preemption(self, state: _StepState, enable_chunking: bool) -> int:
+        """Preempt (by recompute) running groups of lower priority than the waiting head
+        until the head fits. Returns how many were preempted."""
+        if not self.waiting:
+            return 0
+        head = self.waiting[0]
+        if self._why_never_admissible(head, state) is not None:
+            return 0  # preempting others would not help it
+        self.running = deque(sorted(self.running, key=self._policy_key))
+        num_preempted = 0
+        while self.running and self._policy_key(self.running[-1]) > self._policy_key(head):
+            if self._fits_now(head, state.budget, enable_chunking):
+                break
+            victim = self.running[-1]
+            if victim.num_seqs(status=SequenceStatus.RUNNING) != 1:
+                break  # several sequences cannot be recomputed; stop here
+            self.running.pop()
+            state.budget.subtract(victim.request_id)
+            self._preempt_by_recompute(victim, state)
+            num_preempted += 1
+        return num_preempted
+
+    def _fits_now(self, seq_group: SequenceGroup, budget: SchedulingBudget,
+                  enable_chunking: bool) -> bool:
+        if self.block_manager.can_allocate(seq_group) != AllocStatus.OK:
+            return False
+        seq = self._waiting_seq(seq_group)
+        num_new_tokens = 1 if enable_chunking else seq.get_len() - self._get_num_cached_tokens(seq)
+        return budget.can_schedule(num_new_tokens=num_new_tokens,
+                                   num_new_seqs=seq_group.get_max_num_running_seqs())
+
+    def _preempt(self, seq_group: SequenceGroup, state: _StepState) -> None:
+        """Preempt one running group by its mode; see the module docstring for the rules."""
+        mode = self._preemption_mode(seq_group)
+        if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
+            if seq_group.num_seqs(status=SequenceStatus.RUNNING) == 1:
+                mode = PreemptionMode.RECOMPUTE
+            else:
+                self._finish_group(
+                    seq_group, SequenceStatus.FINISHED_ABORTED,
+                    "aborted due to the lack of CPU swap space: the request had to be preempted "
+                    "by swap (several sequences cannot be recomputed) and the CPU pool is full. "
+                    "Increase swap_space.")
+                state.ignored.append(seq_group)
+                return
+        if mode == PreemptionMode.RECOMPUTE:
+            self._preempt_by_recompute(seq_group, state)
+        else:
+            self._preempt_by_swap(seq_group, state)
+
+    def _preemption_mode(self, seq_group: SequenceGroup) -> PreemptionMode:
+        if seq_group.num_seqs(status=SequenceStatus.RUNNING) > 1:
+            return PreemptionMode.SWAP  # only a lone sequence can restart as a prompt
+        user_mode = self.scheduler_config.preemption_mode
+        if user_mode is not None:
+            return PreemptionMode.SWAP if user_mode == "swap" else PreemptionMode.RECOMPUTE
+        if seq_group.get_max_num_running_seqs() == 1:
+            return PreemptionMode.RECOMPUTE
+        return PreemptionMode.SWAP
+
+    def _preempt_by_recompute(self, seq_group: SequenceGroup, state: _StepState) -> None:
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.WAITING
+            self.free_seq(seq)  # frees first: with caching its computed blocks stay reusable
+            seq.reset_state_for_recompute()
+        self.num_cumulative_preemption += 1
+        state.preempted_by_recompute.append(seq_group)
+
+    def _preempt_by_swap(self, seq_group: SequenceGroup, state: _StepState) -> None:
+        state.blocks_to_swap_out.extend(self.block_manager.swap_out(seq_group))
+        for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            seq.status = SequenceStatus.SWAPPED
+        self.num_cumulative_preemption += 1
+        state.preempted_by_swap.append(seq_group)
+
+    # ------------------------------------------------------------------ helpers
+    def _policy_key(self, seq_group: SequenceGroup) -> tuple:
+        """Lower sorts first. FCFS: arrival time; priority: (priority, arrival time)."""
+        if self.scheduler_config.policy == "priority":
+            return (seq_group.priority, seq_group.arrival_time)
+        return (seq_group.arrival_time,)
+
+    def _running_key(self, enable_chunking: bool) -> Callable[[SequenceGroup], tuple]:
+        if not enable_chunking:
+            return self._policy_key
+        # Decode first (within a priority level): a decode costs one token, a chunk many.
+        if self.scheduler_config.policy == "priority":
+            return lambda g: (g.priority, self._is_prefill(g), g.arrival_time)
+        return lambda g: (self._is_prefill(g), g.arrival_time)
+
+    def _num_new_tokens(self, seq_group: SequenceGroup, status: SequenceStatus,
+                        budget: SchedulingBudget, enable_chunking: bool) -> int:
+        """Tokens `seq_group` computes this step (0: it does not fit the token budget)."""
+        seqs = seq_group.get_seqs(status=status)
+        num_tokens = sum(seq.get_num_uncomputed_tokens() for seq in seqs)
+        return self._chunk(num_tokens, len(seqs), budget, enable_chunking)
+
+    @staticmethod
+    def _chunk(num_tokens: int, num_seqs: int, budget: SchedulingBudget,
+               enable_chunking: bool) -> int:
+        remaining = budget.remaining_token_budget()
+        if enable_chunking and num_seqs == 1:
+            return min(num_tokens, remaining)  # a lone prompt may be cut into chunks
+        return num_tokens if num_tokens <= remaining else 0
+
+    def _is_prefill(self, seq_group: SequenceGroup) -> bool:
+        # Any unfinished sequence, not `first_seq`: the first may have finished already.
+        return any(seq.is_prefill() for seq in seq_group.get_unfinished_seqs())
+
+    def _gpu_idle(self, state: _StepState) -> bool:
+        """No running group holds GPU blocks and none was scheduled: all blocks are free."""
+        return not self.running and not state.scheduled()
+
+    def _finish_group(self, seq_group: SequenceGroup, status: SequenceStatus, reason: str) -> None:
+        for seq in seq_group.get_unfinished_seqs():
+            seq.status = status
+        for seq in seq_group.get_seqs():
+            self.free_seq(seq)  # a no-op for a sequence without blocks
+        if seq_group.finish_message is None:
+            seq_group.finish_message = reason
+
+    def _make_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
+        seq_group = scheduled.seq_group
+        seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+        is_prompt = self._is_prefill(seq_group)
+        do_sample = True
+        computed_block_nums: list[int] = []
+        if is_prompt:
+            seq = seqs[0]
+            # A chunk that stops short of the end of the prompt produces no token.
+            do_sample = seq.get_num_computed_tokens() + scheduled.token_chunk_size >= seq.get_len()
+            computed_block_nums = self.block_manager.get_common_computed_block_ids(seqs)
+        return SequenceGroupMetadata(
+            request_id=seq_group.request_id,
+            is_prompt=is_prompt,
+            seq_data={seq.seq_id: seq.data for seq in seqs},
+            sampling_params=seq_group.sampling_params,
+            block_tables={seq.seq_id: self.block_manager.get_block_table(seq) for seq in seqs},
+            token_chunk_size=scheduled.token_chunk_size,
+            do_sample=do_sample,
+            computed_block_nums=computed_block_nums,
+        )
