@@ -398,3 +398,20 @@ class SequenceGroupOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
     # The rank of each of those prompt tokens in the model's distribution (1 = most likely).
     prompt_ranks: list[int | None] | None = None
+
+
+@dataclass
+class ExecuteModelRequest:
+    """What the engine asks the executor (and its workers) to do in one step.
+
+    The block moves are applied before the forward pass: swap-in and swap-out from the
+    scheduler's preemption decisions, copy for copy-on-write. Each is a list of (src, dst)
+    block numbers. `finished_requests_ids` lets workers drop per-request state (seeded
+    random generators) of requests that finished or were aborted since the last step.
+    """
+
+    seq_group_metadata_list: list[SequenceGroupMetadata]
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    finished_requests_ids: list[str] = field(default_factory=list)

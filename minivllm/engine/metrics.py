@@ -1,0 +1,112 @@
+"""Engine metrics: a `Stats` record per step, and a logger that prints a periodic line.
+
+Mirrors `vllm/engine/metrics.py` and `metrics_types.py` (v0), with the same field names, so
+a Prometheus logger (`minivllm/entrypoints/openai/metrics.py`) reads the same record:
+
+    *_sys   the state of the system after the step (queue lengths, cache usage)
+    *_iter  what happened during this step (tokens, preemptions, latencies observed)
+    *_requests  one entry per request that finished in this step
+
+    engine.add_logger("logging", LoggingStatLogger(local_interval=5.0))
+    # ... every 5 s: "Avg prompt throughput: ... tokens/s, ... GPU KV cache usage: 12.5%, ..."
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("minivllm.engine")
+
+_DEFAULT_LOG_INTERVAL_S = 5.0
+_MS_PER_S = 1000.0
+
+
+@dataclass
+class Stats:
+    """One step's metrics (times in seconds, usages as fractions in [0, 1])."""
+
+    now: float
+    # System state after the step.
+    num_running_sys: int
+    num_waiting_sys: int
+    num_swapped_sys: int
+    gpu_cache_usage_sys: float
+    cpu_cache_usage_sys: float
+    gpu_prefix_cache_hit_rate: float
+    # This step.
+    num_prompt_tokens_iter: int = 0
+    num_generation_tokens_iter: int = 0
+    num_preemption_iter: int = 0
+    time_to_first_tokens_iter: list[float] = field(default_factory=list)
+    time_per_output_tokens_iter: list[float] = field(default_factory=list)
+    # Requests that finished in this step.
+    time_e2e_requests: list[float] = field(default_factory=list)
+    time_in_queue_requests: list[float] = field(default_factory=list)
+    num_prompt_tokens_requests: list[int] = field(default_factory=list)
+    num_generation_tokens_requests: list[int] = field(default_factory=list)
+    finished_reason_requests: list[str] = field(default_factory=list)
+
+
+class StatLoggerBase:
+    """Anything with `log(stats)`; `LLMEngine.add_logger` calls it after every step."""
+
+    def log(self, stats: Stats) -> None:
+        raise NotImplementedError
+
+
+class LoggingStatLogger(StatLoggerBase):
+    """Accumulates steps and logs one summary line every `local_interval` seconds.
+
+    The line reports throughput since the last line, the current queues and KV-cache usage,
+    the prefix-cache hit rate, preemptions, and mean TTFT / TPOT / queue time (ms).
+    """
+
+    def __init__(self, local_interval: float = _DEFAULT_LOG_INTERVAL_S, log_fn=None) -> None:
+        self.local_interval = local_interval
+        self.log_fn = log_fn or logger.info
+        self.last_local_log = time.monotonic()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
+        self.num_preemptions = 0
+        self.ttfts: list[float] = []
+        self.tpots: list[float] = []
+        self.queue_times: list[float] = []
+
+    def log(self, stats: Stats) -> None:
+        self.num_prompt_tokens += stats.num_prompt_tokens_iter
+        self.num_generation_tokens += stats.num_generation_tokens_iter
+        self.num_preemptions += stats.num_preemption_iter
+        self.ttfts += stats.time_to_first_tokens_iter
+        self.tpots += stats.time_per_output_tokens_iter
+        self.queue_times += stats.time_in_queue_requests
+        elapsed = stats.now - self.last_local_log
+        if elapsed >= self.local_interval:
+            self.log_fn(self.format_line(stats, elapsed))
+            self.last_local_log = stats.now
+            self._reset()
+
+    def format_line(self, stats: Stats, elapsed: float) -> str:
+        elapsed = max(elapsed, 1e-9)
+        return (
+            f"Avg prompt throughput: {self.num_prompt_tokens / elapsed:.1f} tokens/s, "
+            f"Avg generation throughput: {self.num_generation_tokens / elapsed:.1f} tokens/s, "
+            f"Running: {stats.num_running_sys} reqs, Swapped: {stats.num_swapped_sys} reqs, "
+            f"Pending: {stats.num_waiting_sys} reqs, "
+            f"GPU KV cache usage: {stats.gpu_cache_usage_sys * 100:.1f}%, "
+            f"CPU KV cache usage: {stats.cpu_cache_usage_sys * 100:.1f}%, "
+            f"Prefix cache hit rate: {stats.gpu_prefix_cache_hit_rate * 100:.1f}%, "
+            f"Preemptions: {self.num_preemptions}, "
+            f"TTFT: {_mean_ms(self.ttfts)}, TPOT: {_mean_ms(self.tpots)}, "
+            f"Queue time: {_mean_ms(self.queue_times)}"
+        )
+
+
+def _mean_ms(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{sum(values) / len(values) * _MS_PER_S:.1f} ms"

@@ -1,0 +1,60 @@
+"""The executor: how the engine reaches its worker(s).
+
+Mirrors `vllm/executor/executor_base.py` (v0). The engine never touches a `Worker`
+directly; it calls these five methods. With one device the executor just forwards them to
+one in-process worker (`UniProcExecutor`). A tensor-parallel executor would start one worker
+process per GPU, broadcast each call to all of them (every shard runs the same step on its
+slice of the heads) and return the driver's result — with no change to the engine.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minivllm.sequence import ExecuteModelRequest, SequenceGroupOutput
+
+
+class ExecutorBase(ABC):
+    """What the engine needs from the workers, however many there are and wherever they run."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+        parallel_config: ParallelConfig,
+        attn_backend: str | None = None,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device_config = device_config
+        self.parallel_config = parallel_config
+        self.attn_backend = attn_backend
+        self.enforce_eager = enforce_eager
+        self._init_executor()
+
+    @abstractmethod
+    def _init_executor(self) -> None:
+        """Create the worker(s), initialise their devices and load the model."""
+
+    @abstractmethod
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(num_gpu_blocks, num_cpu_blocks); with several workers, the minimum over them."""
+
+    @abstractmethod
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """Allocate the KV caches on every worker (all with the same block counts)."""
+
+    @abstractmethod
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SequenceGroupOutput]:
+        """Run one step; the sampled tokens of each scheduled group."""
+
+    def check_health(self) -> None:
+        """Raise if a worker died (a single in-process worker cannot die on its own)."""
+
+    def shutdown(self) -> None:
+        """Release the workers."""

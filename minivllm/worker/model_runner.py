@@ -1,0 +1,330 @@
+"""Turn a scheduled batch into tensors, run the model, sample: `ModelRunner`.
+
+Mirrors `vllm/worker/model_runner.py` (v0). The scheduler hands over a list of
+`SequenceGroupMetadata`; the model wants one flat stream of tokens. `prepare_model_input`
+flattens, prefills first and decodes after (the attention layer splits the batch there):
+
+    seq:           A (prefill, 3 cached + 4 new)   B (decode)   C (decode)
+    input_ids      a3 a4 a5 a6                     b9           c5
+    positions      3  4  5  6                      9            5
+    slot_mapping   one cache slot per token: block_table[pos // block_size] * block_size
+                   + pos % block_size
+    seq_lens       7                               10           6       (context + new)
+    query_start_loc 0                  4            5            6      (cumulative new)
+
+Then `execute_model` runs the model over all tokens, keeps the hidden states of the rows
+that need logits (`SamplingMetadata`), and samples.
+
+CUDA graphs (GPU, unless `enforce_eager=True`): a decode step runs dozens of small kernels
+per layer, and for a small batch the time to *launch* them rivals the time to run them.
+A captured graph replays the whole forward pass with one launch. Graphs freeze shapes and
+addresses, so we capture one graph per padded batch size and copy each step's inputs into
+static buffers. Only decode batches are captured: their shapes depend on the batch size
+alone (one token per sequence, block tables of a fixed width), whereas a prefill's token
+count changes every step, and a prefill is compute-bound anyway (big matmuls hide the
+launch cost).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from minivllm.model_executor import get_model
+from minivllm.model_executor.layers.sampler import Sampler
+from minivllm.model_executor.sampling_metadata import SamplingMetadata
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import SequenceData, SequenceGroupMetadata, SequenceGroupOutput
+
+logger = logging.getLogger(__name__)
+
+# Decode batch sizes with a captured CUDA graph (a batch is padded up to the next one):
+# dense where small batches are common, then every 16 (nano-vllm and vLLM do the same).
+_SMALL_GRAPH_BATCH_SIZES = (1, 2, 4, 8)
+_GRAPH_BATCH_SIZE_STEP = 16
+# Padding rows of a graph batch write nowhere and attend to one token of block 0.
+_PAD_SLOT = -1
+_PAD_BLOCK = 0
+
+
+@dataclass
+class ModelInput:
+    """One flattened batch, ready for the model.
+
+    Attributes:
+        input_ids: `[num_tokens]` int64.
+        positions: `[num_tokens]` int64, each token's position in its sequence.
+        attn_metadata: slot_mapping, seq_lens, query_start_loc, block_tables, ...
+        sampling_metadata: which rows get logits and how each request samples.
+        query_lens: new tokens per group (as scheduled), in batch order.
+    """
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    attn_metadata: AttentionMetadata
+    sampling_metadata: SamplingMetadata
+    query_lens: list[int]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+
+class ModelRunner:
+    """Builds batches, runs the model (eagerly or through CUDA graphs), samples."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device: torch.device | str,
+        attn_backend: str | None = None,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device = torch.device(device)
+        self.block_size = cache_config.block_size
+        self.attn_backend = attn_backend
+        self.enforce_eager = enforce_eager or self.device.type != "cuda"
+        self.model: torch.nn.Module | None = None
+        self.sampler = Sampler()
+        # request_id -> seeded generator, kept across steps (see SamplingMetadata.prepare).
+        self.generators: dict[str, torch.Generator] = {}
+        self.graph_runners: dict[int, _CUDAGraphRunner] = {}
+
+    def load_model(self) -> None:
+        self.model = get_model(self.model_config, self.device, attn_backend=self.attn_backend)
+        self.dtype = next(self.model.parameters()).dtype
+
+    # ------------------------------------------------------------------ batch building
+    def prepare_model_input(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> ModelInput:
+        """Flatten the scheduled groups (prefills must come first) into one batch."""
+        _check_prefills_first(seq_group_metadata_list)
+        seqs: list[tuple[SequenceData, list[int], int, int]] = []  # data, table, context, query
+        query_lens: list[int] = []
+        num_prefills = 0
+        for metadata in seq_group_metadata_list:
+            query_len = metadata.token_chunk_size if metadata.is_prompt else 1
+            query_lens.append(query_len)
+            for seq_id, data in metadata.seq_data.items():
+                # A prefill resumes after its computed tokens (cached prefix, earlier chunks);
+                # a decode computes exactly the last token.
+                context_len = data.num_computed_tokens if metadata.is_prompt else data.get_len() - 1
+                seqs.append((data, metadata.block_tables[seq_id], context_len, query_len))
+                num_prefills += metadata.is_prompt
+        input_ids, positions, slot_mapping = self._flatten_tokens(seqs)
+        attn_metadata = self._attn_metadata(seqs, num_prefills, slot_mapping)
+        sampling_metadata = SamplingMetadata.prepare(
+            seq_group_metadata_list, query_lens, self.device, self.generators
+        )
+        return ModelInput(
+            input_ids=_to_device(input_ids, torch.long, self.device),
+            positions=_to_device(positions, torch.long, self.device),
+            attn_metadata=attn_metadata,
+            sampling_metadata=sampling_metadata,
+            query_lens=query_lens,
+        )
+
+    def _flatten_tokens(self, seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """input_ids, positions and slot_mapping for every new token, built with numpy."""
+        input_ids, positions, slot_mapping = [], [], []
+        for data, block_table, context_len, query_len in seqs:
+            pos = np.arange(context_len, context_len + query_len)
+            if query_len == 1:
+                input_ids.append(np.array([data.get_last_token_id()]))
+            else:
+                input_ids.append(np.asarray(data.get_token_ids()[context_len : context_len + query_len]))
+            table = np.asarray(block_table)
+            if table.size * self.block_size < context_len + query_len:
+                raise ValueError(
+                    f"block table {block_table} holds fewer than {context_len + query_len} tokens."
+                )
+            positions.append(pos)
+            slot_mapping.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
+        return np.concatenate(input_ids), np.concatenate(positions), np.concatenate(slot_mapping)
+
+    def _attn_metadata(self, seqs, num_prefills: int, slot_mapping: np.ndarray) -> AttentionMetadata:
+        context_lens = np.array([s[2] for s in seqs])
+        query_lens = np.array([s[3] for s in seqs])
+        seq_lens = context_lens + query_lens
+        query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
+        max_blocks = max(len(s[1]) for s in seqs)
+        # Rows padded with block 0: kernels never read past a sequence's seq_len.
+        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
+        for row, (_, table, _, _) in enumerate(seqs):
+            block_tables[row, : len(table)] = table
+        return AttentionMetadata(
+            num_prefills=num_prefills,
+            num_prefill_tokens=int(query_lens[:num_prefills].sum()),
+            num_decode_tokens=len(seqs) - num_prefills,
+            slot_mapping=_to_device(slot_mapping, torch.long, self.device),
+            seq_lens=_to_device(seq_lens, torch.int32, self.device),
+            query_start_loc=_to_device(query_start_loc, torch.int32, self.device),
+            block_tables=_to_device(block_tables, torch.int32, self.device),
+            max_query_len=int(query_lens.max()),
+            max_seq_len=int(seq_lens.max()),
+        )
+
+    # ------------------------------------------------------------------ running
+    @torch.inference_mode()
+    def execute_model(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        kv_caches: list[torch.Tensor],
+        finished_requests_ids: list[str] | None = None,
+    ) -> list[SequenceGroupOutput]:
+        """One step: the sampler's output for each group, in the order given."""
+        for request_id in finished_requests_ids or []:
+            self.generators.pop(request_id, None)
+        if not seq_group_metadata_list:
+            return []
+        # Prefills first, as the attention layer expects; remember the caller's order.
+        order = sorted(range(len(seq_group_metadata_list)), key=lambda i: not seq_group_metadata_list[i].is_prompt)
+        model_input = self.prepare_model_input([seq_group_metadata_list[i] for i in order])
+        hidden_states = self._run_model(model_input, kv_caches)
+        selected = hidden_states[model_input.sampling_metadata.selected_token_indices]
+        logits = self.model.compute_logits(selected)
+        sorted_outputs = self.sampler(logits, model_input.sampling_metadata)
+        outputs: list[SequenceGroupOutput | None] = [None] * len(order)
+        for position, output in zip(order, sorted_outputs):
+            outputs[position] = output
+        return outputs
+
+    def _run_model(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+        md = model_input.attn_metadata
+        batch_size = md.num_decode_tokens
+        # A decode-only batch replays the graph of the smallest captured size that holds it.
+        if md.num_prefills == 0 and batch_size <= max(self.graph_runners, default=0):
+            runner = self.graph_runners[min(s for s in self.graph_runners if s >= batch_size)]
+            return runner.replay(model_input.input_ids, model_input.positions, md)
+        return self.model(model_input.input_ids, model_input.positions, kv_caches, md)
+
+    # ------------------------------------------------------------------ profiling
+    @torch.inference_mode()
+    def profile_run(self) -> None:
+        """Run the largest batch the scheduler may send, with no KV cache, to find peak memory.
+
+        `max_num_batched_tokens` prompt tokens spread over `max_num_seqs` sequences (each at
+        most `max_model_len`), every one sampled, so the activations, the logits rows and the
+        sampler's temporaries all reach their maximum.
+        """
+        max_tokens = self.scheduler_config.max_num_batched_tokens
+        max_model_len = self.scheduler_config.max_model_len
+        num_seqs = max(min(self.scheduler_config.max_num_seqs, max_tokens), -(-max_tokens // max_model_len))
+        lengths = [max_tokens // num_seqs + (i < max_tokens % num_seqs) for i in range(num_seqs)]
+        params = SamplingParams(temperature=1.0, top_p=0.9, top_k=50)
+        metadata_list = []
+        for i, length in enumerate(lengths):
+            data = SequenceData([0] * length)
+            metadata_list.append(SequenceGroupMetadata(
+                str(i), True, {i: data}, params, {i: [_PAD_BLOCK] * -(-length // self.block_size)}, length
+            ))
+        empty_caches = [torch.empty(0, device=self.device) for _ in range(self.model_config.get_num_layers())]
+        self.execute_model(metadata_list, empty_caches)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+
+    # ------------------------------------------------------------------ CUDA graphs
+    @torch.inference_mode()
+    def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
+        """Capture one decode graph per batch size in `graph_batch_sizes()` (GPU only)."""
+        if self.enforce_eager:
+            return
+        sizes = self.graph_batch_sizes()
+        max_blocks = -(-self.scheduler_config.max_model_len // self.block_size)
+        buffers = _GraphBuffers(max(sizes), max_blocks, self.device)
+        pool = None
+        # Largest first: later (smaller) graphs reuse the first one's memory pool.
+        for batch_size in reversed(sizes):
+            runner = _CUDAGraphRunner(self.model, kv_caches, buffers, batch_size, self.scheduler_config.max_model_len)
+            pool = runner.capture(pool)
+            self.graph_runners[batch_size] = runner
+        logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
+
+    def graph_batch_sizes(self) -> list[int]:
+        limit = self.scheduler_config.max_num_seqs
+        sizes = [s for s in _SMALL_GRAPH_BATCH_SIZES if s <= limit]
+        sizes += list(range(_GRAPH_BATCH_SIZE_STEP, limit + 1, _GRAPH_BATCH_SIZE_STEP))
+        if sizes[-1] < limit:
+            sizes.append(limit)
+        return sizes
+
+
+class _GraphBuffers:
+    """Static input tensors shared by every captured graph (a graph reads fixed addresses)."""
+
+    def __init__(self, max_batch_size: int, max_blocks: int, device: torch.device) -> None:
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.positions = torch.zeros(max_batch_size, dtype=torch.long, device=device)
+        self.slot_mapping = torch.full((max_batch_size,), _PAD_SLOT, dtype=torch.long, device=device)
+        self.seq_lens = torch.ones(max_batch_size, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_batch_size + 1, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_batch_size, max_blocks), _PAD_BLOCK, dtype=torch.int32, device=device)
+
+
+class _CUDAGraphRunner:
+    """One captured decode forward pass for a fixed batch size."""
+
+    def __init__(self, model, kv_caches, buffers: _GraphBuffers, batch_size: int, max_seq_len: int) -> None:
+        self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
+        self.batch_size = batch_size
+        b = batch_size
+        self.attn_metadata = AttentionMetadata(
+            num_prefills=0, num_prefill_tokens=0, num_decode_tokens=b,
+            slot_mapping=buffers.slot_mapping[:b], seq_lens=buffers.seq_lens[:b],
+            query_start_loc=buffers.query_start_loc[: b + 1], block_tables=buffers.block_tables[:b],
+            max_query_len=1, max_seq_len=max_seq_len,
+        )
+        self.graph = torch.cuda.CUDAGraph()
+        self.output: torch.Tensor | None = None
+
+    def _forward(self) -> torch.Tensor:
+        b = self.batch_size
+        return self.model(self.buffers.input_ids[:b], self.buffers.positions[:b], self.kv_caches, self.attn_metadata)
+
+    def capture(self, pool):
+        self._forward()  # warm-up: compiles the Triton kernels outside the capture
+        torch.cuda.synchronize()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.output = self._forward()
+        torch.cuda.synchronize()
+        return self.graph.pool()
+
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
+        n, buffers = input_ids.shape[0], self.buffers
+        b = self.batch_size
+        buffers.input_ids[:n].copy_(input_ids)
+        buffers.positions[:n].copy_(positions)
+        buffers.slot_mapping[:n].copy_(md.slot_mapping)
+        buffers.slot_mapping[n:b].fill_(_PAD_SLOT)
+        buffers.seq_lens[:n].copy_(md.seq_lens)
+        buffers.seq_lens[n:b].fill_(1)
+        width = md.block_tables.shape[1]
+        buffers.block_tables[:n, :width].copy_(md.block_tables)
+        buffers.block_tables[n:b].fill_(_PAD_BLOCK)
+        self.graph.replay()
+        return self.output[:n]
+
+
+def _check_prefills_first(seq_group_metadata_list: list[SequenceGroupMetadata]) -> None:
+    seen_decode = False
+    for metadata in seq_group_metadata_list:
+        if metadata.is_prompt and seen_decode:
+            raise ValueError("prefill groups must come before decode groups in a batch.")
+        seen_decode |= not metadata.is_prompt
+
+
+def _to_device(array, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    tensor = torch.from_numpy(np.ascontiguousarray(array)).to(dtype)
+    # Pinned staging memory lets the host-to-device copy run asynchronously on a GPU.
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor

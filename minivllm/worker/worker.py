@@ -1,0 +1,153 @@
+"""One device's worker: owns the model (via `ModelRunner`) and the KV cache (`CacheEngine`).
+
+Mirrors `vllm/worker/worker.py` (v0). The engine talks to it, through the executor, in
+this order:
+
+    init_device()                       pick the device, seed the RNGs
+    load_model()                        weights onto the device
+    determine_num_available_blocks()    profile the largest batch, turn leftover memory
+                                        into a number of KV blocks
+    initialize_cache(gpu, cpu)          allocate the caches; capture CUDA graphs
+    execute_model(request)  (per step)  swap-in, swap-out, copy-on-write, then the forward
+
+How many blocks fit (`determine_num_available_blocks`):
+    CUDA: run `profile_run` with no KV cache and read the memory this process holds at its
+          peak; then  num_gpu_blocks = (total x gpu_memory_utilization - peak) // block_bytes.
+    CPU:  there is no separate device memory to measure, so the "GPU" pool gets a budget:
+          `MINIVLLM_CPU_KVCACHE_SPACE` GiB (like vLLM's `VLLM_CPU_KVCACHE_SPACE`), default
+          1 GiB, never more than a quarter of the machine's RAM and never more blocks than
+          `max_num_seqs` full-length sequences could ever use.
+    Both: num_cpu_blocks (the swap pool) = swap_space bytes // block_bytes (on a CPU device
+          at most num_gpu_blocks: swapping from RAM to RAM only needs to hold what it moves).
+    `num_gpu_blocks_override` replaces the GPU figure (tests use it to force preemption).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+
+from minivllm.attention import get_attn_backend
+from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from minivllm.sequence import ExecuteModelRequest, SequenceGroupOutput
+from minivllm.worker.cache_engine import CacheEngine
+from minivllm.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+CPU_KVCACHE_SPACE_ENV = "MINIVLLM_CPU_KVCACHE_SPACE"
+_DEFAULT_CPU_KVCACHE_SPACE_GIB = 1.0
+_MAX_CPU_RAM_FRACTION = 0.25
+_GiB = 1 << 30
+
+
+class Worker:
+    """Runs the model on one device and holds its KV cache."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        device_config: DeviceConfig,
+        attn_backend: str | None = None,
+        enforce_eager: bool = False,
+    ) -> None:
+        self.model_config = model_config
+        self.cache_config = cache_config
+        self.scheduler_config = scheduler_config
+        self.device_config = device_config
+        self.device = torch.device(device_config.device)
+        self.attn_backend = get_attn_backend(attn_backend, self.device)
+        self.model_runner = ModelRunner(
+            model_config, cache_config, scheduler_config, self.device, self.attn_backend, enforce_eager
+        )
+        self.cache_engine: CacheEngine | None = None
+
+    @property
+    def kv_caches(self) -> list[torch.Tensor]:
+        return self.cache_engine.gpu_cache
+
+    def init_device(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+            torch.cuda.empty_cache()
+            self.init_free_memory, self.total_memory = torch.cuda.mem_get_info()
+        # Unseeded requests draw from the global RNG: seed it so runs are repeatable.
+        torch.manual_seed(self.model_config.seed)
+
+    def load_model(self) -> None:
+        self.model_runner.load_model()
+
+    # ------------------------------------------------------------------ memory
+    def get_cache_block_size_bytes(self) -> int:
+        return CacheEngine.get_cache_block_size(self.cache_config.block_size, self.model_config, self.model_runner.dtype)
+
+    @torch.inference_mode()
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        """(num_gpu_blocks, num_cpu_blocks) that fit; see the module docstring."""
+        block_bytes = self.get_cache_block_size_bytes()
+        if self.device.type == "cuda":
+            num_gpu_blocks = self._profile_gpu_blocks(block_bytes)
+        else:
+            num_gpu_blocks = self._cpu_budget_blocks(block_bytes)
+        if self.cache_config.num_gpu_blocks_override is not None:
+            num_gpu_blocks = self.cache_config.num_gpu_blocks_override
+        num_cpu_blocks = self.cache_config.swap_space_bytes // block_bytes
+        if self.device.type == "cpu":
+            num_cpu_blocks = min(num_cpu_blocks, num_gpu_blocks)
+        if num_gpu_blocks < 1:
+            raise ValueError(
+                "no memory left for the KV cache after loading the model; raise "
+                "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs."
+            )
+        return num_gpu_blocks, num_cpu_blocks
+
+    def _profile_gpu_blocks(self, block_bytes: int) -> int:
+        torch.cuda.reset_peak_memory_stats()
+        self.model_runner.profile_run()
+        free, total = torch.cuda.mem_get_info()
+        # Memory this process took since init_device: weights plus the profile's peak
+        # activations (the caching allocator keeps the peak reserved until emptied).
+        peak = self.init_free_memory - free
+        available = total * self.cache_config.gpu_memory_utilization - peak
+        torch.cuda.empty_cache()
+        logger.info("profile: total %.2f GiB, peak %.2f GiB, %.2f GiB for the KV cache",
+                    total / _GiB, peak / _GiB, available / _GiB)
+        return int(available // block_bytes)
+
+    def _cpu_budget_blocks(self, block_bytes: int) -> int:
+        budget = float(os.environ.get(CPU_KVCACHE_SPACE_ENV, _DEFAULT_CPU_KVCACHE_SPACE_GIB)) * _GiB
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else budget
+        budget = min(budget, ram * _MAX_CPU_RAM_FRACTION)
+        blocks_per_seq = -(-self.scheduler_config.max_model_len // self.cache_config.block_size)
+        most_useful = self.scheduler_config.max_num_seqs * blocks_per_seq
+        return int(min(budget // block_bytes, most_useful))
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self.cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config.num_cpu_blocks = num_cpu_blocks
+        self.cache_engine = CacheEngine(
+            self.cache_config, self.model_config, self.device, self.model_runner.dtype, self.attn_backend
+        )
+        self.model_runner.capture_model(self.cache_engine.gpu_cache)
+
+    # ------------------------------------------------------------------ a step
+    @torch.inference_mode()
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SequenceGroupOutput]:
+        """Apply the step's block moves, then run the model on the scheduled groups."""
+        req = execute_model_req
+        # Order matters: swap-out frees GPU blocks that swap-in or copy may then reuse in
+        # the same step, so it must read them first.
+        if req.blocks_to_swap_out:
+            self.cache_engine.swap_out(torch.tensor(req.blocks_to_swap_out, dtype=torch.long))
+        if req.blocks_to_swap_in:
+            self.cache_engine.swap_in(torch.tensor(req.blocks_to_swap_in, dtype=torch.long))
+        if req.blocks_to_copy:
+            mapping = torch.tensor(req.blocks_to_copy, dtype=torch.long, device=self.device)
+            self.cache_engine.copy(mapping)
+        return self.model_runner.execute_model(
+            req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids
+        )

@@ -1,0 +1,76 @@
+"""Tiny random checkpoints (model + tokenizer) that the engine tests save and load.
+
+Shared by tests/engine, tests/worker and tests/entrypoints (their conftest files load this
+file by path: pytest's importlib mode keeps tests/ off sys.path).
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+VOCAB_SIZE = 128
+EOS_TOKEN_ID = 2
+_SPECIAL = ["<unk>", "<s>", "</s>"]
+_COMMON = dict(vocab_size=VOCAB_SIZE, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+               max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=EOS_TOKEN_ID)
+FAMILIES = {
+    "llama": (LlamaConfig, LlamaForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2)),
+    "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                   tie_word_embeddings=True)),
+    "qwen3": (Qwen3Config, Qwen3ForCausalLM, dict(num_attention_heads=4, num_key_value_heads=2,
+                                                   head_dim=32, tie_word_embeddings=False)),
+}
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: 3 special tokens, then printable ASCII."""
+    vocab = {token: i for i, token in enumerate(_SPECIAL + list(string.printable[:95]))}
+    tokenizer = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    tokenizer.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def build_hf_model(family: str, seed: int = 0):
+    """A random fp32 model; 1-D weights get noise so a forgotten bias or norm would show."""
+    config_class, model_class, kwargs = FAMILIES[family]
+    config = config_class(**_COMMON, **kwargs)
+    config.architectures = [model_class.__name__]
+    torch.manual_seed(seed)
+    model = model_class(config).float().eval()
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.ndim == 1:
+                param.add_(torch.randn_like(param) * 0.2)
+    return model
+
+
+def save_checkpoint(family: str, path: Path, seed: int = 0):
+    """Save model + tokenizer under `path`; returns the transformers model."""
+    model = build_hf_model(family, seed)
+    model.save_pretrained(path, safe_serialization=True)
+    build_tokenizer().save_pretrained(path)
+    return model
+
+
+def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' own greedy generate, EOS ignored: the reference output token ids."""
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt_token_ids]), max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+            do_sample=False, eos_token_id=None, pad_token_id=0,
+        )
+    return out[0, len(prompt_token_ids):].tolist()
