@@ -1,0 +1,351 @@
+"""Train the bundled `tiny-shakespeare` model: a byte-level BPE tokenizer and a small Llama.
+
+The result is a genuine Hugging Face checkpoint (config.json, model.safetensors,
+generation_config.json, tokenizer files) that ships inside the package, so minivllm runs
+offline on a fresh machine. The recipe is nanoGPT's Shakespeare run with Llama's pieces:
+
+1. Split the corpus: the first 90 % trains, the last 10 % is held out for validation.
+2. Train a byte-level BPE tokenizer (vocab 4096, `<s>` `</s>` `<pad>`) on the training split.
+3. Train `LlamaForCausalLM` (~5M parameters, grouped-query attention) on random 512-token
+   windows of the token stream, each starting with BOS; keep the best-validation weights.
+
+Reproduce the bundled model (from the project root; about 4 minutes on one H100; the
+model card in minivllm/bundled_models/tiny-shakespeare/README.md gives the exact run):
+
+    python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
+        --out minivllm/bundled_models/tiny-shakespeare
+
+The corpus is only ~300k tokens, so the model memorises it after ~40 epochs (step ~400 at
+the default batch): validation loss bottoms out there and climbs after. Keeping the
+best-validation weights is the early stopping that makes the result generalise.
+
+Smoke test on a CPU (a few steps, seconds):
+
+    python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
+        --device cpu --steps 4 --batch-size 2 --eval-interval 2 --max-eval-windows 4 --out /tmp/tiny
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+CORPUS_URL = "https://raw.githubusercontent.com/karpathy/char-rnn/master/data/tinyshakespeare/input.txt"
+VAL_FRACTION = 0.1
+VOCAB_SIZE = 4096
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2: the trainer adds them first, in this order
+MODEL_MAX_LENGTH = 1024  # max_position_embeddings: RoPE works past the 512 we train on
+
+# Each message renders as a speech in the corpus's own format ("ROMEO:\n<lines>\n\n"), so a
+# chat prompt looks like a scene and the model answers in character. The template writes BOS
+# itself because apply_chat_template tokenizes with add_special_tokens=False.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
+)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--corpus", type=Path, required=True, help="plain-text corpus (tinyshakespeare)")
+    p.add_argument("--download", action="store_true", help="fetch the corpus if --corpus is missing")
+    p.add_argument("--out", type=Path, required=True, help="folder for the checkpoint")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--seed", type=int, default=1337)
+    # model
+    p.add_argument("--hidden-size", type=int, default=256)
+    p.add_argument("--intermediate-size", type=int, default=640)
+    p.add_argument("--num-layers", type=int, default=6)
+    p.add_argument("--num-heads", type=int, default=8)
+    p.add_argument("--num-kv-heads", type=int, default=2)
+    p.add_argument("--dropout", type=float, default=0.3,
+                   help="residual dropout during training only (the saved model has none)")
+    # optimisation
+    p.add_argument("--steps", type=int, default=3000)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=512, help="tokens per window, BOS included")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--min-lr", type=float, default=1e-4)
+    p.add_argument("--warmup-steps", type=int, default=100)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--grad-clip", type=float, default=1.0)
+    # bookkeeping
+    p.add_argument("--eval-interval", type=int, default=100)
+    p.add_argument("--log-interval", type=int, default=20)
+    p.add_argument("--max-eval-windows", type=int, default=None, help="cap eval cost (smoke tests)")
+    p.add_argument("--max-minutes", type=float, default=None, help="stop early past this wall time")
+    p.add_argument("--max-shard-size", default=None, help='e.g. "10MB"; default: one file')
+    args = p.parse_args(argv)
+    if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
+        raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads.")
+    if args.steps < 1 or args.batch_size < 1 or args.block_size < 2:
+        raise ValueError("steps and batch_size must be >= 1 and block_size >= 2.")
+    return args
+
+
+# ----------------------------------------------------------------------------- data
+
+def load_corpus(path: Path, download: bool) -> str:
+    if not path.exists():
+        if not download:
+            raise ValueError(f"corpus {path} not found (pass --download to fetch it).")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        urllib.request.urlretrieve(CORPUS_URL, path)
+    return path.read_text(encoding="utf-8")
+
+
+def split_corpus(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
+    """Hold out the last `val_fraction`, cut at a line start so no line is split."""
+    cut = text.index("\n", int(len(text) * (1 - val_fraction))) + 1
+    return text[:cut], text[cut:]
+
+
+def train_tokenizer(train_text: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style): every byte has a token, so any text round-trips."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([train_text], trainer=trainer)
+    # Like Llama: every encoded text starts with BOS.
+    bos_id = tok.token_to_id(BOS)
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos_id)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        model_max_length=MODEL_MAX_LENGTH,
+        clean_up_tokenization_spaces=False,  # decoding must give back the exact text
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def encode_stream(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
+    """The whole text as one token stream (no BOS: windows get their own)."""
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def sample_batch(tokens: torch.Tensor, batch_size: int, block_size: int, bos_id: int,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Random windows of the stream, BOS first: [batch_size, block_size]."""
+    span = block_size - 1
+    starts = torch.randint(0, len(tokens) - span, (batch_size,), generator=generator)
+    windows = torch.stack([tokens[s : s + span] for s in starts.tolist()])
+    return torch.cat([torch.full((batch_size, 1), bos_id), windows], dim=1)
+
+
+def fixed_windows(tokens: torch.Tensor, block_size: int, bos_id: int,
+                  max_windows: int | None) -> torch.Tensor:
+    """Consecutive non-overlapping windows, BOS first: [num_windows, block_size]."""
+    span = block_size - 1
+    num_windows = len(tokens) // span
+    if max_windows is not None:
+        num_windows = min(num_windows, max_windows)
+    windows = tokens[: num_windows * span].view(num_windows, span)
+    return torch.cat([torch.full((num_windows, 1), bos_id), windows], dim=1)
+
+
+# ----------------------------------------------------------------------------- model
+
+def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) -> LlamaForCausalLM:
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=args.hidden_size,
+        intermediate_size=args.intermediate_size,
+        num_hidden_layers=args.num_layers,
+        num_attention_heads=args.num_heads,
+        num_key_value_heads=args.num_kv_heads,  # fewer K/V heads than query heads: GQA
+        head_dim=args.hidden_size // args.num_heads,
+        max_position_embeddings=MODEL_MAX_LENGTH,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=True,  # the 4096x256 embedding is a fifth of the model; share it
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    return LlamaForCausalLM(config)
+
+
+def add_residual_dropout(model: LlamaForCausalLM, p: float) -> list:
+    """GPT-2-style dropout on the embeddings and on each block's two residual branches.
+
+    Llama has no such dropout (its pre-training data is huge); our corpus is ~300k tokens,
+    so a 5M model overfits within a few epochs without it. Hooks keep the saved model stock.
+    """
+    def hook(module, inputs, output):
+        return F.dropout(output, p=p, training=module.training)
+
+    modules = [model.model.embed_tokens]
+    for layer in model.model.layers:
+        modules += [layer.self_attn.o_proj, layer.mlp.down_proj]
+    return [m.register_forward_hook(hook) for m in modules] if p > 0 else []
+
+
+def lr_at(step: int, args: argparse.Namespace) -> float:
+    """Linear warmup, then cosine decay from lr to min_lr at the last step."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
+
+
+def make_optimizer(model: LlamaForCausalLM, args: argparse.Namespace) -> torch.optim.AdamW:
+    # Decay matrices (and the tied embedding), not the RMSNorm gains.
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": args.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    fused = args.device.startswith("cuda")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=fused)
+
+
+@torch.no_grad()
+def evaluate(model: LlamaForCausalLM, windows: torch.Tensor, batch_size: int, device: str,
+             autocast) -> float:
+    """Mean next-token loss over all windows (all the same length)."""
+    model.eval()
+    losses = []
+    for chunk in windows.split(batch_size):
+        chunk = chunk.to(device)
+        with autocast():
+            losses.append(model(input_ids=chunk, labels=chunk).loss.float().item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+# ----------------------------------------------------------------------------- training
+
+def train(args: argparse.Namespace) -> dict:
+    t_start = time.time()
+    torch.manual_seed(args.seed)
+    text = load_corpus(args.corpus, args.download)
+    train_text, val_text = split_corpus(text)
+    tokenizer = train_tokenizer(train_text)
+    train_tokens, val_tokens = encode_stream(tokenizer, train_text), encode_stream(tokenizer, val_text)
+    bos_id = tokenizer.bos_token_id
+    print(f"corpus: {len(text):,} chars -> train {len(train_tokens):,} tokens, "
+          f"val {len(val_tokens):,} tokens, vocab {len(tokenizer)}", flush=True)
+
+    model = build_model(args, tokenizer).to(args.device)
+    num_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
+    print(f"model: {num_params:,} parameters", flush=True)
+    hooks = add_residual_dropout(model, args.dropout)
+    optimizer = make_optimizer(model, args)
+    on_gpu = args.device.startswith("cuda")
+    autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu
+                else contextlib.nullcontext)
+
+    generator = torch.Generator().manual_seed(args.seed)
+    val_windows = fixed_windows(val_tokens, args.block_size, bos_id, args.max_eval_windows)
+    # Same number of train windows, evaluated the same way, so the two losses compare.
+    train_eval_windows = sample_batch(train_tokens, len(val_windows), args.block_size, bos_id,
+                                      torch.Generator().manual_seed(args.seed + 1))
+    history, best = [], {"val_loss": float("inf"), "step": 0, "train_loss": float("nan")}
+    best_state = None
+    tokens_per_step = args.batch_size * args.block_size
+    t_train, step = time.time(), 0
+    model.train()
+    for step in range(1, args.steps + 1):
+        for group in optimizer.param_groups:
+            group["lr"] = lr_at(step - 1, args)
+        batch = sample_batch(train_tokens, args.batch_size, args.block_size, bos_id, generator)
+        batch = batch.to(args.device, non_blocking=True)
+        with autocast():
+            loss = model(input_ids=batch, labels=batch).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
+        optimizer.step()
+
+        if step % args.log_interval == 0 or step == 1:
+            elapsed = time.time() - t_train
+            print(f"step {step:5d} | loss {loss.item():.4f} | lr {lr_at(step - 1, args):.2e} | "
+                  f"{step * tokens_per_step / elapsed:,.0f} tok/s", flush=True)
+        out_of_time = args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes
+        if step % args.eval_interval == 0 or step == args.steps or out_of_time:
+            val_loss = evaluate(model, val_windows, args.batch_size, args.device, autocast)
+            train_loss = evaluate(model, train_eval_windows, args.batch_size, args.device, autocast)
+            history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
+            print(f"eval step {step:5d} | train {train_loss:.4f} | val {val_loss:.4f}", flush=True)
+            if val_loss < best["val_loss"]:
+                best = {"val_loss": val_loss, "step": step, "train_loss": train_loss}
+                best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+        if out_of_time:
+            print(f"stopping at step {step}: --max-minutes {args.max_minutes} reached", flush=True)
+            break
+    train_seconds = time.time() - t_train
+
+    for h in hooks:
+        h.remove()
+    model.load_state_dict(best_state)
+    model = model.to("cpu", torch.float32).eval()
+    save(model, tokenizer, args)
+    summary = {
+        "parameters": num_params,
+        "steps": step,
+        "best_step": best["step"],
+        "tokens_seen": step * tokens_per_step,
+        "train_tokens": len(train_tokens),
+        "val_tokens": len(val_tokens),
+        "best_val_loss": round(best["val_loss"], 4),
+        "train_loss_at_best": round(best["train_loss"], 4),
+        "final_val_loss": round(history[-1]["val_loss"], 4),
+        "final_train_loss": round(history[-1]["train_loss"], 4),
+        "train_seconds": round(train_seconds, 1),
+        "wall_seconds": round(time.time() - t_start, 1),
+        "tokens_per_second": round(step * tokens_per_step / train_seconds),
+        "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+        "torch": torch.__version__,
+        "args": {k: str(v) for k, v in vars(args).items()},
+        "history": history,
+    }
+    (args.out / "training_summary.json").write_text(json.dumps(summary, indent=2))
+    print(greedy_sample(model, tokenizer, "ROMEO:"), flush=True)
+    return summary
+
+
+def save(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, args: argparse.Namespace) -> None:
+    args.out.mkdir(parents=True, exist_ok=True)
+    kwargs = {"max_shard_size": args.max_shard_size} if args.max_shard_size else {}
+    model.save_pretrained(args.out, **kwargs)  # float32, safetensors
+    tokenizer.save_pretrained(args.out)
+
+
+@torch.no_grad()
+def greedy_sample(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, prompt: str,
+                  max_new_tokens: int = 60) -> str:
+    input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    out = model.generate(input_ids, max_new_tokens=max_new_tokens, do_sample=False)
+    return tokenizer.decode(out[0], skip_special_tokens=True)
+
+
+def main(argv: list[str] | None = None) -> None:
+    summary = train(parse_args(argv))
+    print(json.dumps({k: v for k, v in summary.items() if k != "history"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
