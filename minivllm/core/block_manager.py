@@ -1,0 +1,474 @@
+"""The memory manager: maps every sequence's logical blocks to physical KV-cache blocks.
+
+Mirrors `vllm/core/block_manager_v1.py` (v0, `BlockSpaceManagerV1`). PagedAttention stores
+K/V in fixed-size blocks, so a sequence's cache need not be contiguous: its *block table*
+lists the physical block behind each logical block (token t lives in slot
+`block_table[t // block_size] * block_size + t % block_size`).
+
+    logical blocks of seq 7      block table        physical GPU blocks
+    [The cat sat on] ----------> [ 4,  --------->   #4  ref_count 1
+    [the mat ....  ] ---------->   9 ] --------->   #9  ref_count 1
+
+What this class decides (the scheduler asks first, then acts):
+- admission with a watermark: `can_allocate` -> OK / LATER / NEVER, then `allocate`;
+- growth: `append_slots` gives the newest token a slot, allocating a block when the last
+  one is full and copying on write when the last block is shared (returns (src, dst));
+- sharing: `fork` makes a child reference the parent's blocks (ref_count += 1);
+- preemption by swapping: `swap_out` / `swap_in` move a group between GPU and CPU pools;
+- prefix caching (`enable_caching=True`): a full block whose K/V is computed is registered
+  under a chained content hash; a later request whose prompt starts with the same tokens
+  reuses it (`get_num_cached_tokens` says how many tokens to skip).
+
+Pure Python, no torch: a notebook drives it with `Sequence` objects and no model.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from minivllm.core.block_allocator import (
+    BlockAllocator,
+    Device,
+    OutOfBlocksError,
+    PhysicalTokenBlock,
+)
+from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
+
+__all__ = ["AllocStatus", "BlockSpaceManager", "BlockSnapshot", "BlockManagerSnapshot",
+           "OutOfBlocksError", "hash_block_tokens"]
+
+BlockTable = list[PhysicalTokenBlock]
+
+
+class AllocStatus(enum.Enum):
+    """Answer of `can_allocate` / `can_swap_in`.
+
+    OK: fits now. LATER: fits once other requests free blocks. NEVER: can never fit, even in
+    an empty cache (the scheduler then ignores the request).
+    """
+
+    OK = enum.auto()
+    LATER = enum.auto()
+    NEVER = enum.auto()
+
+
+def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...]) -> int:
+    """Chained content hash of one full block: it identifies the block AND every token before it.
+
+    Python's `hash` of a tuple of ints is deterministic (only str/bytes hashes are salted per
+    process), which is all a cache living inside one process needs. Collisions are
+    astronomically unlikely, and `BlockAllocator.lookup` compares token ids anyway.
+
+    Example: hash_block_tokens(None, (1, 2)) == hash((None, (1, 2)))
+    """
+    return hash((parent_block_hash, token_ids))
+
+
+@dataclass
+class BlockSnapshot:
+    """One physical block as a picture shows it."""
+
+    block_number: int
+    ref_count: int
+    token_ids: tuple[int, ...]  # tokens it holds (as seen by its first holder, or cached)
+    block_hash: int | None
+    cached: bool  # registered in the prefix cache
+
+
+@dataclass
+class BlockManagerSnapshot:
+    """Plain-data copy of the manager's state, for `minivllm.viz.blocks` and tests.
+
+    Block tables map seq_id -> physical block numbers; `cached_gpu_block_ids` lists the
+    unreferenced cached blocks in eviction order (next victim first).
+    """
+
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    watermark_blocks: int
+    gpu_block_tables: dict[int, list[int]]
+    cpu_block_tables: dict[int, list[int]]
+    seq_token_ids: dict[int, list[int]]
+    gpu_blocks: list[BlockSnapshot]
+    cpu_blocks: list[BlockSnapshot]
+    free_gpu_block_ids: list[int]
+    free_cpu_block_ids: list[int]
+    cached_gpu_block_ids: list[int] = field(default_factory=list)
+    prefix_cache_hit_rate: float = 0.0
+
+
+class BlockSpaceManager:
+    """Manages the mapping between logical and physical token blocks (vLLM v0 API).
+
+    Args:
+        block_size: tokens per block.
+        num_gpu_blocks: blocks in the GPU pool (from the worker's profile run).
+        num_cpu_blocks: blocks in the CPU swap pool.
+        watermark: fraction of GPU blocks kept free at admission, so running sequences can
+            still grow without immediately preempting what was just admitted.
+        enable_caching: automatic prefix caching of full, computed blocks.
+    """
+
+    def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 watermark: float = 0.01, enable_caching: bool = False) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be at least 1, got {block_size}.")
+        if num_gpu_blocks < 1 or num_cpu_blocks < 0:
+            raise ValueError(f"need num_gpu_blocks >= 1 and num_cpu_blocks >= 0, "
+                             f"got {num_gpu_blocks} and {num_cpu_blocks}.")
+        if not 0.0 <= watermark < 1.0:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}.")
+        self.block_size = block_size
+        self.num_total_gpu_blocks = num_gpu_blocks
+        self.num_total_cpu_blocks = num_cpu_blocks
+        self.watermark = watermark
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
+        self.enable_caching = enable_caching
+        self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks, enable_caching)
+        self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks, False)
+        # seq_id -> its block table (all GPU or all CPU), and the Sequence (to read tokens).
+        self.block_tables: dict[int, BlockTable] = {}
+        self._seqs: dict[int, Sequence] = {}
+        self._num_cached_tokens: dict[int, int] = {}
+        # A logical clock for LRU: deterministic, unlike wall time.
+        self._clock = 0
+        self._num_cache_lookups = 0
+        self._num_cache_hits = 0
+
+    # ================================================================ admission
+    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
+        """Can the group's prompt get its blocks? (watermark rule of vLLM v0)
+
+        Counts one copy of the prompt: the group's sequences share it. Blocks for the
+        sequences it will fork into are not reserved here; like vLLM v0, `can_append_slots`
+        checks them step by step (one free block per running sequence).
+        """
+        num_required = self._waiting_seq(seq_group).n_blocks
+        if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def allocate(self, seq_group: SequenceGroup) -> None:
+        """Give the group's waiting sequences one shared block table for their tokens.
+
+        With caching, the leading blocks counted by `get_num_cached_tokens` are reused from
+        the prefix cache; the rest are fresh. Every waiting sequence holds every block.
+        """
+        seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        seq = self._waiting_seq(seq_group)
+        if any(s.get_token_ids() != seq.get_token_ids() for s in seqs):
+            raise ValueError("the waiting sequences of a group must share their tokens.")
+        if any(s.seq_id in self.block_tables for s in seqs):
+            raise ValueError(f"request {seq_group.request_id} already has blocks.")
+        if seq.n_blocks > self.gpu_allocator.get_num_free_blocks():
+            raise OutOfBlocksError(f"request {seq_group.request_id} needs {seq.n_blocks} blocks, "
+                                   f"{self.gpu_allocator.get_num_free_blocks()} are free.")
+        now = self._tick()
+        block_table = self._reuse_cached_prefix(seq, len(seqs), now)
+        self._count_cache_lookups(seq, num_hits=len(block_table))
+        num_cached_tokens = len(block_table) * self.block_size
+        while len(block_table) < seq.n_blocks:
+            block = self.gpu_allocator.allocate(now)
+            block.ref_count = len(seqs)
+            block_table.append(block)
+        for s in seqs:
+            self.block_tables[s.seq_id] = list(block_table)
+            self._seqs[s.seq_id] = s
+            self._num_cached_tokens[s.seq_id] = num_cached_tokens
+
+    def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:
+        seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
+        if not seqs:
+            raise ValueError(f"request {seq_group.request_id} has no waiting sequence.")
+        return seqs[0]
+
+    # ================================================================== growth
+    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Conservatively one new block per running sequence (vLLM v0's rule)."""
+        num_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
+        return num_seqs <= self.gpu_allocator.get_num_free_blocks()
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """Make sure the newest token of `seq` has a slot it alone may write.
+
+        Call it after the token is appended to `seq`. Returns the copy-on-write pairs
+        [(src, dst)] the worker must copy before the step (empty when none).
+        """
+        block_table = self._get_table(seq)
+        now = self._tick()
+        self._register_computed_blocks(seq, min(seq.get_num_computed_tokens(), seq.get_len() - 1))
+        while len(block_table) < seq.n_blocks:  # the last block is full: start a new one
+            block_table.append(self.gpu_allocator.allocate(now))
+        last_block = block_table[-1]
+        if last_block.device is not Device.GPU:
+            raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first.")
+        if last_block.ref_count == 1:
+            return []
+        # Shared (a fork): never write into a block someone else reads. Copy, then write.
+        new_block = self.gpu_allocator.allocate(now)
+        block_table[-1] = new_block
+        self.gpu_allocator.free(last_block, now)
+        return [(last_block.block_number, new_block.block_number)]
+
+    # ================================================================= sharing
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+        """The child references every block of the parent (ref_count += 1 each)."""
+        if child_seq.seq_id in self.block_tables:
+            raise ValueError(f"sequence {child_seq.seq_id} already has blocks.")
+        parent_table = self._get_table(parent_seq)
+        now = self._tick()
+        for block in parent_table:
+            self._allocator(block).incref(block, 1, now)
+        self.block_tables[child_seq.seq_id] = list(parent_table)
+        self._seqs[child_seq.seq_id] = child_seq
+        self._num_cached_tokens[child_seq.seq_id] = self._num_cached_tokens[parent_seq.seq_id]
+
+    def free(self, seq: Sequence) -> None:
+        """Release every block of `seq` (a no-op for a sequence without blocks)."""
+        if seq.seq_id not in self.block_tables:
+            return
+        # Its computed full blocks become cached first, so a later request can reuse them.
+        self._register_computed_blocks(seq, seq.get_num_computed_tokens())
+        now = self._tick()
+        for block in self.block_tables.pop(seq.seq_id):
+            self._allocator(block).free(block, now)
+        del self._seqs[seq.seq_id]
+        del self._num_cached_tokens[seq.seq_id]
+
+    # ================================================================ swapping
+    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
+        return len(self._unique_blocks(seq_group, SequenceStatus.RUNNING)) <= \
+            self.cpu_allocator.get_num_free_blocks()
+
+    def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's running sequences to CPU. Returns (gpu_block, cpu_block) pairs.
+
+        A block shared by several sequences of the group becomes ONE CPU block.
+        """
+        if not self.can_swap_out(seq_group):
+            raise OutOfBlocksError(f"request {seq_group.request_id} does not fit in the CPU pool.")
+        return self._swap(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
+
+    def can_swap_in(self, seq_group: SequenceGroup) -> AllocStatus:
+        """Like `can_allocate`, plus one block per sequence for the token it appends next."""
+        num_required = (len(self._unique_blocks(seq_group, SequenceStatus.SWAPPED))
+                        + seq_group.num_seqs(status=SequenceStatus.SWAPPED))
+        if self.num_total_gpu_blocks < num_required:
+            return AllocStatus.NEVER
+        if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
+            return AllocStatus.OK
+        return AllocStatus.LATER
+
+    def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
+        """Move the group's swapped sequences back to GPU. Returns (cpu_block, gpu_block) pairs."""
+        num_blocks = len(self._unique_blocks(seq_group, SequenceStatus.SWAPPED))
+        if num_blocks > self.gpu_allocator.get_num_free_blocks():
+            raise OutOfBlocksError(f"request {seq_group.request_id} does not fit in the GPU pool.")
+        return self._swap(seq_group, SequenceStatus.SWAPPED, self.cpu_allocator, self.gpu_allocator)
+
+    def _swap(self, seq_group: SequenceGroup, status: SequenceStatus, src: BlockAllocator,
+              dst: BlockAllocator) -> list[tuple[int, int]]:
+        now = self._tick()
+        mapping: dict[int, PhysicalTokenBlock] = {}  # src block number -> its dst block
+        copies: list[tuple[int, int]] = []
+        for seq in seq_group.get_seqs(status=status):
+            new_table = []
+            for src_block in self._get_table(seq):
+                dst_block = mapping.get(src_block.block_number)
+                if dst_block is not None:  # shared within the group: one copy, one more holder
+                    dst.incref(dst_block, 1, now)
+                else:
+                    dst_block, needs_copy = self._swap_block(src_block, dst, now)
+                    mapping[src_block.block_number] = dst_block
+                    if needs_copy:
+                        copies.append((src_block.block_number, dst_block.block_number))
+                new_table.append(dst_block)
+                src.free(src_block, now)
+            self.block_tables[seq.seq_id] = new_table
+        return copies
+
+    def _swap_block(self, src_block: PhysicalTokenBlock, dst: BlockAllocator,
+                    now: int) -> tuple[PhysicalTokenBlock, bool]:
+        """The destination of one moved block (it keeps the content hash), and whether the
+        worker must copy into it: not when the GPU prefix cache still holds that content."""
+        if src_block.block_hash is None:
+            return dst.allocate(now), True
+        cached = dst.lookup(src_block.block_hash, src_block.token_ids)  # None on the CPU pool
+        if cached is not None:
+            dst.incref(cached, 1, now)
+            return cached, False
+        dst_block = dst.allocate(now)
+        dst.register(dst_block, src_block.block_hash, src_block.token_ids, src_block.num_hashed_tokens)
+        return dst_block, True
+
+    # ========================================================== prefix caching
+    def get_num_cached_tokens(self, seq: Sequence) -> int:
+        """Leading tokens of `seq` whose K/V the prefix cache already holds (block-aligned).
+
+        Never counts the block holding the last token, so a prefill always computes at least
+        one token and produces logits. 0 without caching. Valid before `allocate` (a lookup)
+        and after it (what `allocate` reused). "Tokens" are all of `seq`'s tokens: for a fresh
+        request its prompt; for one preempted by recompute, prompt + outputs so far.
+        """
+        if seq.seq_id in self._num_cached_tokens:
+            return self._num_cached_tokens[seq.seq_id]
+        if not self.enable_caching:
+            return 0
+        return len(self._find_cached_prefix(seq)) * self.block_size
+
+    def get_computed_block_ids(self, seq: Sequence) -> list[int]:
+        """Block numbers of the prefix reused from the cache (their K/V need no compute)."""
+        num_blocks = self.get_num_cached_tokens(seq) // self.block_size
+        return [block.block_number for block in self._get_table(seq)[:num_blocks]]
+
+    def get_common_computed_block_ids(self, seqs: Iterable[Sequence]) -> list[int]:
+        """The cached prefix shared by all `seqs` (vLLM's name; for `computed_block_nums`)."""
+        tables = [self.get_computed_block_ids(seq) for seq in seqs]
+        return min(tables, key=len) if tables else []
+
+    def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int = 0) -> None:
+        """Register the group's full blocks whose K/V is computed in the prefix cache.
+
+        A block counts as computed once `seq.get_num_computed_tokens() + token_chunk_size`
+        covers it. Pass the scheduled chunk size when calling right after scheduling (vLLM
+        v0 does: the step will have run before the next schedule); pass 0 after the engine
+        has updated `num_computed_tokens`. `append_slots` and `free` also register what
+        `num_computed_tokens` covers, so calling this is an optimisation, not a duty.
+        """
+        if not self.enable_caching:
+            return
+        for seq in seq_group.get_seqs():
+            if seq.seq_id in self.block_tables:
+                num_computed = min(seq.get_num_computed_tokens() + token_chunk_size, seq.get_len())
+                self._register_computed_blocks(seq, num_computed)
+
+    def get_prefix_cache_hit_rate(self) -> float:
+        """Reused blocks / looked-up blocks over all `allocate` calls.
+
+        As in vLLM v0: -1.0 when caching is off, 0.0 before the first lookup.
+        """
+        if not self.enable_caching:
+            return -1.0
+        if self._num_cache_lookups == 0:
+            return 0.0
+        return self._num_cache_hits / self._num_cache_lookups
+
+    def _cache_candidates(self, seq: Sequence) -> int:
+        """Full blocks that may be reused: all before the block holding the last token."""
+        return (seq.get_len() - 1) // self.block_size
+
+    def _find_cached_prefix(self, seq: Sequence) -> BlockTable:
+        token_ids, size = seq.get_token_ids(), self.block_size
+        blocks: BlockTable = []
+        block_hash = None
+        for i in range(self._cache_candidates(seq)):
+            block_tokens = tuple(token_ids[i * size:(i + 1) * size])
+            block_hash = hash_block_tokens(block_hash, block_tokens)
+            block = self.gpu_allocator.lookup(block_hash, block_tokens)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def _reuse_cached_prefix(self, seq: Sequence, num_holders: int, now: int) -> BlockTable:
+        if not self.enable_caching:
+            return []
+        blocks = self._find_cached_prefix(seq)
+        for block in blocks:
+            self.gpu_allocator.incref(block, num_holders, now)
+        return blocks
+
+    def _count_cache_lookups(self, seq: Sequence, num_hits: int) -> None:
+        if self.enable_caching:
+            self._num_cache_lookups += self._cache_candidates(seq)
+            self._num_cache_hits += num_hits
+
+    def _register_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
+        """Give every full block within the first `num_computed_tokens` its chain hash and
+        register it (unless another block already caches that content)."""
+        if not self.enable_caching:
+            return
+        block_table, size = self.block_tables[seq.seq_id], self.block_size
+        num_full = num_computed_tokens // size
+        first = num_full
+        while first > 0 and block_table[first - 1].block_hash is None:
+            first -= 1  # walk back to the last block that already has its hash
+        token_ids = seq.get_token_ids()
+        for i in range(first, num_full):
+            block = block_table[i]
+            if block.device is not Device.GPU:
+                return
+            parent_hash = block_table[i - 1].block_hash if i > 0 else None
+            block_tokens = tuple(token_ids[i * size:(i + 1) * size])
+            self.gpu_allocator.register(block, hash_block_tokens(parent_hash, block_tokens),
+                                        block_tokens, (i + 1) * size)
+
+    # ================================================================= queries
+    def get_block_table(self, seq: Sequence) -> list[int]:
+        return [block.block_number for block in self._get_table(seq)]
+
+    def get_num_free_gpu_blocks(self) -> int:
+        return self.gpu_allocator.get_num_free_blocks()
+
+    def get_num_free_cpu_blocks(self) -> int:
+        return self.cpu_allocator.get_num_free_blocks()
+
+    def snapshot(self) -> BlockManagerSnapshot:
+        """A plain-data copy of the state (block tables, ref counts, free and cached lists)."""
+        gpu_tables, cpu_tables = {}, {}
+        for seq_id, table in self.block_tables.items():
+            on_gpu = bool(table) and table[0].device is Device.GPU
+            (gpu_tables if on_gpu or not table else cpu_tables)[seq_id] = [b.block_number for b in table]
+        evictor = sorted(self.gpu_allocator.evictor.values(),
+                         key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
+        return BlockManagerSnapshot(
+            block_size=self.block_size,
+            num_gpu_blocks=self.num_total_gpu_blocks,
+            num_cpu_blocks=self.num_total_cpu_blocks,
+            watermark_blocks=self.watermark_blocks,
+            gpu_block_tables=gpu_tables,
+            cpu_block_tables=cpu_tables,
+            seq_token_ids={seq_id: seq.get_token_ids() for seq_id, seq in self._seqs.items()},
+            gpu_blocks=self._snapshot_pool(self.gpu_allocator),
+            cpu_blocks=self._snapshot_pool(self.cpu_allocator),
+            free_gpu_block_ids=list(self.gpu_allocator.free_block_ids),
+            free_cpu_block_ids=list(self.cpu_allocator.free_block_ids),
+            cached_gpu_block_ids=[b.block_number for b in evictor],
+            prefix_cache_hit_rate=self.get_prefix_cache_hit_rate(),
+        )
+
+    def _snapshot_pool(self, allocator: BlockAllocator) -> list[BlockSnapshot]:
+        contents: dict[int, tuple[int, ...]] = {}
+        for seq_id, table in self.block_tables.items():  # a block's tokens, seen by a holder
+            token_ids = self._seqs[seq_id].get_token_ids()
+            for i, block in enumerate(table):
+                if block.device is allocator.device:
+                    size = self.block_size
+                    contents.setdefault(block.block_number, tuple(token_ids[i * size:(i + 1) * size]))
+        return [BlockSnapshot(b.block_number, b.ref_count, contents.get(b.block_number, b.token_ids),
+                              b.block_hash, allocator.is_cached(b)) for b in allocator.blocks]
+
+    # ================================================================= helpers
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    def _allocator(self, block: PhysicalTokenBlock) -> BlockAllocator:
+        return self.gpu_allocator if block.device is Device.GPU else self.cpu_allocator
+
+    def _get_table(self, seq: Sequence) -> BlockTable:
+        if seq.seq_id not in self.block_tables:
+            raise ValueError(f"sequence {seq.seq_id} has no blocks (not allocated, or freed).")
+        return self.block_tables[seq.seq_id]
+
+    def _unique_blocks(self, seq_group: SequenceGroup, status: SequenceStatus) -> list[PhysicalTokenBlock]:
+        blocks: dict[int, PhysicalTokenBlock] = {}
+        for seq in seq_group.get_seqs(status=status):
+            for block in self.block_tables.get(seq.seq_id, []):
+                blocks[block.block_number] = block
+        return list(blocks.values())
