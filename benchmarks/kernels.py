@@ -1,0 +1,325 @@
+"""Decode-attention bandwidth: minivllm's Triton PagedAttention against PyTorch's options.
+
+Decode attention reads every cached key and value once and does ~2 flops per byte, so its
+speed is a bandwidth: KV bytes read / time. We compare, on the Qwen3-0.6B layer shape
+(16 query heads, 8 KV heads, head dim 128, bf16, block size 16), at batch x context
+1x4096, 8x4096, 64x4096, 256x1024, 8x32768:
+
+  triton (auto)      minivllm.kernels paged_attention_decode, v1/v2 chosen automatically
+  triton v1          the same, forced to one pass (num_kv_splits=1): why split-KV exists
+  sdpa contiguous    torch SDPA (flash backend) on contiguous, unpaged K/V: the non-paged bar
+  gather + sdpa      copy K/V out of the paged cache through the block table, then SDPA
+  flex paged         FlexAttention with torch's experimental PagedAttention page table
+  copy roofline      a large device-to-device copy, (bytes read + written) / time
+
+Run on a GPU:  python benchmarks/kernels.py --out results/      (add --sweep to tune)
+It prints a markdown table, and writes kernels.json and kernels.png into --out.
+`python benchmarks/kernels.py --plot-only results/kernels.json --png docs/benchmarks.png`
+redraws the figure from saved numbers (no GPU needed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B attention layer
+DTYPE = torch.bfloat16
+DEVICE = "cuda"
+SHAPES = [(1, 4096), (8, 4096), (64, 4096), (256, 1024), (8, 32768)]  # (batch, context)
+TARGETS_TBPS = {(1, 4096): 1.2, (64, 4096): 2.8, (256, 1024): 2.8, (8, 32768): 2.6}  # on an H100
+COPY_BYTES = 1 << 30  # the roofline copy: 1 GiB, far larger than L2
+METHODS = ["triton (auto)", "triton v1", "sdpa contiguous", "gather + sdpa", "flex paged"]
+# Tuning sweep: (tile tokens, num_warps, num_stages) of the decode kernel, and forced splits.
+SWEEP_CONFIGS = [(16, 4, 3), (16, 2, 3), (16, 8, 3), (16, 4, 2), (16, 4, 4),
+                 (32, 4, 3), (32, 8, 3), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
+SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64]
+
+
+def kv_bytes(batch: int, context: int) -> int:
+    """Bytes of keys + values a decode step must read: the numerator of every bandwidth here."""
+    return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
+
+
+def bench_ms(fn) -> float:
+    """Median time in ms. do_bench flushes L2 before every run, so nothing is served from cache."""
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def make_inputs(batch: int, context: int, seed: int = 0) -> dict:
+    """A paged cache holding `batch` sequences of `context` tokens in scattered blocks."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    blocks_per_seq = context // BLOCK_SIZE
+    num_blocks = batch * blocks_per_seq
+    kv_cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE,
+                           dtype=DTYPE, generator=gen)
+    # A random permutation: consecutive tokens of a sequence live in unrelated blocks.
+    block_tables = torch.randperm(num_blocks, device=DEVICE, generator=gen).view(batch, blocks_per_seq).int()
+    return dict(
+        key_cache=kv_cache[0], value_cache=kv_cache[1], block_tables=block_tables,
+        seq_lens=torch.full((batch,), context, dtype=torch.int32, device=DEVICE),
+        query=torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen),
+        scale=HEAD_DIM**-0.5,
+    )
+
+
+# ------------------------------------------------------------------------------------------
+# The contenders. Each returns a zero-argument function producing out [batch, heads, head_dim].
+# ------------------------------------------------------------------------------------------
+def triton_paged(x: dict, num_kv_splits: int | None = None):
+    from minivllm.kernels.paged_attention import paged_attention_decode
+
+    args = (x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["seq_lens"], x["scale"])
+    return lambda: paged_attention_decode(*args, num_kv_splits=num_kv_splits)
+
+
+def _gather(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """K/V through the block table into contiguous [batch, kv_heads, context, head_dim]."""
+    batch = x["block_tables"].shape[0]
+    keys = x["key_cache"][x["block_tables"]].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)
+    values = x["value_cache"][x["block_tables"]].view(batch, -1, NUM_KV_HEADS, HEAD_DIM)
+    return keys.transpose(1, 2).contiguous(), values.transpose(1, 2).contiguous()
+
+
+def _sdpa(q, k, v, scale):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):  # flash decoding path of PyTorch
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q.unsqueeze(2), k, v, scale=scale, enable_gqa=True)  # [batch, heads, 1, head_dim]
+    return out.squeeze(2)
+
+
+def sdpa_contiguous(x: dict):
+    keys, values = _gather(x)  # done once, outside the timed function: an unpaged cache
+    return lambda: _sdpa(x["query"], keys, values, x["scale"])
+
+
+def gather_sdpa(x: dict):
+    def run():
+        keys, values = _gather(x)
+        return _sdpa(x["query"], keys, values, x["scale"])
+
+    return run
+
+
+def flex_paged(x: dict):
+    """FlexAttention over the paged cache, with torch's experimental PagedAttention helper.
+
+    Flex wants the cache as one long [1, kv_heads, num_blocks * block_size, head_dim] sequence
+    (its own layout, built once here, outside the timing); the page table maps each
+    sequence's logical blocks to physical ones, and the block mask is converted to match.
+    """
+    from torch.nn.attention.experimental._paged_attention import PagedAttention
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    batch, blocks_per_seq = x["block_tables"].shape
+    num_blocks = x["key_cache"].shape[0]
+    paged = PagedAttention(num_blocks, BLOCK_SIZE, batch, device=DEVICE)
+    tables = x["block_tables"].long()
+    paged.page_table[:, :blocks_per_seq] = tables
+    rows = torch.arange(batch, device=DEVICE)[:, None].expand_as(tables)
+    paged.physical_to_logical[rows, tables] = torch.arange(blocks_per_seq, device=DEVICE).expand_as(tables)
+    paged.capacity[:] = blocks_per_seq * BLOCK_SIZE
+    paged.empty_pages = []
+
+    def as_flex_layout(cache):
+        return cache.reshape(-1, NUM_KV_HEADS, HEAD_DIM).transpose(0, 1).unsqueeze(0).contiguous()
+
+    keys, values = as_flex_layout(x["key_cache"]), as_flex_layout(x["value_cache"])
+    context = blocks_per_seq * BLOCK_SIZE
+    logical = create_block_mask(lambda b, h, q, kv: kv >= 0, batch, None, 1, context,
+                                device=DEVICE, BLOCK_SIZE=BLOCK_SIZE)
+    physical = paged.convert_logical_block_mask(logical, kv_len=x["seq_lens"].long())
+    flex = torch.compile(flex_attention, fullgraph=True)
+    q = x["query"].unsqueeze(2)  # [batch, heads, 1, head_dim]
+    return lambda: flex(q, keys, values, block_mask=physical, scale=x["scale"], enable_gqa=True).squeeze(2)
+
+
+CONTENDERS = {
+    "triton (auto)": triton_paged,
+    "triton v1": lambda x: triton_paged(x, num_kv_splits=1),
+    "sdpa contiguous": sdpa_contiguous,
+    "gather + sdpa": gather_sdpa,
+    "flex paged": flex_paged,
+}
+
+
+def copy_bandwidth_tbps() -> float:
+    """The roofline: a device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.randn(COPY_BYTES // 2, device=DEVICE, dtype=DTYPE)
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))
+    return 2 * COPY_BYTES / (ms * 1e-3) / 1e12
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_main(shapes, methods) -> list[dict]:
+    rows = []
+    for batch, context in shapes:
+        x = make_inputs(batch, context)
+        expected = sdpa_contiguous(x)()  # PyTorch's flash kernel is the correctness yardstick
+        for method in methods:
+            row = dict(batch=batch, context=context, method=method)
+            try:
+                start = time.perf_counter()
+                fn = CONTENDERS[method](x)
+                row["rel_err_vs_sdpa"] = rel_error(fn(), expected)  # also compiles / warms up
+                row["ms"] = bench_ms(fn)
+                row["tbps"] = kv_bytes(batch, context) / (row["ms"] * 1e-3) / 1e12
+                row["setup_s"] = time.perf_counter() - start
+            except Exception as error:  # a contender that cannot run here is reported, not fatal
+                row["error"] = f"{type(error).__name__}: {str(error)[:300]}"
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+@contextlib.contextmanager
+def decode_config(tile_tokens: int, num_warps: int, num_stages: int):
+    """Temporarily change the decode kernel's tuning constants (module attributes)."""
+    from minivllm.kernels import paged_attention as pa
+
+    saved = (pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES)
+    pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES = tile_tokens, num_warps, num_stages
+    try:
+        yield
+    finally:
+        pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES = saved
+
+
+def run_sweep(shapes) -> list[dict]:
+    """Kernel configs (auto splits) and forced split counts (default config), per shape."""
+    rows = []
+    for batch, context in shapes:
+        x = make_inputs(batch, context)
+        expected = sdpa_contiguous(x)()
+        trials = [(cfg, None) for cfg in SWEEP_CONFIGS]
+        trials += [(SWEEP_CONFIGS[0], s) for s in SWEEP_SPLITS if s * 64 <= context]
+        for (tile, warps, stages), splits in trials:
+            with decode_config(tile, warps, stages):
+                fn = triton_paged(x, num_kv_splits=splits)
+                err = rel_error(fn(), expected)
+                ms = bench_ms(fn)
+            row = dict(batch=batch, context=context, tile=tile, warps=warps, stages=stages,
+                       splits=splits, ms=ms, tbps=kv_bytes(batch, context) / (ms * 1e-3) / 1e12,
+                       rel_err_vs_sdpa=err)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown_table(rows: list[dict], copy_tbps: float) -> str:
+    """Shapes down, methods across, TB/s in the cells."""
+    head = "| batch x context | KV MB | " + " | ".join(METHODS) + " | target |"
+    lines = [head, "|" + " --- |" * (len(METHODS) + 3)]
+    for batch, context in sorted({(r["batch"], r["context"]) for r in rows}, key=SHAPES.index):
+        cells = []
+        for method in METHODS:
+            match = [r for r in rows if (r["batch"], r["context"], r["method"]) == (batch, context, method)]
+            cells.append("failed" if not match or "tbps" not in match[0] else f"{match[0]['tbps']:.2f}")
+        target = TARGETS_TBPS.get((batch, context))
+        lines.append(f"| {batch} x {context} | {kv_bytes(batch, context) / 1e6:.0f} | " + " | ".join(cells)
+                     + f" | {'>= %.1f' % target if target else '-'} |")
+    lines.append(f"\nDevice copy roofline: {copy_tbps:.2f} TB/s (bytes read + written).")
+    return "\n".join(lines)
+
+
+def plot(results: dict, png: Path) -> None:
+    """Grouped bars (TB/s per method per shape), the copy roofline, and the targets."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz.style import COLORS, REQUEST_PALETTE
+
+    rows, shapes = results["rows"], [tuple(s) for s in results["shapes"]]
+    fig, ax = plt.subplots(figsize=(11, 4.5))
+    width = 0.8 / len(METHODS)
+    for m, method in enumerate(METHODS):
+        values = []
+        for batch, context in shapes:
+            match = [r for r in rows if (r["batch"], r["context"], r["method"]) == (batch, context, method)]
+            values.append(match[0].get("tbps", 0.0) if match else 0.0)
+        xs = [i + (m - (len(METHODS) - 1) / 2) * width for i in range(len(shapes))]
+        _ = ax.bar(xs, values, width, label=method, color=REQUEST_PALETTE[m])
+    _ = ax.axhline(results["copy_tbps"], color=COLORS["edge"], linestyle="--",
+                   label=f"device copy {results['copy_tbps']:.2f} TB/s")
+    for i, shape in enumerate(shapes):
+        if shape in TARGETS_TBPS:
+            _ = ax.plot([i - 0.4, i + 0.4], [TARGETS_TBPS[shape]] * 2, color=COLORS["copied"], linewidth=2,
+                        label="target" if i == 0 else None)
+    ax.set_xticks(range(len(shapes)), [f"{b} x {c}" for b, c in shapes])
+    ax.set_xlabel("batch x context (Qwen3-0.6B layer: 16 q heads, 8 KV heads, d=128, bf16, block 16)")
+    ax.set_ylabel("KV bytes read / time (TB/s)")
+    ax.set_title(f"Decode attention bandwidth on {results['device']}")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    parser.add_argument("--sweep", action="store_true", help="also sweep kernel configs and split counts")
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow to compile)")
+    parser.add_argument("--plot-only", type=Path, help="redraw the figure from a saved kernels.json")
+    parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels.png)")
+    args = parser.parse_args()
+    if args.plot_only:
+        results = json.loads(args.plot_only.read_text())
+        plot(results, args.png or args.plot_only.with_suffix(".png"))
+        print(markdown_table(results["rows"], results["copy_tbps"]))
+        return
+    if not torch.cuda.is_available():
+        raise SystemExit("this benchmark needs a CUDA GPU")
+    import triton
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    png = args.png or args.out / "kernels.png"
+    results = dict(
+        device=torch.cuda.get_device_name(), num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
+        torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
+        shapes=SHAPES, copy_tbps=copy_bandwidth_tbps(), rows=[],
+    )
+    print(f"copy roofline {results['copy_tbps']:.2f} TB/s on {results['device']}", flush=True)
+
+    def save():  # after every phase, so a run cut short still leaves its numbers
+        (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
+        plot(results, png)
+
+    # FlexAttention compiles for minutes: it goes last, after the numbers that matter most.
+    results["rows"] += run_main(SHAPES, [m for m in METHODS if m != "flex paged"])
+    save()
+    if args.sweep:
+        results["sweep"] = run_sweep(SHAPES)
+        save()
+    if not args.no_flex:
+        results["rows"] += run_main(SHAPES, ["flex paged"])
+        save()
+    print(markdown_table(results["rows"], results["copy_tbps"]))
+    for batch, context in SHAPES if args.sweep else []:
+        best = max((r for r in results["sweep"] if (r["batch"], r["context"]) == (batch, context)),
+                   key=lambda r: r["tbps"])
+        print(f"best {batch}x{context}: {best['tbps']:.2f} TB/s  tile={best['tile']} warps={best['warps']} "
+              f"stages={best['stages']} splits={best['splits']}")
+
+if __name__ == "__main__":
+    main()
