@@ -5,6 +5,14 @@ ipywidgets stepper over a recorded trace, with a static small-multiples twin.
 """
 
 from minivllm.viz.archmap import draw_architecture, import_graph
+from minivllm.viz.memory import draw_memory_waste
 from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
 
-__all__ = ["COLORS", "REQUEST_PALETTE", "draw_architecture", "import_graph", "request_color"]
+__all__ = [
+    "COLORS",
+    "REQUEST_PALETTE",
+    "draw_architecture",
+    "draw_memory_waste",
+    "import_graph",
+    "request_color",
+]
