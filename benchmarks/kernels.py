@@ -12,7 +12,7 @@ speed is a bandwidth: KV bytes read / time. We compare, on the Qwen3-0.6B layer 
   flex paged         FlexAttention with torch's experimental PagedAttention page table
   copy roofline      a large device-to-device copy, (bytes read + written) / time
 
-Run on a GPU:  python benchmarks/kernels.py --out results/      (add --sweep to tune)
+Run on a GPU:  python benchmarks/kernels.py --out results/   (--sweep to tune, --profile)
 It prints a markdown table, and writes kernels.json and kernels.png into --out.
 `python benchmarks/kernels.py --plot-only results/kernels.json --png docs/benchmarks.png`
 redraws the figure from saved numbers (no GPU needed).
@@ -37,9 +37,8 @@ TARGETS_TBPS = {(1, 4096): 1.2, (64, 4096): 2.8, (256, 1024): 2.8, (8, 32768): 2
 COPY_BYTES = 1 << 30  # the roofline copy: 1 GiB, far larger than L2
 METHODS = ["triton (auto)", "triton v1", "sdpa contiguous", "gather + sdpa", "flex paged"]
 # Tuning sweep: (tile tokens, num_warps, num_stages) of the decode kernel, and forced splits.
-SWEEP_CONFIGS = [(16, 4, 3), (16, 2, 3), (16, 8, 3), (16, 4, 2), (16, 4, 4),
-                 (32, 4, 3), (32, 8, 3), (64, 4, 3), (64, 8, 3), (32, 4, 4)]
-SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64]
+SWEEP_CONFIGS = [(16, 2, 3), (32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 2)]
+SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -47,11 +46,24 @@ def kv_bytes(batch: int, context: int) -> int:
     return 2 * batch * context * NUM_KV_HEADS * HEAD_DIM * DTYPE.itemsize
 
 
-def bench_ms(fn) -> float:
-    """Median time in ms. do_bench flushes L2 before every run, so nothing is served from cache."""
+def bench_ms(fn, cuda_graph: bool = True) -> float:
+    """Median GPU time of fn() in ms, L2 flushed before every run (do_bench does that).
+
+    cuda_graph=True times a CUDA-graph replay of fn, as an engine runs decode (vLLM captures
+    its decode steps in graphs): the GPU work is the same, the Python launch overhead is gone.
+    That overhead (~10-20 us per call here) would otherwise dominate the small shapes.
+    fn must have been run once already (compiled, warmed up) before capture.
+    """
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    if cuda_graph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        run = graph.replay
+    else:
+        run = fn
+    return triton.testing.do_bench(run, warmup=25, rep=100, return_mode="median")
 
 
 def make_inputs(batch: int, context: int, seed: int = 0) -> dict:
@@ -141,7 +153,19 @@ def flex_paged(x: dict):
     physical = paged.convert_logical_block_mask(logical, kv_len=x["seq_lens"].long())
     flex = torch.compile(flex_attention, fullgraph=True)
     q = x["query"].unsqueeze(2)  # [batch, heads, 1, head_dim]
-    return lambda: flex(q, keys, values, block_mask=physical, scale=x["scale"], enable_gqa=True).squeeze(2)
+    options = {}
+
+    def run():
+        return flex(q, keys, values, block_mask=physical, scale=x["scale"], enable_gqa=True,
+                    kernel_options=options or None).squeeze(2)
+
+    try:
+        run()
+    except Exception:  # its default tiles may not divide our 16-token pages: use 16-token tiles
+        options.update(BLOCK_M=16, BLOCK_N=16)
+        torch._dynamo.reset()
+        run()
+    return run
 
 
 CONTENDERS = {
@@ -176,7 +200,13 @@ def run_main(shapes, methods) -> list[dict]:
                 start = time.perf_counter()
                 fn = CONTENDERS[method](x)
                 row["rel_err_vs_sdpa"] = rel_error(fn(), expected)  # also compiles / warms up
-                row["ms"] = bench_ms(fn)
+                row["ms_eager"] = bench_ms(fn, cuda_graph=False)
+                row["tbps_eager"] = kv_bytes(batch, context) / (row["ms_eager"] * 1e-3) / 1e12
+                try:
+                    row["ms"] = bench_ms(fn)
+                except Exception as error:  # not capturable in a CUDA graph: keep the eager time
+                    row["graph_error"] = f"{type(error).__name__}: {str(error)[:200]}"
+                    row["ms"] = row["ms_eager"]
                 row["tbps"] = kv_bytes(batch, context) / (row["ms"] * 1e-3) / 1e12
                 row["setup_s"] = time.perf_counter() - start
             except Exception as error:  # a contender that cannot run here is reported, not fatal
@@ -189,16 +219,17 @@ def run_main(shapes, methods) -> list[dict]:
 
 
 @contextlib.contextmanager
-def decode_config(tile_tokens: int, num_warps: int, num_stages: int):
-    """Temporarily change the decode kernel's tuning constants (module attributes)."""
+def decode_config(config: tuple[int, int, int] | None):
+    """Temporarily give v1 and v2 the launch config (tile tokens, num_warps, num_stages)."""
     from minivllm.kernels import paged_attention as pa
 
-    saved = (pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES)
-    pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES = tile_tokens, num_warps, num_stages
+    saved = (pa.V1_CONFIG, pa.V2_CONFIG)
+    if config is not None:
+        pa.V1_CONFIG = pa.V2_CONFIG = config
     try:
         yield
     finally:
-        pa.TILE_TOKENS, pa.NUM_WARPS, pa.NUM_STAGES = saved
+        pa.V1_CONFIG, pa.V2_CONFIG = saved
 
 
 def run_sweep(shapes) -> list[dict]:
@@ -208,12 +239,14 @@ def run_sweep(shapes) -> list[dict]:
         x = make_inputs(batch, context)
         expected = sdpa_contiguous(x)()
         trials = [(cfg, None) for cfg in SWEEP_CONFIGS]
-        trials += [(SWEEP_CONFIGS[0], s) for s in SWEEP_SPLITS if s * 64 <= context]
-        for (tile, warps, stages), splits in trials:
-            with decode_config(tile, warps, stages):
+        # Split counts with the default configs (None: v1's for 1 split, v2's otherwise).
+        trials += [(None, s) for s in SWEEP_SPLITS if s * 32 <= context]
+        for config, splits in trials:
+            with decode_config(config):
                 fn = triton_paged(x, num_kv_splits=splits)
                 err = rel_error(fn(), expected)
                 ms = bench_ms(fn)
+            tile, warps, stages = config or ("default",) * 3
             row = dict(batch=batch, context=context, tile=tile, warps=warps, stages=stages,
                        splits=splits, ms=ms, tbps=kv_bytes(batch, context) / (ms * 1e-3) / 1e12,
                        rel_err_vs_sdpa=err)
@@ -224,15 +257,44 @@ def run_sweep(shapes) -> list[dict]:
     return rows
 
 
-def markdown_table(rows: list[dict], copy_tbps: float) -> str:
-    """Shapes down, methods across, TB/s in the cells."""
+def profile_kernels(shapes) -> list[dict]:
+    """Device time of each GPU kernel in one call of triton (auto) and sdpa, via torch.profiler.
+
+    Separates what the GPU spends (per kernel) from launch gaps and Python overhead.
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    rows = []
+    for batch, context in shapes:
+        x = make_inputs(batch, context)
+        for method in ["triton (auto)", "sdpa contiguous"]:
+            fn = CONTENDERS[method](x)
+            fn()
+            torch.cuda.synchronize()
+            repeats = 20
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(repeats):
+                    fn()
+                torch.cuda.synchronize()
+            kernels = {e.key: e.device_time_total / repeats for e in prof.key_averages()
+                       if e.device_time_total > 0}
+            row = dict(batch=batch, context=context, method=method, kernels_us=kernels)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del x
+        torch.cuda.empty_cache()
+    return rows
+
+
+def markdown_table(rows: list[dict], copy_tbps: float, key: str = "tbps") -> str:
+    """Shapes down, methods across, TB/s in the cells (key: "tbps" graph, "tbps_eager")."""
     head = "| batch x context | KV MB | " + " | ".join(METHODS) + " | target |"
     lines = [head, "|" + " --- |" * (len(METHODS) + 3)]
     for batch, context in sorted({(r["batch"], r["context"]) for r in rows}, key=SHAPES.index):
         cells = []
         for method in METHODS:
             match = [r for r in rows if (r["batch"], r["context"], r["method"]) == (batch, context, method)]
-            cells.append("failed" if not match or "tbps" not in match[0] else f"{match[0]['tbps']:.2f}")
+            cells.append("failed" if not match or key not in match[0] else f"{match[0][key]:.2f}")
         target = TARGETS_TBPS.get((batch, context))
         lines.append(f"| {batch} x {context} | {kv_bytes(batch, context) / 1e6:.0f} | " + " | ".join(cells)
                      + f" | {'>= %.1f' % target if target else '-'} |")
@@ -280,6 +342,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configs and split counts")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow to compile)")
+    parser.add_argument("--profile", action="store_true", help="also list per-kernel device times")
     parser.add_argument("--plot-only", type=Path, help="redraw the figure from a saved kernels.json")
     parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels.png)")
     args = parser.parse_args()
@@ -311,10 +374,14 @@ def main() -> None:
     if args.sweep:
         results["sweep"] = run_sweep(SHAPES)
         save()
+    if args.profile:
+        results["profile"] = profile_kernels(SHAPES)
+        save()
     if not args.no_flex:
         results["rows"] += run_main(SHAPES, ["flex paged"])
         save()
-    print(markdown_table(results["rows"], results["copy_tbps"]))
+    print("CUDA-graph replays:\n" + markdown_table(results["rows"], results["copy_tbps"]))
+    print("\nEager calls:\n" + markdown_table(results["rows"], results["copy_tbps"], key="tbps_eager"))
     for batch, context in SHAPES if args.sweep else []:
         best = max((r for r in results["sweep"] if (r["batch"], r["context"]) == (batch, context)),
                    key=lambda r: r["tbps"])

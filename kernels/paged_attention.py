@@ -34,11 +34,13 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
 MIN_DOT_SIZE = 16
-# Keys/values per loop iteration. 16 tokens x 128 dims x 2 bytes = one 4 KiB tile of K (and V).
-# The loop looks up the block of every token, so this may span several cache blocks.
-TILE_TOKENS = 16
-NUM_WARPS = 4
-NUM_STAGES = 3  # software pipelining depth: loads of the next tiles are in flight meanwhile
+# Launch configs, (tile tokens, num_warps, num_stages), measured on an H100 with
+# benchmarks/kernels.py --sweep (docs/benchmarks.md). Tile tokens = keys/values per loop
+# iteration: 64 tokens x 128 dims x 2 bytes = one 16 KiB tile of K (and V); the loop looks up
+# the block of every token, so a tile may span several cache blocks. num_stages = software
+# pipelining depth: the loads of the next tiles are in flight while this one is used.
+V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
+V2_CONFIG = (32, 4, 3)  # more, shorter programs: smaller tiles keep more of them resident
 
 # Split-KV heuristic (see `choose_num_kv_splits`).
 V1_MIN_PROGRAMS_PER_SM = 2  # with this many (sequence, KV head) programs per SM, v1 streams well
@@ -303,11 +305,12 @@ def paged_attention_decode(
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(query.device))
 
     out = torch.empty_like(query)
+    tile_tokens, num_warps, num_stages = V1_CONFIG if num_kv_splits == 1 else V2_CONFIG
     meta = dict(
-        BLOCK_SIZE=block_size, TILE_N=TILE_TOKENS,
+        BLOCK_SIZE=block_size, TILE_N=tile_tokens,
         GROUP_SIZE=group_size, GROUP_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(group_size)),
         HEAD_DIM=head_dim, HEAD_DIM_PAD=max(MIN_DOT_SIZE, triton.next_power_of_2(head_dim)),
-        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        num_warps=num_warps, num_stages=num_stages,
     )
     qk_scale = scale * LOG2E
     cache_strides = key_cache.stride()
@@ -329,7 +332,7 @@ def paged_attention_decode(
     _paged_attention_v2_reduce_kernel[(num_seqs, num_heads)](
         out, partial_out, partial_lse, seq_lens, num_kv_splits, *out.stride(),
         NUM_HEADS=num_heads,
-        SPLITS_PAD=triton.next_power_of_2(num_kv_splits), TILE_N=TILE_TOKENS,
+        SPLITS_PAD=triton.next_power_of_2(num_kv_splits), TILE_N=tile_tokens,
         HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
     )
     return out

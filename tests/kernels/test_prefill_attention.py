@@ -34,7 +34,8 @@ def _slots(table, start, end, block_size):
 def _prefill(paged_cache, shapes, num_heads, num_kv_heads, head_dim, block_size, dtype, max_query_len=None):
     """Run kernel and reference on one batch. shapes: (cached context, new tokens) per sequence."""
     seq_lens = [c + n for c, n in shapes]
-    cache = paged_cache(64, block_size, num_kv_heads, head_dim, dtype)
+    num_blocks = sum(-(-n // block_size) for n in seq_lens)
+    cache = paged_cache(num_blocks + 4, block_size, num_kv_heads, head_dim, dtype)
     tables = cache.block_tables(seq_lens)
     starts = [0]
     for _, new in shapes:
