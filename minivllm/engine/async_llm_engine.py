@@ -198,11 +198,14 @@ class AsyncLLMEngine:
             if not tracker.has_pending() and not self.engine.has_unfinished_requests():
                 await tracker.new_requests_event.wait()
                 continue
+            aborted = False
             try:
-                self._apply_new_and_aborted()
+                aborted = self._apply_new_and_aborted()
             except Exception:  # never let one bad add or abort kill the loop
                 logger.exception("applying new and aborted requests failed")
-            if self.engine.has_unfinished_requests():
+            # After aborts, step even if nothing is left: the step's stats then report the
+            # freed blocks and the emptier queues (an empty step runs no model).
+            if self.engine.has_unfinished_requests() or aborted:
                 await self._step()
             # Give the callers a chance to read their outputs before the next step.
             await asyncio.sleep(0)
@@ -210,7 +213,8 @@ class AsyncLLMEngine:
             tracker.abort_request(request_id, EngineStepError("the engine loop was stopped."))
         self._apply_new_and_aborted()
 
-    def _apply_new_and_aborted(self) -> None:
+    def _apply_new_and_aborted(self) -> bool:
+        """Hand queued requests to the engine and apply queued aborts; True if any abort landed."""
         new_requests, aborted = self._tracker.take_new_and_aborted()
         for pending in new_requests:
             self._add_to_engine(pending)
@@ -218,6 +222,7 @@ class AsyncLLMEngine:
         self._engine_request_ids.difference_update(live_aborted)
         if live_aborted:
             self.engine.abort_request(live_aborted)
+        return bool(live_aborted)
 
     def _add_to_engine(self, pending: _PendingAdd) -> None:
         if pending.stream.finished:  # aborted before it reached the engine

@@ -198,6 +198,7 @@ class ServerThread:
     def __init__(self, app: FastAPI, host: str = "127.0.0.1", port: int = 0) -> None:
         # port 0: the OS picks a free port at bind time, so parallel servers never race for one.
         config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on")
+        self.app = app
         self.server = uvicorn.Server(config)
         self.host = host
         self._thread = threading.Thread(target=self.server.run, name="minivllm-server", daemon=True)

@@ -60,7 +60,8 @@ class OpenAIServingCompletion(OpenAIServing):
         """OpenAI's four prompt shapes -> one list of token ids per prompt."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
-        if not prompt:
+        # An empty text would still tokenize to a lone BOS; refuse it as the engine does.
+        if not prompt or any(len(p) == 0 for p in prompt):
             raise OpenAIError("The prompt is empty.", param="prompt")
         prompts = [self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
         for token_ids in prompts:

@@ -1,0 +1,99 @@
+"""Malformed and hostile requests: always a 4xx with OpenAI's error body, never a 500.
+
+Raw bytes over httpx, so that nothing on the client side cleans the request up first.
+After the whole barrage the server is healthy, serves normally and holds no KV block.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import openai
+import pytest
+
+COMPLETIONS, CHAT = "/v1/completions", "/v1/chat/completions"
+HELLO = [{"role": "user", "content": "hi"}]
+
+
+def body(**fields) -> bytes:
+    return json.dumps(fields).encode()
+
+
+BAD_REQUESTS = [
+    # (route, raw body, expected status, expected `param` or None)
+    (COMPLETIONS, body(prompt="x", max_tokens=10**9), 400, "max_tokens"),  # exceeds the context
+    (COMPLETIONS, body(prompt="word " * 400, max_tokens=4), 400, None),  # prompt too long
+    (COMPLETIONS, body(prompt="x", max_tokens=-1), 400, None),
+    (COMPLETIONS, body(prompt="x", max_tokens=0), 400, None),
+    (COMPLETIONS, body(prompt="x", temperature=-0.5), 400, None),
+    (COMPLETIONS, body(prompt="x", top_p=0.0), 400, None),
+    (COMPLETIONS, body(prompt="x", top_k=0), 400, None),
+    (COMPLETIONS, body(prompt="x", n=0), 400, None),
+    (COMPLETIONS, body(prompt="x", n=10**6), 400, "n"),
+    (COMPLETIONS, body(prompt="x", n=2, best_of=1), 400, None),
+    (COMPLETIONS, body(prompt="x", presence_penalty=5.0), 400, None),
+    (COMPLETIONS, body(prompt="x", logprobs=-1), 400, None),
+    (COMPLETIONS, body(prompt="x", logprobs=1000), 400, "logprobs"),
+    (COMPLETIONS, body(prompt="x", seed=2**80), 400, None),
+    (COMPLETIONS, body(prompt="x", min_tokens=5, max_tokens=2), 400, None),
+    (COMPLETIONS, body(prompt="x", stop_token_ids=[-3]), 400, None),
+    (COMPLETIONS, body(prompt="x", use_beam_search=True, n=2, stream=True), 400, None),
+    (COMPLETIONS, body(prompt="x", stream_options={"include_usage": True}), 400, None),
+    (COMPLETIONS, body(prompt=""), 400, "prompt"),
+    (COMPLETIONS, body(prompt=[]), 400, "prompt"),
+    (COMPLETIONS, body(prompt=[10**9]), 400, "prompt"),  # not a token of the vocabulary
+    (COMPLETIONS, body(prompt=[-1]), 400, "prompt"),
+    (COMPLETIONS, body(prompt="x", model="gpt-17"), 404, "model"),
+    (COMPLETIONS, body(prompt="x", max_tokens="many"), 422, "max_tokens"),
+    (COMPLETIONS, body(prompt="x", temperature="hot"), 422, "temperature"),
+    (COMPLETIONS, body(prompt="x", stream="yes"), 422, "stream"),
+    (COMPLETIONS, body(prompt={"text": "x"}), 422, "prompt"),
+    (COMPLETIONS, body(max_tokens=4), 422, "prompt"),  # no prompt at all
+    (COMPLETIONS, body(prompt="\udc80"), 422, "prompt"),  # a lone surrogate: not UTF-8 text
+    (COMPLETIONS, b'{"prompt": "\xff\xfe\xfd"}', 400, None),  # raw bytes that are not UTF-8
+    (COMPLETIONS, b'{"prompt": "x", ', 422, None),  # malformed JSON
+    (COMPLETIONS, b"[1, 2, 3]", 422, None),
+    (COMPLETIONS, b"", 422, None),
+    (CHAT, body(messages=[]), 422, "messages"),
+    (CHAT, body(messages="hi"), 422, "messages"),
+    (CHAT, body(messages=[{"role": "user"}]), 422, "messages"),
+    (CHAT, body(messages=[{"role": "wizard", "content": "x"}]), 422, "messages"),
+    (CHAT, body(messages=HELLO, max_tokens=10**9), 400, "max_tokens"),
+    (CHAT, body(messages=HELLO, top_logprobs=2), 400, None),  # needs logprobs=true
+    (CHAT, body(messages=HELLO, logit_bias={"5": 100}), 400, None),
+    (CHAT, body(messages=HELLO, model="nope"), 404, "model"),
+]
+
+
+@pytest.mark.parametrize("route,raw,status,param", BAD_REQUESTS, ids=lambda v: str(v)[:40] if isinstance(v, bytes) else None)
+def test_bad_request_gets_an_openai_error(server, route, raw, status, param):
+    response = httpx.post(server.url + route, content=raw, headers={"content-type": "application/json"})
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["message"] and error["type"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_unknown_route_and_method(server):
+    assert httpx.get(server.url + "/v1/nothing").status_code == 404
+    assert httpx.get(server.url + "/v1/nothing").json()["error"]["type"] == "not_found_error"
+    assert httpx.get(server.url + COMPLETIONS).status_code == 405
+
+
+def test_client_sees_openai_errors(client):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-17", prompt="x")
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
+        client.completions.create(model="tiny-shakespeare", prompt="x", max_tokens=10**6)
+    with pytest.raises(openai.UnprocessableEntityError):
+        client.chat.completions.create(model="tiny-shakespeare", messages=[])
+
+
+def test_server_survives_the_barrage(server, client, assert_all_blocks_free):
+    assert httpx.get(server.url + "/health").status_code == 200
+    response = client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=4)
+    assert response.choices[0].finish_reason in ("stop", "length")
+    assert_all_blocks_free()
