@@ -15,6 +15,7 @@ paged KV cache. There is no [batch, seq_len] padding anywhere.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
@@ -201,28 +202,36 @@ class LlamaForCausalLM(nn.Module):
         """Copy (name, tensor) pairs from a Hugging Face checkpoint into the model.
 
         Names match ours except the fused projections: `...self_attn.q_proj.weight` goes into
-        rows of `...self_attn.qkv_proj.weight` (see stacked_params_mapping). Returns the
-        names of our parameters that were loaded; raises on a name we do not know.
+        rows of `...self_attn.qkv_proj.weight` (see stacked_params_mapping). Returns the names
+        of our parameters that were fully loaded (a fused one once all its parts arrived);
+        raises on a name we do not know.
         """
         params = dict(self.named_parameters())
-        loaded = set()
+        loaded, shards_seen = set(), defaultdict(set)
         for name, tensor in weights:
             if _is_ignored(name, self.config):
                 continue
-            for fused, part, shard_id in self.stacked_params_mapping:
-                if f".{part}." in name:
-                    target = name.replace(f".{part}.", f".{fused}.")
-                    module = self.get_submodule(target.rsplit(".", 1)[0])
-                    module.load_shard(_lookup(params, target), tensor, shard_id)
-                    break
-            else:
-                target = name
-                param = _lookup(params, target)
+            target, shard_id = self._fused_target(name)
+            param = _lookup(params, target)
+            if shard_id is None:
                 if param.shape != tensor.shape:
                     raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(param.shape)}.")
                 param.data.copy_(tensor)
-            loaded.add(target)
+                loaded.add(target)
+                continue
+            fused = self.get_submodule(target.rsplit(".", 1)[0])
+            fused.load_shard(param, tensor, shard_id)
+            shards_seen[target].add(shard_id)
+            if shards_seen[target] == set(fused.output_sizes):
+                loaded.add(target)
         return loaded
+
+    def _fused_target(self, name: str) -> tuple[str, str | None]:
+        """Checkpoint name -> (our parameter name, shard id or None if not fused)."""
+        for fused, part, shard_id in self.stacked_params_mapping:
+            if f".{part}." in name:
+                return name.replace(f".{part}.", f".{fused}."), shard_id
+        return name, None
 
 
 def _is_ignored(name: str, config: Any) -> bool:

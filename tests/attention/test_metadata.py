@@ -1,0 +1,54 @@
+"""AttentionMetadata built from python lists: slots, offsets, and the prefill/decode views."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.attention import build_attn_metadata
+
+BLOCK_SIZE = 4
+
+
+def slot(block_table, position):
+    """The brief's (and vLLM's) slot formula, written out once here as the reference."""
+    return block_table[position // BLOCK_SIZE] * BLOCK_SIZE + position % BLOCK_SIZE
+
+
+def test_slots_offsets_and_views_of_a_mixed_batch():
+    tables = [[7, 2], [3], [5, 1, 6], [4]]
+    context_lens, query_lens = [5, 0, 8, 2], [2, 3, 1, 1]  # two prefills, two decodes
+    md = build_attn_metadata(tables, context_lens, query_lens, num_prefills=2, block_size=BLOCK_SIZE)
+    expected_slots = [slot(t, p) for t, c, q in zip(tables, context_lens, query_lens)
+                      for p in range(c, c + q)]
+    assert md.slot_mapping.tolist() == expected_slots == [9, 10, 12, 13, 14, 24, 18]
+    assert md.slot_mapping.dtype == torch.int64
+    assert md.seq_lens.tolist() == [7, 3, 9, 3] and md.seq_lens.dtype == torch.int32
+    assert md.query_start_loc.tolist() == [0, 2, 5, 6, 7]
+    assert md.block_tables.tolist() == [[7, 2, 0], [3, 0, 0], [5, 1, 6], [4, 0, 0]]
+    assert (md.num_prefills, md.num_prefill_tokens, md.num_decode_tokens) == (2, 5, 2)
+    assert (md.max_query_len, md.max_seq_len) == (3, 9)
+
+    prefill, decode = md.prefill_metadata, md.decode_metadata
+    assert prefill.seq_lens.tolist() == [7, 3] and prefill.query_start_loc.tolist() == [0, 2, 5]
+    assert prefill.block_tables.shape == (2, 3) and prefill.slot_mapping.tolist() == expected_slots[:5]
+    assert decode.seq_lens.tolist() == [9, 3] and decode.query_start_loc.tolist() == [0, 1, 2]
+    assert decode.block_tables.tolist() == [[5, 1, 6], [4, 0, 0]]
+    assert md.prefill_metadata is prefill  # built once per step, shared by every layer
+
+
+def test_views_are_none_for_an_all_prefill_or_all_decode_batch():
+    only_prefill = build_attn_metadata([[0]], [0], [3], num_prefills=1, block_size=BLOCK_SIZE)
+    only_decode = build_attn_metadata([[0]], [3], [1], num_prefills=0, block_size=BLOCK_SIZE)
+    assert only_prefill.decode_metadata is None and only_prefill.prefill_metadata is not None
+    assert only_decode.prefill_metadata is None and only_decode.decode_metadata is not None
+
+
+def test_invalid_layouts_are_errors():
+    with pytest.raises(ValueError, match="1 new token"):
+        build_attn_metadata([[0], [1]], [0, 3], [2, 2], num_prefills=1, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="holds 4 tokens"):
+        build_attn_metadata([[0]], [3], [2], num_prefills=1, block_size=BLOCK_SIZE)
+    md = build_attn_metadata([[0]], [0], [3], num_prefills=1, block_size=BLOCK_SIZE)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        type(md)(**{**md.__dict__, "slot_mapping": md.slot_mapping[:2]})
