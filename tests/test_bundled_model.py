@@ -148,8 +148,7 @@ def test_chat_template_renders_speeches_in_the_corpus_format(tokenizer):
                 {"role": "user", "content": "Who goes there?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == "<s>SYSTEM:\nSpeak as a king.\n\nUSER:\nWho goes there?\n\nASSISTANT:\n"
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
     assert tokenizer.decode(ids, skip_special_tokens=True) == text.removeprefix("<s>")
 
