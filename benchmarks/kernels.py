@@ -35,6 +35,7 @@ DEVICE = "cuda"
 SHAPES = [(1, 4096), (8, 4096), (64, 4096), (256, 1024), (8, 32768)]  # (batch, context)
 TARGETS_TBPS = {(1, 4096): 1.2, (64, 4096): 2.8, (256, 1024): 2.8, (8, 32768): 2.6}  # on an H100
 COPY_BYTES = 1 << 30  # the roofline copy: 1 GiB, far larger than L2
+WARMUP_ROUNDS = 3
 METHODS = ["triton (auto)", "triton v1", "sdpa contiguous", "gather + sdpa", "flex paged"]
 # Tuning sweep: (tile tokens, num_warps, num_stages) of the decode kernel, and forced splits.
 SWEEP_CONFIGS = [(16, 2, 3), (32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 2)]
@@ -181,7 +182,9 @@ def copy_bandwidth_tbps() -> float:
     """The roofline: a device-to-device copy, counting bytes read plus bytes written."""
     src = torch.randn(COPY_BYTES // 2, device=DEVICE, dtype=DTYPE)
     dst = torch.empty_like(src)
-    ms = bench_ms(lambda: dst.copy_(src))
+    # An idle GPU starts at low clocks: the first measurement of a fresh machine read 2.4 TB/s
+    # instead of 3.0. Keep the best of a few, so the ceiling is not an artefact of warm-up.
+    ms = min(bench_ms(lambda: dst.copy_(src), cuda_graph=False) for _ in range(WARMUP_ROUNDS))
     return 2 * COPY_BYTES / (ms * 1e-3) / 1e12
 
 
