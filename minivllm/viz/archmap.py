@@ -23,6 +23,7 @@ import ast
 from dataclasses import dataclass
 from pathlib import Path
 
+from matplotlib.colors import to_rgb
 from matplotlib.patches import FancyBboxPatch
 
 from minivllm.viz.style import COLORS, request_color
@@ -348,10 +349,11 @@ def source_path(module: str, package: bool = False) -> str:
 # Drawing the graph.
 
 _BOX_WIDTH, _BOX_HEIGHT = 0.95, 0.62  # in units of one column and one row
-_NAME_FONTSIZE, _VLLM_FONTSIZE, _LAYER_FONTSIZE = 6.5, 6, 8
+_NAME_FONTSIZE, _VLLM_FONTSIZE, _LAYER_FONTSIZE = 6, 5.5, 8
+_TINT = 0.25  # box fill: this much of the layer colour on white, opaque so arrows pass behind
 _SAME_LINE_ARC_HEIGHT = 0.3
 _MAX_COLUMNS = 5  # a layer with more modules than this wraps onto a second line
-_INCHES_PER_COLUMN, _INCHES_PER_LINE = 3.2, 0.85  # one column fits a 50-character path
+_INCHES_PER_COLUMN, _INCHES_PER_LINE = 3.3, 0.85  # one column fits a 50-character path
 
 
 def collapse_to_layers(graph: dict[str, set[str]]) -> dict[str, set[str]]:
@@ -405,12 +407,27 @@ def _layer_order_key(module: str) -> tuple[int, str]:
     return (order.index(layer) if layer in order else len(order), module)
 
 
-def suggested_figsize(positions: dict[str, tuple[float, float]]) -> tuple[float, float]:
-    """A figure size (inches) at which every label of `layout(...)` fits its box."""
+def suggested_figsize(
+    graph: dict[str, set[str]] | None = None, *, level: str = "module"
+) -> tuple[float, float]:
+    """A figure size (inches) at which every label of `draw_architecture(ax, graph, level=...)`
+    fits its box."""
+    positions = layout(_graph_to_draw(graph, level)[0])
     xs = [x for x, _ in positions.values()] or [0.0]
     ys = [y for _, y in positions.values()] or [0.0]
     columns = max(xs) - min(xs) + 1 + 1  # one extra column on the left for the layer names
     return columns * _INCHES_PER_COLUMN, (max(ys) - min(ys) + 1) * _INCHES_PER_LINE
+
+
+def _graph_to_draw(
+    graph: dict[str, set[str]] | None, level: str
+) -> tuple[dict[str, set[str]], set[str]]:
+    if level not in ("module", "layer"):
+        raise ValueError(f"level must be 'module' or 'layer', got {level!r}.")
+    graph = import_graph() if graph is None else graph
+    packages = packages_in(graph)
+    graph = collapse_to_layers(graph) if level == "layer" else drop_empty_packages(graph, packages)
+    return graph, packages
 
 
 def draw_architecture(ax, graph: dict[str, set[str]] | None = None, *, level: str = "module"):
@@ -423,11 +440,7 @@ def draw_architecture(ax, graph: dict[str, set[str]] | None = None, *, level: st
     nobody imports by name are left out); `level="layer"`: one box per sub-package.
     Returns `{node: (x, y)}`, the box centres. Size the figure with `suggested_figsize`.
     """
-    if level not in ("module", "layer"):
-        raise ValueError(f"level must be 'module' or 'layer', got {level!r}.")
-    graph = import_graph() if graph is None else graph
-    packages = _packages(graph)
-    graph = collapse_to_layers(graph) if level == "layer" else _drop_empty_packages(graph, packages)
+    graph, packages = _graph_to_draw(graph, level)
     positions = layout(graph)
     for module, imported in graph.items():
         for target in sorted(imported):
@@ -443,13 +456,15 @@ def draw_architecture(ax, graph: dict[str, set[str]] | None = None, *, level: st
     return positions
 
 
-def _packages(graph: dict[str, set[str]]) -> set[str]:
+def packages_in(graph: dict[str, set[str]]) -> set[str]:
     """Modules that are packages: they have sub-modules in `graph`, or are packages on disk."""
     on_disk = {m for m, path in find_modules().items() if path.name == "__init__.py"}
     return {m for m in graph if m in on_disk or any(o.startswith(m + ".") for o in graph)}
 
 
-def _drop_empty_packages(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+def drop_empty_packages(graph: dict[str, set[str]], packages: set[str]) -> dict[str, set[str]]:
+    """`graph` without package `__init__`s that import nothing and that nobody imports by
+    name (empty markers such as `minivllm/worker/__init__.py`)."""
     imported_anywhere = set().union(*graph.values()) if graph else set()
     keep = {m for m in graph if m not in packages or graph[m] or m in imported_anywhere}
     return {m: graph[m] & keep for m in graph if m in keep}
@@ -461,8 +476,7 @@ def _draw_box(ax, x: float, y: float, name: str, vllm: str, color: str) -> None:
         _BOX_WIDTH,
         _BOX_HEIGHT,
         boxstyle="round,pad=0.01,rounding_size=0.06",
-        facecolor=color,
-        alpha=0.25,
+        facecolor=_tint(color),
         edgecolor=COLORS["edge"],
         linewidth=0.8,
         zorder=2,
@@ -472,6 +486,10 @@ def _draw_box(ax, x: float, y: float, name: str, vllm: str, color: str) -> None:
             weight="bold", zorder=3)
     ax.text(x, y - 0.14, vllm, ha="center", va="center", fontsize=_VLLM_FONTSIZE,
             color="#555555", style="italic", zorder=3)
+
+
+def _tint(color: str) -> tuple[float, float, float]:
+    return tuple(_TINT * c + (1 - _TINT) for c in to_rgb(color))
 
 
 def _draw_edge(ax, start: tuple[float, float], end: tuple[float, float], upward: bool) -> None:
