@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import random
 import statistics
@@ -111,7 +112,10 @@ async def run_at_rate(client, base_url, model, rate, prompts, output_len, max_du
         if time.perf_counter() - start > max_duration:
             break
     results = await asyncio.gather(*tasks)
-    return summarize(rate, results, time.perf_counter() - start)
+    run = summarize(rate, results, time.perf_counter() - start)
+    # On a shared machine other processes compete for the cores: record how busy it was.
+    run["load_avg_1m"] = os.getloadavg()[0]
+    return run
 
 
 # ---------------------------------------------------------------- statistics
@@ -225,8 +229,6 @@ def format_run(run: dict) -> str:
 
 
 def machine() -> dict:
-    import os
-
     return {"platform": platform.platform(), "processor": platform.processor(), "cpu_count": os.cpu_count(), "python": platform.python_version()}
 
 
