@@ -211,7 +211,7 @@ class LlamaForCausalLM(nn.Module):
         for name, tensor in weights:
             if _is_ignored(name, self.config):
                 continue
-            target, shard_id = self._fused_target(name)
+            target, shard_id = self.map_weight_name(name)
             param = _lookup(params, target)
             if shard_id is None:
                 if param.shape != tensor.shape:
@@ -226,7 +226,7 @@ class LlamaForCausalLM(nn.Module):
                 loaded.add(target)
         return loaded
 
-    def _fused_target(self, name: str) -> tuple[str, str | None]:
+    def map_weight_name(self, name: str) -> tuple[str, str | None]:
         """Checkpoint name -> (our parameter name, shard id or None if not fused)."""
         for fused, part, shard_id in self.stacked_params_mapping:
             if f".{part}." in name:
