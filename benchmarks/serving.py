@@ -32,7 +32,7 @@ import random
 import statistics
 import string
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from urllib.parse import urlparse
 
 import httpx

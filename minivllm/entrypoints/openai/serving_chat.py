@@ -29,6 +29,8 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    Delta,
+    DeltaTracker,
     OpenAIError,
     OpenAIServing,
     collect_final_outputs,
@@ -111,10 +113,7 @@ class OpenAIServingChat(OpenAIServing):
     # -------------------------------------------------------------- stream
     async def _stream(self, request, request_id, model, num_prompt, streams) -> AsyncIterator[str]:
         created = int(time.time())
-        sent_text: dict[int, int] = {}
-        sent_tokens: dict[int, int] = {}
-        finished: set[int] = set()
-        num_generated = 0
+        tracker = DeltaTracker()
 
         def chunk(choices, usage=None) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
@@ -124,36 +123,24 @@ class OpenAIServingChat(OpenAIServing):
             yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
             async for _, request_output in merge_streams(streams):
                 for output in request_output.outputs:
-                    if output.index in finished:
-                        continue
-                    piece = self._delta(request, output, sent_text, sent_tokens)
-                    if piece is None:
-                        continue
-                    yield chunk([piece])
-                    if output.finish_reason is not None:
-                        finished.add(output.index)
-                        num_generated += len(output.token_ids)
+                    delta = tracker.delta(output.index, output)
+                    if delta is not None:
+                        yield chunk([self._stream_choice(request, output, delta)])
             if request.include_usage:
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated))
+                total = num_prompt + tracker.num_generated
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))
         except Exception as e:  # the headers are gone: report the error in-band, like vLLM
             yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
         finally:
+            # The client hung up (this generator was cancelled or closed): free the blocks.
             await self.abort_unfinished(streams)
         yield SSE_DONE
 
-    def _delta(self, request, output: CompletionOutput, sent_text, sent_tokens) -> ChatCompletionStreamChoice | None:
-        """What choice `output.index` has not sent yet, or None if nothing new."""
-        n_chars, n_tokens = sent_text.get(output.index, 0), sent_tokens.get(output.index, 0)
-        delta = output.text[n_chars:]
-        new_ids = output.token_ids[n_tokens:]
-        if not delta and not new_ids and output.finish_reason is None:
-            return None
-        sent_text[output.index] = max(len(output.text), n_chars)
-        sent_tokens[output.index] = len(output.token_ids)
+    def _stream_choice(self, request, output: CompletionOutput, delta: Delta) -> ChatCompletionStreamChoice:
         return ChatCompletionStreamChoice(
             index=output.index,
-            delta=DeltaMessage(content=delta),
-            logprobs=self._logprobs(request, new_ids, (output.logprobs or [])[n_tokens:]),
+            delta=DeltaMessage(content=delta.text),
+            logprobs=self._logprobs(request, delta.token_ids, delta.logprobs),
             finish_reason=output.finish_reason,
             stop_reason=output.stop_reason,
         )

@@ -29,6 +29,7 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.entrypoints.openai.serving_engine import (
     SSE_DONE,
+    DeltaTracker,
     OpenAIError,
     OpenAIServing,
     collect_final_outputs,
@@ -111,10 +112,7 @@ class OpenAIServingCompletion(OpenAIServing):
     # -------------------------------------------------------------- stream
     async def _stream(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
         created = int(time.time())
-        sent_text: dict[int, int] = {}  # choice index -> characters already sent
-        sent_tokens: dict[int, int] = {}  # choice index -> tokens already sent
-        finished: set[int] = set()
-        num_generated = 0
+        tracker = DeltaTracker()
 
         def chunk(choices, usage=None) -> str:
             return sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
@@ -123,25 +121,16 @@ class OpenAIServingCompletion(OpenAIServing):
             async for prompt_index, request_output in merge_streams(streams):
                 for output in request_output.outputs:
                     index = prompt_index * request.n + output.index
-                    if index in finished:
+                    delta = tracker.delta(index, output)
+                    if delta is None:
                         continue
-                    n_chars, n_tokens = sent_text.get(index, 0), sent_tokens.get(index, 0)
-                    delta = output.text[n_chars:]
-                    if index not in sent_text:  # first chunk of this choice
-                        delta = self._echo_text(request, prompts[prompt_index]) + delta
-                    new_ids = output.token_ids[n_tokens:]
-                    new_logprobs = (output.logprobs or [])[n_tokens:]
-                    if not delta and not new_ids and output.finish_reason is None:
-                        continue
-                    sent_text[index], sent_tokens[index] = max(len(output.text), n_chars), len(output.token_ids)
-                    yield chunk([self._choice(request, index, output, new_ids, new_logprobs, delta, n_chars)])
-                    if output.finish_reason is not None:
-                        finished.add(index)
-                        num_generated += len(output.token_ids)
+                    echo = self._echo_text(request, prompts[prompt_index]) if delta.first else ""
+                    text = echo + delta.text
+                    yield chunk([self._choice(request, index, output, delta.token_ids, delta.logprobs, text, delta.text_offset)])
             if request.include_usage:
                 num_prompt = sum(len(ids) for ids in prompts)
-                usage = UsageInfo(prompt_tokens=num_prompt, completion_tokens=num_generated, total_tokens=num_prompt + num_generated)
-                yield chunk([], usage)
+                total = num_prompt + tracker.num_generated
+                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))
         except Exception as e:  # the headers are gone: report the error in-band, like vLLM
             yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
         finally:

@@ -11,11 +11,12 @@ import asyncio
 import copy
 import json
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.async_llm_engine import AsyncLLMEngine, AsyncStream
 from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequestMixin
-from minivllm.outputs import Logprob, RequestOutput
+from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
 # vLLM's default cap on returned alternatives per token (`max_logprobs`); OpenAI allows 20.
@@ -140,6 +141,47 @@ class OpenAIServing:
         if logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+
+@dataclass
+class Delta:
+    """What one streamed choice has not sent yet."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, Logprob]]
+    text_offset: int  # characters of this choice already sent
+    first: bool  # the choice's first chunk
+
+
+@dataclass
+class DeltaTracker:
+    """Turns the engine's cumulative outputs into per-choice deltas for a stream.
+
+    Example: outputs "To", "To be", "To be," for choice 0 give deltas "To", " be", ",".
+    """
+
+    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
+    finished: set[int] = field(default_factory=set)
+    num_generated: int = 0  # tokens of the finished choices, for the usage chunk
+
+    def delta(self, index: int, output: CompletionOutput) -> Delta | None:
+        """The new part of choice `index`, or None if it has nothing new (or already finished)."""
+        if index in self.finished:
+            return None
+        first = index not in self.sent_chars
+        n_chars, n_tokens = self.sent_chars.get(index, 0), self.sent_tokens.get(index, 0)
+        text, token_ids = output.text[n_chars:], output.token_ids[n_tokens:]
+        if not text and not token_ids and output.finish_reason is None:
+            return None
+        # Text can shrink when a stop string is cut off; what was sent stays sent.
+        self.sent_chars[index] = max(len(output.text), n_chars)
+        self.sent_tokens[index] = len(output.token_ids)
+        if output.finish_reason is not None:
+            self.finished.add(index)
+            self.num_generated += len(output.token_ids)
+        return Delta(text, token_ids, (output.logprobs or [])[n_tokens:], n_chars, first)
 
 
 def reported_logprob(logprob: float) -> float:

@@ -40,6 +40,7 @@ BAD_REQUESTS = [
     (COMPLETIONS, body(prompt="x", stop_token_ids=[-3]), 400, None),
     (COMPLETIONS, body(prompt="x", use_beam_search=True, n=2, stream=True), 400, None),
     (COMPLETIONS, body(prompt="x", stream_options={"include_usage": True}), 400, None),
+    (COMPLETIONS, body(prompt="x", priority=5), 400, None),  # the server runs the fcfs policy
     (COMPLETIONS, body(prompt=""), 400, "prompt"),
     (COMPLETIONS, body(prompt=[]), 400, "prompt"),
     (COMPLETIONS, body(prompt=[10**9]), 400, "prompt"),  # not a token of the vocabulary
@@ -96,4 +97,29 @@ def test_server_survives_the_barrage(server, client, assert_all_blocks_free):
     assert httpx.get(server.url + "/health").status_code == 200
     response = client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=4)
     assert response.choices[0].finish_reason in ("stop", "length")
+    assert_all_blocks_free()
+
+
+def test_a_failing_engine_step_is_reported_and_the_server_goes_on(engine, client, monkeypatch, assert_all_blocks_free):
+    """Fault injection into the real engine: its third step raises (then every third one)."""
+    real_step = engine.engine.step
+    calls = {"n": 0}
+
+    def step_failing_every_third_call():
+        calls["n"] += 1
+        if calls["n"] % 3 == 0:
+            raise RuntimeError("injected fault")
+        return real_step()
+
+    monkeypatch.setattr(engine.engine, "step", step_failing_every_third_call)
+    kwargs = dict(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=50, extra_body={"ignore_eos": True})
+    # Streaming: the headers are sent, so the error arrives in-band as an SSE error event.
+    with pytest.raises(openai.APIError, match="injected fault"):
+        for _ in client.completions.create(stream=True, **kwargs):
+            pass
+    # Not streaming: a 500 with OpenAI's error body (the server's fault, not the request's).
+    with pytest.raises(openai.InternalServerError, match="injected fault"):
+        client.completions.create(**kwargs)
+    monkeypatch.undo()
+    assert client.completions.create(**kwargs).choices[0].finish_reason == "length"
     assert_all_blocks_free()
