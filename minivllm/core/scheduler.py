@@ -59,6 +59,10 @@ Differences from vLLM v0 worth knowing (each keeps an invariant the tests check)
       and then put it in the waiting queue) and also runs with chunked prefill.
     - A swapped group that cannot come back even with an idle GPU (LATER because of the
       watermark) is ignored instead of blocking the queue forever, and its CPU blocks freed.
+    - vLLM v0 wants one free block per running sequence before it lets a group grow; here
+      that rule is waived when no sequence actually needs a new block (a prompt being
+      chunked, a last block with room), else a group filling the whole pool preempts
+      itself forever.
 """
 
 from __future__ import annotations
@@ -418,13 +422,33 @@ class Scheduler:
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one
         token per sequence. False if `seq_group` itself had to be preempted."""
-        while not self.block_manager.can_append_slots(seq_group):
+        while not self._can_append_slots(seq_group):
             victim = self.running.pop() if self.running else seq_group
             state.budget.subtract(victim.request_id)
             self._preempt(victim, state)
             if victim is seq_group:
                 return False
         return True
+
+    def _can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Can every running sequence of the group get a slot for its next token?
+
+        vLLM v0's rule (`block_manager.can_append_slots`) wants one free block per sequence
+        even when none needs one; a group that fills the whole pool (a prompt being
+        chunked, a sequence whose last block has room) would then preempt itself forever.
+        So the rule is waived when no sequence needs a new block.
+        """
+        return self.block_manager.can_append_slots(seq_group) or self._needs_no_new_block(seq_group)
+
+    def _needs_no_new_block(self, seq_group: SequenceGroup) -> bool:
+        seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
+        tables = [self.block_manager.get_block_table(seq) for seq in seqs]
+        last_blocks = [table[-1] for table in tables if table]
+        if len(set(last_blocks)) != len(last_blocks):
+            return False  # siblings share a last block: a write needs a copy (a new block)
+        # Only the last block of a sequence can take new tokens, and it is never shared
+        # across requests: the prefix cache only shares full, computed blocks.
+        return all(len(table) >= seq.n_blocks for seq, table in zip(seqs, tables))
 
     def _append_slots(self, seq_group: SequenceGroup, state: _StepState) -> None:
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
