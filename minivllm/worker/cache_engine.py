@@ -57,16 +57,19 @@ class CacheEngine:
         self.device = torch.device(device)
         self.dtype = dtype
         self.ops = get_ops(attn_backend)
-        self.gpu_cache = self._allocate(self.num_gpu_blocks, self.device)
-        # Pinned (page-locked) host memory lets the GPU copy blocks by DMA, asynchronously.
+        # Zeros: a kernel may load a whole tile of a block and mask the unused slots, and a
+        # masked probability of 0 times a garbage NaN value would still be NaN.
+        self.gpu_cache = self._allocate(self.num_gpu_blocks, self.device, torch.zeros)
+        # The swap pool is only read after swap_out wrote it, so its pages need no zeroing
+        # (and stay untouched, costing no RAM, until used). Pinned (page-locked) host memory
+        # lets the GPU copy blocks by DMA, asynchronously.
         pin = self.device.type == "cuda"
-        self.cpu_cache = self._allocate(self.num_cpu_blocks, torch.device("cpu"), pin_memory=pin)
+        self.cpu_cache = self._allocate(self.num_cpu_blocks, torch.device("cpu"), torch.empty, pin_memory=pin)
 
-    def _allocate(self, num_blocks: int, device: torch.device, pin_memory: bool = False) -> list[torch.Tensor]:
+    def _allocate(self, num_blocks: int, device: torch.device, factory, pin_memory: bool = False) -> list[torch.Tensor]:
         shape = (KV_PAIR, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        # Zeros, not empty: never let a kernel bug read stale NaNs from a fresh block.
         return [
-            torch.zeros(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
+            factory(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
             for _ in range(self.num_layers)
         ]
 

@@ -15,7 +15,7 @@ How many blocks fit (`determine_num_available_blocks`):
           peak; then  num_gpu_blocks = (total x gpu_memory_utilization - peak) // block_bytes.
     CPU:  there is no separate device memory to measure, so the "GPU" pool gets a budget:
           `MINIVLLM_CPU_KVCACHE_SPACE` GiB (like vLLM's `VLLM_CPU_KVCACHE_SPACE`), default
-          1 GiB, never more than a quarter of the machine's RAM and never more blocks than
+          0.5 GiB, never more than a quarter of the machine's RAM and never more blocks than
           `max_num_seqs` full-length sequences could ever use.
     Both: num_cpu_blocks (the swap pool) = swap_space bytes // block_bytes (on a CPU device
           at most num_gpu_blocks: swapping from RAM to RAM only needs to hold what it moves).
@@ -38,7 +38,7 @@ from minivllm.worker.model_runner import ModelRunner
 logger = logging.getLogger(__name__)
 
 CPU_KVCACHE_SPACE_ENV = "MINIVLLM_CPU_KVCACHE_SPACE"
-_DEFAULT_CPU_KVCACHE_SPACE_GIB = 1.0
+_DEFAULT_CPU_KVCACHE_SPACE_GIB = 0.5
 _MAX_CPU_RAM_FRACTION = 0.25
 _GiB = 1 << 30
 

@@ -1,0 +1,55 @@
+"""CacheEngine: the block size formula against real tensors, and block moves."""
+
+import torch
+
+from minivllm.config import CacheConfig, ModelConfig
+from minivllm.worker.cache_engine import CacheEngine
+
+
+def make_cache_engine(llama_dir, num_gpu_blocks=6, num_cpu_blocks=4, block_size=4):
+    model_config = ModelConfig(model=llama_dir[0])
+    cache_config = CacheConfig(block_size=block_size)
+    cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = num_gpu_blocks, num_cpu_blocks
+    return CacheEngine(cache_config, model_config, "cpu", torch.float32), model_config
+
+
+def test_layout_and_block_bytes_match_the_allocated_tensors(llama_dir):
+    engine, model_config = make_cache_engine(llama_dir)
+    hf = llama_dir[1].config
+    head_dim = hf.hidden_size // hf.num_attention_heads
+    assert len(engine.gpu_cache) == hf.num_hidden_layers
+    assert engine.gpu_cache[0].shape == (2, 6, 4, hf.num_key_value_heads, head_dim)
+    assert engine.cpu_cache[0].shape == (2, 4, 4, hf.num_key_value_heads, head_dim)
+    measured = sum(t.nbytes for t in engine.gpu_cache) // 6
+    # keys and values x layers x tokens per block x KV heads x head size x 4 bytes (fp32)
+    by_hand = 2 * hf.num_hidden_layers * 4 * hf.num_key_value_heads * head_dim * 4
+    assert CacheEngine.get_cache_block_size(4, model_config, torch.float32) == measured == by_hand
+    assert CacheEngine.get_cache_block_size(4, model_config, torch.bfloat16) == by_hand // 2
+
+
+def fill_block(caches, block, value):
+    for layer in caches:
+        layer[:, block] = value
+
+
+def test_swap_out_then_in_restores_the_blocks(llama_dir):
+    engine, _ = make_cache_engine(llama_dir)
+    fill_block(engine.gpu_cache, 2, 7.0)
+    fill_block(engine.gpu_cache, 5, -3.0)
+    engine.swap_out(torch.tensor([[2, 0], [5, 3]]))
+    for layer in engine.cpu_cache:
+        assert torch.all(layer[:, 0] == 7.0) and torch.all(layer[:, 3] == -3.0)
+    fill_block(engine.gpu_cache, 2, 0.0)
+    engine.swap_in(torch.tensor([[0, 1], [3, 4]]))
+    for layer in engine.gpu_cache:
+        assert torch.all(layer[:, 1] == 7.0) and torch.all(layer[:, 4] == -3.0)
+
+
+def test_copy_duplicates_keys_and_values_in_every_layer(llama_dir):
+    engine, _ = make_cache_engine(llama_dir)
+    for layer in engine.gpu_cache:
+        layer[0, 1], layer[1, 1] = 1.5, 2.5  # block 1: keys 1.5, values 2.5
+    engine.copy(torch.tensor([[1, 3]]))
+    for layer in engine.gpu_cache:
+        assert torch.all(layer[0, 3] == 1.5) and torch.all(layer[1, 3] == 2.5)
+        assert torch.all(layer[:, 0] == 0)
