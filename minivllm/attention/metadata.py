@@ -72,6 +72,8 @@ class AttentionMetadata:
         """The prefill sequences alone (None if there are none)."""
         if self.num_prefills == 0:
             return None
+        if self.num_decode_tokens == 0:
+            return self
         n, t = self.num_prefills, self.num_prefill_tokens
         return AttentionMetadata(
             num_prefills=n,
@@ -90,6 +92,8 @@ class AttentionMetadata:
         """The decode sequences alone (None if there are none); query_start_loc restarts at 0."""
         if self.num_decode_tokens == 0:
             return None
+        if self.num_prefills == 0:
+            return self  # no new tensors: a captured CUDA graph keeps reading the same buffers
         n, t = self.num_prefills, self.num_prefill_tokens
         return AttentionMetadata(
             num_prefills=0,
