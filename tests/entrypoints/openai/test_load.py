@@ -10,6 +10,7 @@ import asyncio
 
 import httpx
 import openai
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 NUM_CLIENTS = 64
@@ -66,3 +67,15 @@ def test_64_streams_with_early_disconnects(server, engine, assert_all_blocks_fre
     assert len(finished) <= delta["vllm:e2e_request_latency_seconds_count"] <= NUM_CLIENTS
     assert delta["vllm:time_to_first_token_seconds_count"] == NUM_CLIENTS
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+
+
+def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(server, assert_all_blocks_free):
+    before = read_metrics(server.url)
+    long_request = {"prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=long_request, timeout=0.5)  # hang up after 0.5 s
+    assert_all_blocks_free()
+    after = read_metrics(server.url)
+    # The request was aborted, not finished: no end-to-end latency recorded, < 200 tokens made.
+    assert after["vllm:e2e_request_latency_seconds_count"] == before["vllm:e2e_request_latency_seconds_count"]
+    assert after["vllm:generation_tokens_total"] - before["vllm:generation_tokens_total"] < 200
