@@ -131,7 +131,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.model_executor.layers.vocab_parallel_embedding": (
         "vllm/model_executor/layers/vocab_parallel_embedding.py"
     ),
-    "minivllm.model_executor.models": "vllm/model_executor/models/",
+    "minivllm.model_executor.models": "vllm/model_executor/models/registry.py",
     "minivllm.model_executor.models.llama": "vllm/model_executor/models/llama.py",
     "minivllm.model_executor.models.qwen2": "vllm/model_executor/models/qwen2.py",
     "minivllm.model_executor.models.qwen3": "vllm/model_executor/models/qwen3.py",
