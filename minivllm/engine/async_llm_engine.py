@@ -40,6 +40,10 @@ logger = logging.getLogger(__name__)
 _STREAM_END = object()
 
 
+def _no_op() -> None:
+    pass
+
+
 class EngineStepError(RuntimeError):
     """Raised to the callers whose requests were in a step that failed."""
 
@@ -194,24 +198,31 @@ class AsyncLLMEngine:
 
     async def _run_engine_loop(self) -> None:
         tracker = self._tracker
-        while not self._stopping:
-            if not tracker.has_pending() and not self.engine.has_unfinished_requests():
-                await tracker.new_requests_event.wait()
-                continue
-            aborted = False
-            try:
-                aborted = self._apply_new_and_aborted()
-            except Exception:  # never let one bad add or abort kill the loop
-                logger.exception("applying new and aborted requests failed")
-            # After aborts, step even if nothing is left: the step's stats then report the
-            # freed blocks and the emptier queues (an empty step runs no model).
-            if self.engine.has_unfinished_requests() or aborted:
-                await self._step()
-            # Give the callers a chance to read their outputs before the next step.
-            await asyncio.sleep(0)
-        for request_id in list(tracker.streams):
-            tracker.abort_request(request_id, EngineStepError("the engine loop was stopped."))
-        self._apply_new_and_aborted()
+        try:
+            while not self._stopping:
+                if not tracker.has_pending() and not self.engine.has_unfinished_requests():
+                    await tracker.new_requests_event.wait()
+                    continue
+                aborted = False
+                try:
+                    aborted = self._apply_new_and_aborted()
+                except Exception:  # never let one bad add or abort kill the loop
+                    logger.exception("applying new and aborted requests failed")
+                # After aborts, step even if nothing is left: the step's stats then report the
+                # freed blocks and the emptier queues (an empty step runs no model).
+                if self.engine.has_unfinished_requests() or aborted:
+                    await self._step()
+                # Give the callers a chance to read their outputs before the next step.
+                await asyncio.sleep(0)
+        finally:
+            # Stopped, or cancelled because its event loop is closing: no request may outlive
+            # its callers. A cancelled step is still running in the worker thread; the engine
+            # is ours again once the (single, first-in first-out) thread has run a no-op.
+            with contextlib.suppress(RuntimeError):  # the executor was already shut down
+                await asyncio.get_running_loop().run_in_executor(self._executor, _no_op)
+            for request_id in list(tracker.streams):
+                tracker.abort_request(request_id, EngineStepError("the engine loop was stopped."))
+            self._apply_new_and_aborted()
 
     def _apply_new_and_aborted(self) -> bool:
         """Hand queued requests to the engine and apply queued aborts; True if any abort landed."""
@@ -272,8 +283,8 @@ class AsyncLLMEngine:
     ) -> AsyncStream:
         """Queue a request and wait until the engine has accepted it.
 
-        Raises whatever `LLMEngine.add_request` raises (e.g. `ValueError` for a prompt that is
-        too long), in this caller only. Returns the request's stream of outputs.
+        Raises whatever `LLMEngine.add_request` raises (e.g. `ValueError` for an empty prompt),
+        in this caller only. Returns the request's stream of outputs.
         """
         self.start_background_loop()
         loop = asyncio.get_running_loop()

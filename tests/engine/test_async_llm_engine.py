@@ -170,3 +170,15 @@ def test_stopping_the_loop_aborts_everything(engine):
     results = run(engine, body())
     assert all(isinstance(r, EngineStepError) for r in results)
     assert all_blocks_free(engine)
+
+
+def test_closing_the_event_loop_mid_request_leaves_nothing_behind(engine):
+    """asyncio.run cancels the loop task when its body returns early; the cleanup still runs."""
+
+    async def leave_early():
+        async for _ in engine.generate(PROMPT, LONG, "orphan"):
+            return  # returning closes this loop with the request still running
+
+    asyncio.run(leave_early())
+    assert not engine.is_running
+    assert all_blocks_free(engine)
