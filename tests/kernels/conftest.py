@@ -22,13 +22,6 @@ REL_TOL = {
     torch.bfloat16: 1e-2,
 }
 
-# The interpreter's bf16 dot is wrong, so bf16 runs on the GPU only.
-DTYPES = [
-    pytest.param(torch.float32, id="fp32"),
-    pytest.param(torch.float16, id="fp16"),
-    pytest.param(torch.bfloat16, id="bf16", marks=pytest.mark.gpu),
-]
-
 
 def pytest_collection_modifyitems(config, items):
     """GPU-marked tests are skipped (not failed) where there is no CUDA device."""

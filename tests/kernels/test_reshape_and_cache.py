@@ -33,7 +33,8 @@ def test_reshape_and_cache_rejects_mismatched_shapes(paged_cache):
     cache = paged_cache(4, 8, 2, 32, torch.float32)
     key = cache.randn(3, 2, 32, dtype=torch.float32)
     with pytest.raises(ValueError, match="slot_mapping"):
-        reshape_and_cache(key, key, cache.key_cache, cache.value_cache, torch.zeros(2, dtype=torch.int64, device=DEVICE))
+        reshape_and_cache(key, key, cache.key_cache, cache.value_cache,
+                          torch.zeros(2, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="head"):
         reshape_and_cache(key[:, :1], key[:, :1], cache.key_cache, cache.value_cache,
                           torch.zeros(3, dtype=torch.int64, device=DEVICE))
