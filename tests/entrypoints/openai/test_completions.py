@@ -129,3 +129,33 @@ def test_models_tokenize_detokenize(client, server, llm):
     text = httpx.post(server.url + "/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
     assert text == tokenizer.decode(tokens["tokens"])
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_beam_search_equals_llm_generate(client, llm):
+    params = dict(n=2, use_beam_search=True, temperature=0.0, max_tokens=6, ignore_eos=True)
+    expected = [o.text for o in offline(llm, PROMPT, **params)]
+    response = client.completions.create(
+        model="tiny-shakespeare", prompt=PROMPT, n=2, max_tokens=6, temperature=0.0,
+        extra_body={"use_beam_search": True, "ignore_eos": True},
+    )
+    assert [c.text for c in response.choices] == expected
+
+
+def test_vllm_extras_reach_the_engine(client, llm):
+    """stop_token_ids and top_k / min_p / repetition_penalty are passed through unchanged."""
+    greedy = offline(llm, PROMPT, temperature=0.0, max_tokens=8, ignore_eos=True)[0]
+    stop_id = greedy.token_ids[3]
+    first = greedy.token_ids.index(stop_id)
+    response = client.completions.create(
+        model="tiny-shakespeare", prompt=PROMPT, max_tokens=8, temperature=0.0, extra_body={"stop_token_ids": [stop_id]}
+    )
+    choice = response.choices[0]
+    assert choice.finish_reason == "stop" and choice.stop_reason == stop_id
+    assert response.usage.completion_tokens == first + 1  # the stop token is generated, not shown
+    extras = dict(top_k=5, min_p=0.05, repetition_penalty=1.3, seed=11)
+    expected = offline(llm, PROMPT, temperature=0.8, max_tokens=10, **extras)[0].text
+    response = client.completions.create(
+        model="tiny-shakespeare", prompt=PROMPT, max_tokens=10, temperature=0.8, seed=11,
+        extra_body={"top_k": 5, "min_p": 0.05, "repetition_penalty": 1.3},
+    )
+    assert response.choices[0].text == expected
