@@ -12,11 +12,31 @@ from minivllm.viz.model import (
     draw_rope_rotation,
     draw_rope_wavelengths,
 )
+from minivllm.viz.queues import (
+    batch_grid,
+    batch_grid_stepper,
+    draw_batch_grid,
+    draw_batch_grid_small_multiples,
+    draw_batch_tokens,
+    draw_memory_over_time,
+    draw_queues,
+    draw_queues_small_multiples,
+    queue_stepper,
+)
 from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
 
 __all__ = [
     "COLORS",
     "REQUEST_PALETTE",
+    "batch_grid",
+    "batch_grid_stepper",
+    "draw_batch_grid",
+    "draw_batch_grid_small_multiples",
+    "draw_batch_tokens",
+    "draw_memory_over_time",
+    "draw_queues",
+    "draw_queues_small_multiples",
+    "queue_stepper",
     "draw_architecture",
     "draw_gqa_groups",
     "draw_memory_waste",

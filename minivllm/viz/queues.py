@@ -250,3 +250,42 @@ def draw_batch_tokens(snapshots: Sequence[StepSnapshot], ax, max_num_batched_tok
     ax.set_xlabel("step")
     ax.set_ylabel("tokens in the batch")
     ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=3, frameon=False, fontsize=7)
+
+
+# ===================================================== widgets and static twins
+def queue_stepper(snapshots: Sequence[StepSnapshot], figsize: tuple[float, float] = (9.0, 3.0)):
+    """Play + slider over the queue view of each step (`minivllm.viz.widgets.FrameStepper`)."""
+    from minivllm.viz.widgets import FrameStepper  # ipywidgets only when a widget is asked for
+
+    return FrameStepper(snapshots, draw_queues, figsize=figsize)
+
+
+def draw_queues_small_multiples(snapshots: Sequence[StepSnapshot], indices: Sequence[int] | None = None,
+                                ncols: int = 2):
+    """The static twin of `queue_stepper`: the chosen steps side by side; returns the figure."""
+    from minivllm.viz.widgets import draw_small_multiples
+
+    return draw_small_multiples(snapshots, draw_queues, indices=indices, ncols=ncols,
+                                panel_size=(6.5, 2.8))
+
+
+def batch_grid_stepper(snapshots: Sequence[StepSnapshot], num_slots: int | None = None,
+                       by: str = "slot", figsize: tuple[float, float] = (9.0, 3.0)):
+    """Play + slider that fills the batch grid one step at a time."""
+    from minivllm.viz.widgets import FrameStepper
+
+    grid = batch_grid(snapshots, num_slots=num_slots, by=by)
+    return FrameStepper(list(range(grid.num_steps)),
+                        lambda step, ax: draw_batch_grid(grid, ax, upto_step=step), figsize=figsize)
+
+
+def draw_batch_grid_small_multiples(snapshots: Sequence[StepSnapshot], indices: Sequence[int],
+                                    num_slots: int | None = None, by: str = "slot", ncols: int = 2):
+    """The static twin of `batch_grid_stepper`: the grid as it stood at the chosen steps."""
+    from minivllm.viz.widgets import draw_small_multiples
+
+    grid = batch_grid(snapshots, num_slots=num_slots, by=by)
+    return draw_small_multiples(list(range(grid.num_steps)),
+                                lambda step, ax: draw_batch_grid(grid, ax, upto_step=step),
+                                indices=indices, ncols=ncols, panel_size=(6.5, 2.8),
+                                titles=lambda i, step: f"after step {step}")

@@ -139,3 +139,26 @@ def test_batch_tokens_bars_add_up_to_the_batch():
     totals = [heights[i] + heights[n + i] for i in range(n)]
     assert totals == [s.num_batched_tokens for s in result.snapshots]
     assert max(totals) <= 8
+
+
+def test_queue_stepper_and_its_static_twin():
+    from minivllm.viz.queues import (
+        batch_grid_stepper,
+        draw_batch_grid_small_multiples,
+        draw_queues_small_multiples,
+        queue_stepper,
+    )
+
+    snapshots = run().snapshots
+    stepper = queue_stepper(snapshots)
+    stepper.slider.value = 3
+    assert stepper.frame is snapshots[3] and stepper.image.value  # a PNG was rendered
+    fig = draw_queues_small_multiples(snapshots, indices=[0, 1, 2])
+    plt.close(fig)
+    assert sum(ax.get_visible() for ax in fig.axes) == 3
+    grid_stepper = batch_grid_stepper(snapshots, num_slots=3)
+    grid_stepper.play.value = len(snapshots) - 1
+    assert grid_stepper.index == len(snapshots) - 1
+    fig = draw_batch_grid_small_multiples(snapshots, indices=[1, 5], num_slots=3)
+    plt.close(fig)
+    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["after step 1", "after step 5"]
