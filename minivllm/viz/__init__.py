@@ -24,6 +24,7 @@ from minivllm.viz.queues import (
     queue_stepper,
 )
 from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
+from minivllm.viz.widgets import FrameStepper, draw_small_multiples, render_frame
 
 __all__ = [
     "COLORS",
@@ -45,4 +46,7 @@ __all__ = [
     "draw_rope_wavelengths",
     "import_graph",
     "request_color",
+    "FrameStepper",
+    "draw_small_multiples",
+    "render_frame",
 ]

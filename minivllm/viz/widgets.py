@@ -1,0 +1,153 @@
+"""A generic stepper widget over a recorded trace, and its static twin.
+
+Any pure drawing function `draw_fn(frame, ax)` becomes
+
+    FrameStepper(frames, draw_fn)          Play + slider; the picture of frame i as PNG
+    draw_small_multiples(frames, draw_fn)  the same frames side by side in one figure
+
+The stepper renders each frame to PNG bytes (cached) in an `ipywidgets.Image`, so it needs
+no live matplotlib backend and its state is plain Python you can assert on:
+
+    >>> stepper = FrameStepper([1, 2, 3], lambda n, ax: ax.bar(range(n), range(n)))
+    >>> stepper.slider.value = 2
+    >>> stepper.index, stepper.frame
+    (2, 3)
+
+The small-multiples figure is what GitHub and HTML exports show, since widgets need a kernel.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ipywidgets as widgets
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+
+DrawFn = Callable[[Any, Any], Any]  # draw_fn(frame, ax) draws one frame on one Axes
+Titles = Sequence[str] | Callable[[int, Any], str] | None
+
+_DEFAULT_INTERVAL_MS = 800  # Play speed: slow enough to read a block table
+_DEFAULT_DPI = 90
+
+
+def _title(titles: Titles, index: int, frame: Any) -> str | None:
+    if titles is None:
+        return None
+    return titles(index, frame) if callable(titles) else titles[index]
+
+
+def render_frame(frame: Any, draw_fn: DrawFn, figsize: tuple[float, float], title: str | None = None,
+                 dpi: int = _DEFAULT_DPI) -> bytes:
+    """PNG bytes of `draw_fn(frame, ax)` on a fresh figure (closed afterwards)."""
+    fig, ax = plt.subplots(figsize=figsize)
+    try:
+        draw_fn(frame, ax)
+        if title:
+            ax.set_title(title, fontsize=10)
+        buffer = io.BytesIO()
+        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+        return buffer.getvalue()
+    finally:
+        plt.close(fig)
+
+
+class FrameStepper:
+    """Play + IntSlider over `frames`; shows `draw_fn(frames[i], ax)` for the chosen i.
+
+    Args:
+        frames: the recorded trace (snapshots, states: anything `draw_fn` understands).
+        draw_fn: `draw_fn(frame, ax)`, a pure drawing function.
+        titles: one title per frame, or `titles(index, frame) -> str`, or None.
+        figsize: size of each rendered frame in inches.
+        interval_ms: time between frames while playing.
+        description: the slider's label.
+
+    Attributes: `play`, `slider`, `image` (the widgets), `widget` (their layout),
+    `index` / `frame` (the current position).
+    """
+
+    def __init__(self, frames: Sequence[Any], draw_fn: DrawFn, *, titles: Titles = None,
+                 figsize: tuple[float, float] = (8.0, 3.0), interval_ms: int = _DEFAULT_INTERVAL_MS,
+                 description: str = "step") -> None:
+        if len(frames) == 0:
+            raise ValueError("a stepper needs at least one frame.")
+        if titles is not None and not callable(titles) and len(titles) != len(frames):
+            raise ValueError(f"got {len(titles)} titles for {len(frames)} frames.")
+        self.frames = list(frames)
+        self.draw_fn, self.titles, self.figsize = draw_fn, titles, figsize
+        self._png_cache: dict[int, bytes] = {}
+        last = len(self.frames) - 1
+        self.play = widgets.Play(value=0, min=0, max=last, step=1, interval=interval_ms)
+        self.slider = widgets.IntSlider(value=0, min=0, max=last, description=description)
+        widgets.jslink((self.play, "value"), (self.slider, "value"))  # in the browser
+        self.play.observe(self._on_play, names="value")  # and in Python, without a browser
+        self.image = widgets.Image(format="png", value=self._render(0))
+        self.slider.observe(self._on_slider, names="value")
+        self.widget = widgets.VBox([widgets.HBox([self.play, self.slider]), self.image])
+
+    @property
+    def index(self) -> int:
+        return self.slider.value
+
+    @property
+    def frame(self) -> Any:
+        return self.frames[self.index]
+
+    def _render(self, index: int) -> bytes:
+        if index not in self._png_cache:
+            title = _title(self.titles, index, self.frames[index])
+            self._png_cache[index] = render_frame(self.frames[index], self.draw_fn, self.figsize, title)
+        return self._png_cache[index]
+
+    def _on_slider(self, change: dict) -> None:
+        self.image.value = self._render(change["new"])
+        self.play.value = change["new"]
+
+    def _on_play(self, change: dict) -> None:
+        self.slider.value = change["new"]
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self.widget)
+
+
+def draw_small_multiples(frames: Sequence[Any], draw_fn: DrawFn, *, titles: Titles = None,
+                         ncols: int = 3, panel_size: tuple[float, float] = (4.0, 2.6),
+                         indices: Sequence[int] | None = None, suptitle: str | None = None) -> Figure:
+    """The static twin of a `FrameStepper`: one panel per frame, row by row.
+
+    Args:
+        frames, draw_fn, titles: as for `FrameStepper`.
+        ncols: panels per row.
+        panel_size: inches per panel.
+        indices: which frames to show (default: all).
+        suptitle: a title over the whole figure.
+
+    Returns the figure (close it and `display(fig)` in a notebook). Unused panels are hidden.
+    """
+    chosen = list(range(len(frames))) if indices is None else list(indices)
+    if not chosen:
+        raise ValueError("small multiples need at least one frame.")
+    if ncols < 1:
+        raise ValueError(f"ncols must be at least 1, got {ncols}.")
+    ncols = min(ncols, len(chosen))
+    nrows = math.ceil(len(chosen) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(panel_size[0] * ncols, panel_size[1] * nrows),
+                             squeeze=False)
+    flat = axes.ravel()
+    for ax, index in zip(flat, chosen):
+        draw_fn(frames[index], ax)
+        title = _title(titles, index, frames[index])
+        if title:
+            ax.set_title(title, fontsize=9)
+    for ax in flat[len(chosen):]:
+        ax.set_visible(False)
+    if suptitle:
+        fig.suptitle(suptitle)
+    fig.tight_layout()
+    return fig

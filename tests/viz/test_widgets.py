@@ -1,0 +1,63 @@
+"""The generic stepper and its small-multiples twin."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest  # noqa: E402
+
+from minivllm.viz.widgets import FrameStepper, draw_small_multiples, render_frame  # noqa: E402
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def draw_bars(n, ax):
+    ax.bar(range(n), [1] * n)
+
+
+def test_render_frame_gives_png_bytes():
+    assert render_frame(3, draw_bars, (2, 2)).startswith(PNG_MAGIC)
+
+
+def test_stepper_follows_slider_and_play():
+    calls = []
+
+    def draw(frame, ax):
+        calls.append(frame)
+        draw_bars(frame, ax)
+
+    stepper = FrameStepper([1, 2, 3], draw, titles=["a", "b", "c"], figsize=(2, 2))
+    assert (stepper.index, stepper.frame, calls) == (0, 1, [1])
+    first = stepper.image.value
+    stepper.slider.value = 2
+    assert (stepper.index, stepper.frame, stepper.play.value) == (2, 3, 2)
+    assert bytes(stepper.image.value) != bytes(first) and bytes(stepper.image.value).startswith(PNG_MAGIC)
+    stepper.play.value = 1  # what pressing Play does, one tick
+    assert stepper.index == 1 and stepper.frame == 2
+    stepper.slider.value = 0  # cached: not drawn again
+    assert bytes(stepper.image.value) == bytes(first) and calls == [1, 3, 2]
+    assert (stepper.slider.max, stepper.play.max) == (2, 2)
+
+
+def test_stepper_rejects_empty_traces_and_wrong_titles():
+    with pytest.raises(ValueError):
+        FrameStepper([], draw_bars)
+    with pytest.raises(ValueError):
+        FrameStepper([1, 2], draw_bars, titles=["only one"])
+
+
+def test_small_multiples_one_panel_per_frame():
+    fig = draw_small_multiples([1, 2, 3, 4, 5], draw_bars, ncols=2, titles=lambda i, f: f"step {i}")
+    visible = [ax for ax in fig.axes if ax.get_visible()]
+    assert len(fig.axes) == 6 and len(visible) == 5
+    assert [ax.get_title() for ax in visible] == [f"step {i}" for i in range(5)]
+    assert [len(ax.patches) for ax in visible] == [1, 2, 3, 4, 5]
+
+
+def test_small_multiples_subset_of_frames():
+    fig = draw_small_multiples([1, 2, 3, 4], draw_bars, indices=[0, 3], ncols=4)
+    assert len(fig.axes) == 2 and [len(ax.patches) for ax in fig.axes] == [1, 4]
+    with pytest.raises(ValueError):
+        draw_small_multiples([1], draw_bars, indices=[])
