@@ -1,0 +1,36 @@
+"""The `minivllm` command, run in-process (generate, bench) and as `python -m minivllm`."""
+
+import json
+import subprocess
+import sys
+
+from minivllm import LLM, SamplingParams
+from minivllm.entrypoints.cli import main
+
+
+def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
+    path, _ = tiny_llama
+    assert main(["generate", "To be", "Q", "--model", path, "--max-tokens", "6", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    expected = LLM(path).generate(["To be", "Q"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    for output in expected:
+        assert output.prompt + output.outputs[0].text in out
+
+
+def test_bench_prints_json_throughput(tiny_llama, capsys):
+    path, _ = tiny_llama
+    args = ["bench", "--model", path, "--num-seqs", "4", "--min-len", "4", "--max-input-len", "12",
+            "--max-output-len", "6", "--max-num-seqs", "4", "--max-model-len", "64"]
+    assert main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["num_seqs"] == 4
+    assert 4 * 4 <= result["output_tokens"] <= 4 * 6
+    assert abs(result["output_tokens_per_s"] - result["output_tokens"] / result["elapsed_s"]) < 1
+
+
+def test_python_dash_m_shows_every_subcommand():
+    out = subprocess.run([sys.executable, "-m", "minivllm", "--help"], capture_output=True, text=True, check=True).stdout
+    assert all(name in out for name in ("generate", "bench", "serve"))
+    serve = subprocess.run([sys.executable, "-m", "minivllm", "serve", "--help"], capture_output=True, text=True,
+                           check=True).stdout
+    assert "--port" in serve and "--max-num-seqs" in serve

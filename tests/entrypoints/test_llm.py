@@ -1,0 +1,67 @@
+"""`LLM.generate`: vLLM's offline API over the engine."""
+
+import pytest
+
+import engine_test_checkpoints as checkpoints  # registered by conftest.py
+import minivllm
+from minivllm import LLM, SamplingParams
+from minivllm.bundled_models import resolve_model
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(tiny_llama[0], block_size=8)
+
+
+def test_outputs_come_back_in_input_order_and_match_transformers(llm, tiny_llama):
+    _, hf_model = tiny_llama
+    tokenizer = llm.get_tokenizer()
+    prompts = ["To be", "or not to be, that is", "Q"]
+    # The first prompt runs longest, so requests finish in a different order than given.
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (12, 3, 6)]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.prompt for o in outputs] == prompts
+    for prompt, param, output in zip(prompts, params, outputs):
+        prompt_ids = tokenizer.encode(prompt)
+        assert output.prompt_token_ids == prompt_ids
+        assert output.finished
+        assert output.outputs[0].token_ids == checkpoints.hf_greedy(hf_model, prompt_ids, param.max_tokens)
+    engine = llm.llm_engine
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+
+
+def test_prompt_forms_single_string_and_token_ids(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    [from_text] = llm.generate("abc", params, use_tqdm=False)
+    [from_ids] = llm.generate({"prompt_token_ids": from_text.prompt_token_ids}, params, use_tqdm=False)
+    assert from_ids.prompt is None
+    assert from_ids.outputs[0].token_ids == from_text.outputs[0].token_ids
+
+
+def test_default_params_and_param_count_mismatch(llm):
+    [output] = llm.generate(["x"], use_tqdm=False)
+    assert 1 <= len(output.outputs[0].token_ids) <= SamplingParams().max_tokens
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
+
+
+def test_progress_bar_reports_throughput(llm, capsys):
+    llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=True)
+    err = capsys.readouterr().err
+    assert "Processed prompts" in err and "toks/s" in err
+
+
+def test_default_model_is_the_bundled_one():
+    llm = LLM(num_gpu_blocks_override=64)
+    assert llm.llm_engine.model_config.model == resolve_model(None)
+    [output] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
+    assert output.outputs[0].text
+
+
+def test_top_level_exports_are_lazy():
+    import subprocess
+    import sys
+
+    code = "import sys, minivllm; assert 'torch' not in sys.modules; minivllm.LLM; assert 'torch' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert set(minivllm.__all__) >= {"LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput", "SamplingParams"}
