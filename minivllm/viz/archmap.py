@@ -251,7 +251,7 @@ def import_graph(
     """
     graph: dict[str, set[str]] = {module: set() for module in find_modules(package_root)}
     for edge in scan_imports(package_root):
-        if edge.deferred and not deferred or edge.type_checking and not type_checking:
+        if (edge.deferred and not deferred) or (edge.type_checking and not type_checking):
             continue
         if edge.imported in graph and edge.imported != edge.importer:
             graph[edge.importer].add(edge.imported)
@@ -299,7 +299,7 @@ class _ImportVisitor(ast.NodeVisitor):
         self.generic_visit(node)
         self.function_depth -= 1
 
-    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _visit_function
+    visit_FunctionDef = visit_AsyncFunctionDef = _visit_function
 
     def visit_If(self, node: ast.If) -> None:
         if _is_type_checking(node.test):
@@ -321,14 +321,20 @@ def _is_type_checking(test: ast.expr) -> bool:
 
 def layer_of(module: str) -> str | None:
     """The layer of `module` by its longest matching prefix in `LAYERS`; None if unlisted."""
-    best, best_len = None, -1
-    for layer, prefixes in LAYERS.items():
-        for prefix in prefixes:
-            exact_only = prefix == PACKAGE  # the root prefix would otherwise match everything
-            matches = module == prefix or (not exact_only and module.startswith(prefix + "."))
-            if matches and len(prefix) > best_len:
-                best, best_len = layer, len(prefix)
-    return best
+    match = _longest_prefix(module)
+    return match[0] if match else None
+
+
+def _longest_prefix(module: str) -> tuple[str, str] | None:
+    """(layer, prefix) of the longest `LAYERS` prefix that `module` is or lies under."""
+    matches = [
+        (layer, prefix)
+        for layer, prefixes in LAYERS.items()
+        for prefix in prefixes
+        # The root prefix "minivllm" names the root __init__ only, or it would match everything.
+        if module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
+    ]
+    return max(matches, key=lambda match: len(match[1])) if matches else None
 
 
 def vllm_path(module: str) -> str | None:
@@ -367,13 +373,8 @@ def collapse_to_layers(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 
 def _unit_of(module: str) -> str:
-    matches = [
-        prefix
-        for prefixes in LAYERS.values()
-        for prefix in prefixes
-        if module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
-    ]
-    return max(matches, key=len) if matches else module
+    match = _longest_prefix(module)
+    return match[1] if match else module
 
 
 def row_of(module: str) -> int:
