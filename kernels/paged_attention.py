@@ -305,6 +305,8 @@ def paged_attention_decode(
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(query.device))
 
     out = torch.empty_like(query)
+    if num_seqs == 0:
+        return out
     tile_tokens, num_warps, num_stages = V1_CONFIG if num_kv_splits == 1 else V2_CONFIG
     meta = dict(
         BLOCK_SIZE=block_size, TILE_N=tile_tokens,
