@@ -23,7 +23,6 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ipywidgets as widgets
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
@@ -77,6 +76,8 @@ class FrameStepper:
             raise ValueError("a stepper needs at least one frame.")
         if titles is not None and not callable(titles) and len(titles) != len(frames):
             raise ValueError(f"got {len(titles)} titles for {len(frames)} frames.")
+        import ipywidgets as widgets  # deferred: `import minivllm.viz` must work without it
+
         self.frames = list(frames)
         self.draw_fn, self.titles, self.figsize = draw_fn, titles, figsize
         self._png_cache: dict[int, bytes] = {}
