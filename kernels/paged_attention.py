@@ -299,14 +299,14 @@ def paged_attention_decode(
     num_seqs, num_heads, head_dim = query.shape
     _, block_size, num_kv_heads, _ = key_cache.shape
     group_size = num_heads // num_kv_heads
+    if num_seqs == 0:
+        return torch.empty_like(query)
     if num_kv_splits is None:
         # The block table's width bounds every context length: a shape, so no device sync.
         max_context_len = block_tables.shape[1] * block_size
         num_kv_splits = choose_num_kv_splits(num_seqs, num_kv_heads, max_context_len, _num_sms(query.device))
 
     out = torch.empty_like(query)
-    if num_seqs == 0:
-        return out
     tile_tokens, num_warps, num_stages = V1_CONFIG if num_kv_splits == 1 else V2_CONFIG
     meta = dict(
         BLOCK_SIZE=block_size, TILE_N=tile_tokens,
