@@ -179,3 +179,32 @@ def test_greedy_generation_is_deterministic_and_reads_like_a_play(model, tokeniz
 # Parity with minivllm's own engine (same prompt, greedy, token-for-token against
 # transformers' output above) is added by the engine engineer once LLMEngine lands:
 # see issue 2, "A test loads it both ways".
+
+
+# ============================================================================= minivllm vs transformers
+# (added by the engine engineer) The bundled model loaded both ways: minivllm's engine
+# (paged KV cache, continuous batching) must produce exactly transformers' greedy tokens.
+
+ENGINE_PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me"]
+ENGINE_NEW_TOKENS = 32
+
+
+def test_minivllm_greedy_equals_transformers_on_the_bundled_model(model, tokenizer):
+    from minivllm import LLM, SamplingParams
+
+    # 8 blocks of 16 tokens cannot hold all three requests at full length: one is preempted.
+    llm = LLM(block_size=16, num_gpu_blocks_override=8, enable_prefix_caching=True)
+    params = SamplingParams(temperature=0.0, max_tokens=ENGINE_NEW_TOKENS, ignore_eos=True)
+    outputs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
+    for prompt, output in zip(ENGINE_PROMPTS, outputs):
+        input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        assert output.prompt_token_ids == input_ids[0].tolist()
+        with torch.no_grad():
+            expected = model.generate(input_ids, max_new_tokens=ENGINE_NEW_TOKENS, min_new_tokens=ENGINE_NEW_TOKENS,
+                                      do_sample=False, pad_token_id=tokenizer.pad_token_id)
+        expected_ids = expected[0, input_ids.shape[1]:].tolist()
+        assert output.outputs[0].token_ids == expected_ids
+        assert output.outputs[0].text == tokenizer.decode(expected_ids, skip_special_tokens=True)
+    engine = llm.llm_engine
+    assert engine.scheduler.num_cumulative_preemption > 0
+    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
