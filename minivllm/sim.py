@@ -138,6 +138,7 @@ class RequestResult:
     seq_output_lens: list[int] = field(default_factory=list)
     first_token_step: int | None = None
     finish_step: int | None = None
+    token_steps: list[int] = field(default_factory=list)  # steps in which it produced tokens
     num_output_tokens: int = 0
     num_preemptions: int = 0
     arrival_ms: float = 0.0
@@ -183,6 +184,15 @@ class SimResult:
     results: dict[str, RequestResult]
     stats: SimStats
 
+    def token_times_ms(self, request_id: str) -> list[float]:
+        """When each of the request's tokens was ready (end of the step that made it)."""
+        return [self.snapshots[step].time for step in self.results[request_id].token_steps]
+
+    def max_itl_ms(self, request_id: str) -> float:
+        """The longest gap between two consecutive tokens of the request (0 if < 2 tokens)."""
+        times = self.token_times_ms(request_id)
+        return max((b - a for a, b in zip(times, times[1:])), default=0.0)
+
 
 class Simulator:
     """Runs a workload through a real `Scheduler` with a stand-in model.
@@ -203,9 +213,10 @@ class Simulator:
         self.cost_model = cost_model or StepCostModel()
         self.include_block_manager = include_block_manager
         self.max_steps = max_steps
-        self.step = 0
+        self.current_step = 0
         self.now_ms = 0.0
-        self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.step)
+        self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.current_step)
+        self._aborted_before_step: list[str] = []
         self._seq_ids = itertools.count()
         self._targets: dict[int, int] = {}  # seq_id -> target output length
         self._sibling_targets: dict[str, list[int]] = {}  # request_id -> output_lens
@@ -221,20 +232,25 @@ class Simulator:
         pending = sorted(requests, key=lambda r: r.arrival_step)
         aborts = {r.request_id: r.abort_step for r in requests if r.abort_step is not None}
         while pending or self.scheduler.has_unfinished_seqs():
-            if self.step >= self.max_steps:
+            if self.current_step >= self.max_steps:
                 raise RuntimeError(f"simulation did not finish within {self.max_steps} steps.")
-            while pending and pending[0].arrival_step <= self.step:
-                self._add(pending.pop(0))
-            aborted = self._abort([rid for rid, s in aborts.items() if s == self.step])
-            self._run_step(aborted)
+            while pending and pending[0].arrival_step <= self.current_step:
+                self.add_request(pending.pop(0))
+            self.abort([rid for rid, s in aborts.items() if s == self.current_step])
+            self.step()
+        return self.result()
+
+    def result(self) -> SimResult:
         return SimResult(self.snapshots, self.results, self._stats())
 
     # ------------------------------------------------------------------ one step
-    def _run_step(self, aborted: list[str]) -> None:
+    def step(self) -> StepSnapshot:
+        """One scheduler step and one stand-in model step; returns (and records) its snapshot."""
         _, outputs = self.scheduler.schedule()
-        snapshot = take_snapshot(self.scheduler, outputs, self.step,
+        snapshot = take_snapshot(self.scheduler, outputs, self.current_step,
                                  include_block_manager=self.include_block_manager)
-        snapshot.aborted.extend(aborted)
+        snapshot.aborted.extend(self._aborted_before_step)
+        self._aborted_before_step = []
         for seq_group in outputs.ignored_seq_groups:
             self._record_finish(seq_group)
         for scheduled in outputs.scheduled_seq_groups:
@@ -245,7 +261,8 @@ class Simulator:
         self._collect_finished(outputs, snapshot)
         snapshot.time = self.now_ms
         self.snapshots.append(snapshot)
-        self.step += 1
+        self.current_step += 1
+        return snapshot
 
     def _model_step(self, seq_group: SequenceGroup, token_chunk_size: int) -> None:
         """What the model + sampler + output processor would do to one scheduled group."""
@@ -258,8 +275,9 @@ class Simulator:
         for seq in seqs:
             self._append_token(seq_group, seq)
         result = self.results[seq_group.request_id]
+        result.token_steps.append(self.current_step)
         if result.first_token_step is None:
-            result.first_token_step = self.step
+            result.first_token_step = self.current_step
 
     def _fork(self, seq_group: SequenceGroup) -> list[Sequence]:
         """After the first prompt is done, a request with n > 1 forks its siblings."""
@@ -296,26 +314,30 @@ class Simulator:
         self.scheduler.free_finished_seq_groups()
 
     # --------------------------------------------------------------- bookkeeping
-    def _add(self, request: SimRequest) -> None:
+    def add_request(self, request: SimRequest) -> None:
+        """The request arrives now (at `current_step`), whatever its `arrival_step` says."""
+        if request.request_id in self.results:
+            raise ValueError(f"request id {request.request_id!r} is already used.")
         seq = Sequence(next(self._seq_ids), None, request.prompt_token_ids,
                        self.cache_config.block_size, EOS_TOKEN_ID)
         params = SamplingParams(n=request.n, max_tokens=request.max_tokens)
         seq_group = SequenceGroup(request.request_id, [seq], params,
-                                  arrival_time=self.step, priority=request.priority)
+                                  arrival_time=self.current_step, priority=request.priority)
         self._targets[seq.seq_id] = request.output_lens[0]
         self._sibling_targets[request.request_id] = request.output_lens
         self._groups[request.request_id] = seq_group
-        self.results[request.request_id] = RequestResult(request.request_id, self.step, request.n,
+        self.results[request.request_id] = RequestResult(request.request_id, self.current_step, request.n,
                                                          arrival_ms=self.now_ms)
         self.scheduler.add_seq_group(seq_group)
 
-    def _abort(self, request_ids: list[str]) -> list[str]:
+    def abort(self, request_ids: list[str]) -> list[str]:
         """Abort the requests that have arrived and not finished; returns their ids."""
         live = [rid for rid in request_ids
                 if rid in self._groups and self.results[rid].finish_step is None]
         self.scheduler.abort_seq_group(live)
         for rid in live:
             self._record_finish(self._groups[rid])
+        self._aborted_before_step.extend(live)
         return live
 
     def _record_finish(self, seq_group: SequenceGroup) -> None:
@@ -328,7 +350,7 @@ class Simulator:
         result.seq_output_lens = [seq.get_output_len() for seq in seq_group.get_seqs()]
         result.finish_reason = SequenceStatus.get_finished_reason(status)
         result.finish_message = seq_group.finish_message
-        result.finish_step = self.step
+        result.finish_step = self.current_step
         result.finish_ms = self.now_ms
         result.num_output_tokens = sum(s.get_output_len() for s in seq_group.get_seqs())
 
@@ -338,7 +360,7 @@ class Simulator:
                                                self.cache_config.block_size)
         for scheduled in outputs.scheduled_seq_groups:
             result = self.results[scheduled.seq_group.request_id]
-            if result.first_token_step == self.step and result.first_token_ms is None:
+            if result.first_token_step == self.current_step and result.first_token_ms is None:
                 result.first_token_ms = self.now_ms
 
     def _stats(self) -> SimStats:

@@ -163,3 +163,24 @@ def test_static_batching_rejects_what_it_does_not_model():
         simulate_static_batching([request("a", 4, 2, 3)], batch_size=2)
     with pytest.raises(ValueError):
         simulate_static_batching([request("a", 4, 2)], batch_size=0)
+
+
+def test_manual_stepping_and_token_times():
+    sim = Simulator(SchedulerConfig(max_model_len=256), CacheConfig(block_size=4, num_gpu_blocks=64),
+                    cost_model=StepCostModel(step_overhead_ms=1.0, ms_per_token=1.0))
+    sim.add_request(request("a", 4, 3))
+    first = sim.step()
+    assert first.step == 0 and first.batch[0].phase == "prefill" and first.time == pytest.approx(5.0)
+    sim.add_request(request("b", 2, 5))  # arrives at step 1: a prefill step, "a" waits
+    with pytest.raises(ValueError, match="already used"):
+        sim.add_request(request("a", 4, 3))
+    assert sim.step().batch[0].request_id == "b"
+    assert sim.abort(["b", "unknown"]) == ["b"]
+    assert sim.step().aborted == ["b"]
+    while sim.scheduler.has_unfinished_seqs():
+        sim.step()
+    result = sim.result()
+    assert result.results["a"].token_steps == [0, 2, 3]
+    # step costs: 1 + 4 (prefill a), 1 + 2 (prefill b), then decodes of 1 token: 2 ms each
+    assert result.token_times_ms("a") == pytest.approx([5.0, 10.0, 12.0])
+    assert result.max_itl_ms("a") == pytest.approx(5.0)  # the gap with b's prefill in it

@@ -289,3 +289,21 @@ def draw_batch_grid_small_multiples(snapshots: Sequence[StepSnapshot], indices: 
                                 lambda step, ax: draw_batch_grid(grid, ax, upto_step=step),
                                 indices=indices, ncols=ncols, panel_size=(6.5, 2.8),
                                 titles=lambda i, step: f"after step {step}")
+
+
+# ================================================================= trade-offs
+def draw_latency_tradeoff(points: dict[str, tuple[float, float]], ax, xlabel: str = "max inter-token latency (ms)",
+                          ylabel: str = "time to first token (ms)") -> None:
+    """One labelled point per configuration, joined in the given order (a trade-off curve).
+
+    `points`: label -> (x, y), e.g. {"budget 64": (max_itl, ttft), ...}.
+    """
+    labels = list(points)
+    xs = [points[label][0] for label in labels]
+    ys = [points[label][1] for label in labels]
+    ax.plot(xs, ys, "-o", color=COLORS["running"], markersize=5)
+    for label, x, y in zip(labels, xs, ys):
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)

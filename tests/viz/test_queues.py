@@ -162,3 +162,14 @@ def test_queue_stepper_and_its_static_twin():
     fig = draw_batch_grid_small_multiples(snapshots, indices=[1, 5], num_slots=3)
     plt.close(fig)
     assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["after step 1", "after step 5"]
+
+
+def test_latency_tradeoff_plots_each_point_in_order():
+    from minivllm.viz.queues import draw_latency_tradeoff
+
+    fig, ax = plt.subplots()
+    draw_latency_tradeoff({"a": (1.0, 9.0), "b": (2.0, 5.0), "c": (4.0, 3.0)}, ax)
+    plt.close(fig)
+    (line,) = ax.lines
+    assert list(line.get_xdata()) == [1.0, 2.0, 4.0] and list(line.get_ydata()) == [9.0, 5.0, 3.0]
+    assert [t.get_text() for t in ax.texts] == ["a", "b", "c"]
