@@ -45,17 +45,21 @@ class Attention(nn.Module):
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Write first: the kernels read every key, the new ones included, from the cache.
         self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
-        out = torch.empty_like(q)
+        prefill, decode = attn_metadata.prefill_metadata, attn_metadata.decode_metadata
         num_prefill_tokens = attn_metadata.num_prefill_tokens
-        if (prefill := attn_metadata.prefill_metadata) is not None:
-            out[:num_prefill_tokens] = self.ops.paged_prefill_attention(
+        outputs = []
+        if prefill is not None:  # causal over the new tokens, full over cached context
+            outputs.append(self.ops.paged_prefill_attention(
                 q[:num_prefill_tokens], key_cache, value_cache, prefill.block_tables,
-                prefill.query_start_loc, prefill.seq_lens, self.scale)
-        if (decode := attn_metadata.decode_metadata) is not None:
-            out[num_prefill_tokens:] = self.ops.paged_attention_decode(
+                prefill.query_start_loc, prefill.seq_lens, self.scale))
+        if decode is not None:  # one query token per sequence
+            outputs.append(self.ops.paged_attention_decode(
                 q[num_prefill_tokens:], key_cache, value_cache, decode.block_tables,
-                decode.seq_lens, self.scale)
-        return out
+                decode.seq_lens, self.scale))
+        if not outputs:  # an empty batch
+            return torch.empty_like(q)
+        # A pure-prefill or pure-decode batch (the common cases) needs no concatenation.
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
     def _forward_without_cache(self, q, k, v, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence's tokens over themselves (no cached context)."""
