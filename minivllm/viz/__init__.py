@@ -5,6 +5,14 @@ ipywidgets stepper over a recorded trace, with a static small-multiples twin.
 """
 
 from minivllm.viz.archmap import draw_architecture, import_graph
+from minivllm.viz.blocks import (
+    draw_block_pool,
+    draw_block_tables,
+    draw_block_usage,
+    draw_free_lists,
+    draw_hash_chain,
+    draw_ref_counts,
+)
 from minivllm.viz.memory import draw_memory_waste
 from minivllm.viz.model import (
     draw_gqa_groups,
@@ -49,6 +57,12 @@ __all__ = [
     "import_graph",
     "request_color",
     "FrameStepper",
+    "draw_block_pool",
+    "draw_block_tables",
+    "draw_block_usage",
+    "draw_free_lists",
+    "draw_hash_chain",
+    "draw_ref_counts",
     "draw_small_multiples",
     "render_frame",
 ]
