@@ -342,6 +342,9 @@ class AsyncLLMEngine:
         return self.engine.model_config
 
     async def check_health(self) -> None:
-        """Raise if the loop has died (it should not: every step error is caught)."""
+        """Raise if the loop has died (it should not: every step error is caught).
+
+        The next request starts a fresh loop, so a dead loop shows until then (`GET /health` -> 503).
+        """
         if self.errored:
             raise RuntimeError(f"the engine loop died: {self._loop_task.exception()!r}")

@@ -182,3 +182,23 @@ def test_closing_the_event_loop_mid_request_leaves_nothing_behind(engine):
     asyncio.run(leave_early())
     assert not engine.is_running
     assert all_blocks_free(engine)
+
+
+def test_health_check_reports_a_dead_loop_and_the_next_request_restarts_it(engine, monkeypatch):
+    def broken():
+        raise RuntimeError("scheduler state corrupted")
+
+    async def kill_the_loop():
+        monkeypatch.setattr(engine.engine, "has_unfinished_requests", broken)
+        engine.start_background_loop()
+        await asyncio.sleep(0.05)  # the loop's first check raises outside any step
+        monkeypatch.undo()
+        assert engine.errored and not engine.is_running
+        with pytest.raises(RuntimeError, match="loop died"):
+            await engine.check_health()
+        outputs = await collect(engine, "revived")  # a new request starts a new loop
+        await engine.check_health()
+        return outputs
+
+    assert run(engine, kill_the_loop())[-1].finished
+    assert all_blocks_free(engine)
