@@ -123,3 +123,10 @@ def test_hub_id_that_cannot_be_fetched_is_a_clear_error(make_checkpoint, monkeyp
     model_config.model = "minivllm-tests/no-such-model"
     with pytest.raises(ValueError, match="not a local directory"):
         get_model(model_config, "cpu")
+
+
+def test_checkpoint_that_disagrees_with_its_config_is_an_error(make_checkpoint):
+    _, model_config = make_checkpoint("llama3")  # 2 KV heads in the weights
+    model_config.hf_config.num_key_value_heads = 4
+    with pytest.raises(ValueError, match="shard 'k' has shape"):
+        get_model(model_config, "cpu")

@@ -47,8 +47,9 @@ class MergedLinear(nn.Linear):
     def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
         """Copy one part (weight rows or bias entries) into the fused parameter."""
         offset, size = self.shard_offsets[shard_id]
-        if loaded.shape[0] != size:
-            raise ValueError(f"shard {shard_id!r} has {loaded.shape[0]} rows, expected {size}.")
+        expected = (size, *param.shape[1:])
+        if tuple(loaded.shape) != expected:
+            raise ValueError(f"shard {shard_id!r} has shape {tuple(loaded.shape)}, expected {expected}.")
         param.data[offset : offset + size].copy_(loaded)
 
 
@@ -215,7 +216,8 @@ class LlamaForCausalLM(nn.Module):
             param = _lookup(params, target)
             if shard_id is None:
                 if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, model {tuple(param.shape)}.")
+                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
+                                     f"model {tuple(param.shape)}.")
                 param.data.copy_(tensor)
                 loaded.add(target)
                 continue
