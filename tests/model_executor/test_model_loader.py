@@ -130,3 +130,11 @@ def test_checkpoint_that_disagrees_with_its_config_is_an_error(make_checkpoint):
     model_config.hf_config.num_key_value_heads = 4
     with pytest.raises(ValueError, match="shard 'k' has shape"):
         get_model(model_config, "cpu")
+
+
+def test_sliding_window_shorter_than_the_context_is_warned_about(make_checkpoint, caplog):
+    _, model_config = make_checkpoint("mistral")
+    model_config.hf_config.sliding_window = 16  # < max_model_len (64): full attention differs
+    with caplog.at_level("WARNING", logger="minivllm.model_executor.model_loader"):
+        get_model(model_config, "cpu")
+    assert "sliding-window" in caplog.text
