@@ -57,16 +57,17 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert block_manager.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
 
 
-def check_parity(checkpoint_dirs, family: str, prompts, stagger: int = 0, **engine_kwargs) -> LLMEngine:
+def check_parity(checkpoint_dirs, family: str, prompts, stagger: int = 0, max_tokens: int = MAX_TOKENS,
+                 **engine_kwargs) -> LLMEngine:
     path, hf_model = checkpoint_dirs[family]
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, **engine_kwargs))
     collector = StatsCollector()
     engine.add_logger("collector", collector)
     engine.collector = collector
-    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     results = run_all(engine, prompts, params, stagger)
     for i, prompt in enumerate(prompts):
-        assert results[str(i)] == checkpoints.hf_greedy(hf_model, prompt, MAX_TOKENS), f"prompt {i} (len {len(prompt)})"
+        assert results[str(i)] == checkpoints.hf_greedy(hf_model, prompt, max_tokens), f"prompt {i} (len {len(prompt)})"
     assert_all_blocks_free(engine)
     return engine
 
@@ -117,7 +118,8 @@ def test_greedy_matches_transformers_with_everything_on(checkpoint_dirs):
     rng = random.Random(4)
     shared = [rng.randrange(3, checkpoints.VOCAB_SIZE) for _ in range(17)]
     prompts = [shared + p for p in mixed_prompts(7, seed=4, max_len=24)]
-    engine = check_parity(checkpoint_dirs, "llama", prompts, stagger=1, block_size=8,
+    # Up to 41 + 24 tokens (9 blocks) each, up to 4 running at once, in a pool of 10 blocks.
+    engine = check_parity(checkpoint_dirs, "llama", prompts, stagger=1, max_tokens=24, block_size=8,
                           enable_chunked_prefill=True, max_num_batched_tokens=24, max_num_seqs=4,
                           enable_prefix_caching=True, num_gpu_blocks_override=10)
     assert sum(s.num_preemption_iter for s in engine.collector.stats) > 0
