@@ -50,24 +50,41 @@ def make_batch():
     return tables, keys, values, queries, kv_cache
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_layer_matches_dense_attention(backend):
-    if backend == "triton" and os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available():
-        pytest.skip("triton on CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py)")
+def check_layer(backend, device="cpu", dtype=torch.float32, tol=1e-5):
     tables, keys, values, queries, kv_cache = make_batch()
+    # Round the inputs to `dtype` once; the dense reference runs in fp32 on those values.
+    keys, values, queries = ([t.to(dtype).float() for t in ts] for ts in (keys, values, queries))
     new = [slice(c, c + q) for c, q in zip(CONTEXT_LENS, QUERY_LENS)]
     q = torch.cat(queries)
     k = torch.cat([k[s] for k, s in zip(keys, new)])
     v = torch.cat([v[s] for v, s in zip(values, new)])
-    md = build_attn_metadata(tables, CONTEXT_LENS, QUERY_LENS, NUM_PREFILLS, BLOCK_SIZE)
+    md = build_attn_metadata(tables, CONTEXT_LENS, QUERY_LENS, NUM_PREFILLS, BLOCK_SIZE, device)
     layer = Attention(NUM_HEADS, HEAD_DIM, SCALE, NUM_KV_HEADS, backend=backend)
-    out = layer(q, k, v, kv_cache, md)
+    kv_cache = kv_cache.to(device, dtype)
+    out = layer(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), kv_cache, md)
     expected = torch.cat([dense_attention(qs, ks, vs, c)
                           for qs, ks, vs, c in zip(queries, keys, values, CONTEXT_LENS)])
-    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out.float().cpu(), expected, atol=tol, rtol=tol)
     # The new keys/values were written to their slots.
     key_slots = kv_cache[0].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
-    torch.testing.assert_close(key_slots[md.slot_mapping], k, atol=0, rtol=0)
+    torch.testing.assert_close(key_slots[md.slot_mapping].float().cpu(), k, atol=0, rtol=0)
+
+
+def test_layer_matches_dense_attention_torch_backend():
+    check_layer("torch")
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="Triton on the CPU needs TRITON_INTERPRET=1 (set by tests/conftest.py "
+                           "without a GPU); on a GPU the bf16 test below covers it")
+def test_layer_matches_dense_attention_triton_interpreter():
+    check_layer("triton")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_layer_matches_dense_attention_triton_on_gpu_in_bf16():
+    check_layer("triton", device="cuda", dtype=torch.bfloat16, tol=2e-2)
 
 
 def test_empty_kv_cache_means_causal_attention_without_context():
