@@ -65,6 +65,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None 
     names = _served_model_names(engine, served_model_name)
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger(registry, model_name=names[0])
+    # One metrics logger per engine: a new app (a notebook cell run twice) takes it over.
+    with contextlib.suppress(KeyError):
+        engine.engine.remove_logger("prometheus")
     engine.engine.add_logger("prometheus", stat_logger)
 
     @contextlib.asynccontextmanager
