@@ -197,7 +197,8 @@ def draw_batch_grid(grid: BatchGrid | Sequence[StepSnapshot], ax, num_slots: int
         for step in range(last):
             kind = kinds[step]
             color = COLORS[kind] if kind else "white"
-            ax.add_patch(Rectangle((step, y), 1, 1, facecolor=color, edgecolor="white", linewidth=1))
+            ax.add_patch(Rectangle((step, y), 1, 1, facecolor=color, edgecolor="white",
+                                   linewidth=1.0 if label_cells else 0.2))
             if label_cells and labels[step] and kind != "idle":
                 ax.text(step + 0.5, y + 0.5, labels[step], ha="center", va="center", fontsize=6,
                         color="white" if kind == "finished" else COLORS["edge"])
@@ -208,7 +209,7 @@ def draw_batch_grid(grid: BatchGrid | Sequence[StepSnapshot], ax, num_slots: int
     ax.set_xlabel("step (iteration)")
     ax.set_title(title or f"slot utilization {grid.utilization():.0%}", fontsize=9, loc="left")
     ax.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in CELL_KINDS],
-              loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4, frameon=False, fontsize=7)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, frameon=False, fontsize=7)
 
 
 # ====================================================================== memory
@@ -275,8 +276,10 @@ def batch_grid_stepper(snapshots: Sequence[StepSnapshot], num_slots: int | None 
     from minivllm.viz.widgets import FrameStepper
 
     grid = batch_grid(snapshots, num_slots=num_slots, by=by)
-    return FrameStepper(list(range(grid.num_steps)),
-                        lambda step, ax: draw_batch_grid(grid, ax, upto_step=step), figsize=figsize)
+    return FrameStepper(
+        list(range(grid.num_steps)),
+        lambda step, ax: draw_batch_grid(grid, ax, upto_step=step, title=f"after step {step}"),
+        figsize=figsize)
 
 
 def draw_batch_grid_small_multiples(snapshots: Sequence[StepSnapshot], indices: Sequence[int],
@@ -285,10 +288,10 @@ def draw_batch_grid_small_multiples(snapshots: Sequence[StepSnapshot], indices: 
     from minivllm.viz.widgets import draw_small_multiples
 
     grid = batch_grid(snapshots, num_slots=num_slots, by=by)
-    return draw_small_multiples(list(range(grid.num_steps)),
-                                lambda step, ax: draw_batch_grid(grid, ax, upto_step=step),
-                                indices=indices, ncols=ncols, panel_size=(6.5, 2.8),
-                                titles=lambda i, step: f"after step {step}")
+    return draw_small_multiples(
+        list(range(grid.num_steps)),
+        lambda step, ax: draw_batch_grid(grid, ax, upto_step=step, title=f"after step {step}"),
+        indices=indices, ncols=ncols, panel_size=(6.5, 2.8))
 
 
 # ================================================================= trade-offs

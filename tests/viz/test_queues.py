@@ -161,7 +161,8 @@ def test_queue_stepper_and_its_static_twin():
     assert grid_stepper.index == len(snapshots) - 1
     fig = draw_batch_grid_small_multiples(snapshots, indices=[1, 5], num_slots=3)
     plt.close(fig)
-    assert [ax.get_title() for ax in fig.axes if ax.get_visible()] == ["after step 1", "after step 5"]
+    assert [ax.get_title(loc="left") for ax in fig.axes if ax.get_visible()] == ["after step 1",
+                                                                                 "after step 5"]
 
 
 def test_latency_tradeoff_plots_each_point_in_order():
