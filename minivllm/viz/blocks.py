@@ -35,7 +35,7 @@ _ROW = 1.4  # vertical distance between rows of blocks
 _BLOCK_GAP = 0.35  # space between two logical blocks of a sequence
 _POOL_GAP = 3.0  # space between the logical side and the physical pool
 _ROWS_PER_COLUMN = 8  # physical blocks per column before wrapping to the next
-_MAX_TOKEN_CHARS = 6
+_MAX_TOKEN_CHARS = 5
 _HASH_DIGITS = 4  # hex digits of a block hash shown (enough to tell blocks apart)
 
 
@@ -73,7 +73,7 @@ def _draw_slots(ax, x: float, y: float, block_size: int, tokens: Sequence[int], 
                                edgecolor=edge, linewidth=linewidth))
         if filled:
             ax.text(x + (i + 0.5) * _CELL, y + 0.5 * _CELL, _label(tokens[i], token_labels),
-                    ha="center", va="center", fontsize=7)
+                    ha="center", va="center", fontsize=6)
 
 
 def _block_width(block_size: int) -> float:
@@ -116,7 +116,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     gpu_x = logical_width + _POOL_GAP
     rows = min(rows_per_column, max(1, snapshot.num_gpu_blocks))
     gpu_columns = -(-snapshot.num_gpu_blocks // rows)
-    cpu_x = gpu_x + gpu_columns * (_block_width(size) + 2.2) + 1.0
+    cpu_x = gpu_x + gpu_columns * (_block_width(size) + 2.2) + 2.5
     positions = {("gpu", b.block_number): _pool_position(b.block_number, gpu_x, size, rows)
                  for b in snapshot.gpu_blocks}
     _draw_pool_blocks(ax, snapshot.gpu_blocks, positions, "gpu", size, token_labels, set(copied))
