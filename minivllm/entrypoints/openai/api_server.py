@@ -60,7 +60,8 @@ _SERVER_START_TIMEOUT_S = 30.0
 def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None = None) -> FastAPI:
     """A FastAPI app serving `engine`; registers a Prometheus stat logger on the engine.
 
-    `served_model_name`: the name(s) clients put in `"model"` (default: the model's folder name).
+    `served_model_name`: the name(s) clients put in `"model"` (default: the checkpoint folder's
+    name, or the hub id).
     """
     names = _served_model_names(engine, served_model_name)
     registry = CollectorRegistry()
@@ -87,7 +88,9 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None 
 
 def _served_model_names(engine: AsyncLLMEngine, served_model_name: str | list[str] | None) -> list[str]:
     if served_model_name is None:
-        return [Path(engine.model_config.model).name]
+        # A local checkpoint is named by its folder ("tiny-shakespeare"); a hub id as it is.
+        model = engine.model_config.model
+        return [Path(model).name if Path(model).is_dir() else model]
     return [served_model_name] if isinstance(served_model_name, str) else list(served_model_name)
 
 

@@ -23,7 +23,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--served-model-name",
         nargs="+",
         default=None,
-        help="model name(s) clients use in requests (default: the model's folder name)",
+        help="model name(s) clients use in requests (default: the checkpoint folder's name, or the hub id)",
     )
     group.add_argument(
         "--uvicorn-log-level",
