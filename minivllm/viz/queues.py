@@ -310,3 +310,21 @@ def draw_latency_tradeoff(points: dict[str, tuple[float, float]], ax, xlabel: st
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
+
+
+def draw_preemption_costs(block_sizes: Sequence[int], costs: dict[str, Sequence[float]], ax,
+                          ylabel: str = "ms per preempted token") -> None:
+    """Cost of a preemption against the block size, one line per mode ("recompute", "swap").
+
+    Recompute is drawn in the prompt colour (it is a prefill again), swap in the swapped colour.
+    """
+    colors = {"recompute": COLORS["prompt"], "swap": COLORS["swapped"]}
+    for mode, values in costs.items():
+        ax.plot(block_sizes, values, "-o", color=colors.get(mode, COLORS["edge"]), label=mode, markersize=4)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(block_sizes), [str(b) for b in block_sizes])
+    ax.set_xlabel("block size (tokens)")
+    ax.set_ylabel(ylabel)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(frameon=False, fontsize=8)

@@ -174,3 +174,14 @@ def test_latency_tradeoff_plots_each_point_in_order():
     (line,) = ax.lines
     assert list(line.get_xdata()) == [1.0, 2.0, 4.0] and list(line.get_ydata()) == [9.0, 5.0, 3.0]
     assert [t.get_text() for t in ax.texts] == ["a", "b", "c"]
+
+
+def test_preemption_costs_draw_one_line_per_mode():
+    from minivllm.viz.queues import draw_preemption_costs
+
+    fig, ax = plt.subplots()
+    draw_preemption_costs([1, 16, 256], {"recompute": [1.0, 1.0, 1.0], "swap": [3.0, 1.0, 0.9]}, ax)
+    plt.close(fig)
+    assert [line.get_label() for line in ax.lines] == ["recompute", "swap"]
+    assert to_hex(ax.lines[0].get_color()) == to_hex(COLORS["prompt"])
+    assert list(ax.lines[1].get_ydata()) == [3.0, 1.0, 0.9]
