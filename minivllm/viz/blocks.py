@@ -35,6 +35,7 @@ _ROW = 1.4  # vertical distance between rows of blocks
 _BLOCK_GAP = 0.35  # space between two logical blocks of a sequence
 _POOL_GAP = 3.0  # space between the logical side and the physical pool
 _ROWS_PER_COLUMN = 8  # physical blocks per column before wrapping to the next
+_COLUMN_GAP = 3.6  # room for the '#n' and 'ref n' labels between two columns of blocks
 _MAX_TOKEN_CHARS = 5
 _HASH_DIGITS = 4  # hex digits of a block hash shown (enough to tell blocks apart)
 
@@ -82,7 +83,7 @@ def _block_width(block_size: int) -> float:
 
 def _pool_position(index: int, x0: float, block_size: int, rows: int) -> tuple[float, float]:
     column, row = divmod(index, rows)
-    return x0 + column * (_block_width(block_size) + 2.2), -row * _ROW
+    return x0 + column * (_block_width(block_size) + _COLUMN_GAP), -row * _ROW
 
 
 def _legend(ax, roles: Sequence[str], loc: str = "upper center") -> None:
@@ -116,7 +117,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     gpu_x = logical_width + _POOL_GAP
     rows = min(rows_per_column, max(1, snapshot.num_gpu_blocks))
     gpu_columns = -(-snapshot.num_gpu_blocks // rows)
-    cpu_x = gpu_x + gpu_columns * (_block_width(size) + 2.2) + 2.5
+    cpu_x = gpu_x + gpu_columns * (_block_width(size) + _COLUMN_GAP) + 1.0
     positions = {("gpu", b.block_number): _pool_position(b.block_number, gpu_x, size, rows)
                  for b in snapshot.gpu_blocks}
     _draw_pool_blocks(ax, snapshot.gpu_blocks, positions, "gpu", size, token_labels, set(copied))
@@ -130,10 +131,10 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     ax.text(0, _ROW * 0.9, "logical blocks  (block table)", fontsize=9, fontweight="bold")
     y_bottom = _draw_sequences(ax, snapshot, seq_ids, tables, positions, token_labels, show_cpu)
     pool_bottom = -(rows - 1) * _ROW
-    right = gpu_x + gpu_columns * (_block_width(size) + 2.2)
+    right = gpu_x + gpu_columns * (_block_width(size) + _COLUMN_GAP)
     if show_cpu and snapshot.num_cpu_blocks:
         cpu_columns = -(-snapshot.num_cpu_blocks // min(rows_per_column, snapshot.num_cpu_blocks))
-        right = cpu_x + cpu_columns * (_block_width(size) + 2.2)
+        right = cpu_x + cpu_columns * (_block_width(size) + _COLUMN_GAP)
     ax.set_xlim(-2.5, right + 1.5)
     ax.set_ylim(min(y_bottom, pool_bottom) - 0.8, _ROW * 1.4)
     ax.set_aspect("equal")
@@ -194,7 +195,7 @@ def draw_block_pool(snapshot: BlockManagerSnapshot, ax, *, device: str = "gpu",
     positions = {(device, b.block_number): _pool_position(b.block_number, 0.0, size, rows) for b in blocks}
     _draw_pool_blocks(ax, blocks, positions, device, size, token_labels, set(copied))
     columns = max(1, -(-len(blocks) // rows))
-    ax.set_xlim(-1.5, columns * (_block_width(size) + 2.2) + 0.5)
+    ax.set_xlim(-1.5, columns * (_block_width(size) + _COLUMN_GAP) + 0.5)
     ax.set_ylim(-(rows - 1) * _ROW - 0.5, _ROW)
     ax.set_title(f"{device.upper()} pool: {len(blocks)} blocks of {size} slots", fontsize=9,
                  color=COLORS[device])
