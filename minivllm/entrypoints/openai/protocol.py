@@ -41,9 +41,10 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Strict types: "max_tokens": "16" or "stream": "yes" is a 422, as with OpenAI.
-    # Unknown fields are ignored so that newer clients keep working.
-    model_config = ConfigDict(strict=True, extra="ignore")
+    # Strict types: "max_tokens": "16" or "stream": "yes" is a 422, as with OpenAI. Python's
+    # JSON parser accepts NaN and Infinity, which no sampling parameter may be. Unknown fields
+    # are ignored so that newer clients keep working.
+    model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
 
 
 # ---------------------------------------------------------------------------- errors

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import math
+import sys
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -88,6 +90,7 @@ class OpenAIServing:
             raise OpenAIError("The prompt is empty.", param="prompt")
         self._check_context_length(num_prompt_tokens, request.requested_max_tokens)
         self._check_fan_out(request)
+        self._check_length_penalty(request.length_penalty)
         try:
             # Default max_tokens: whatever still fits in the context after the prompt.
             return request.to_sampling_params(default_max_tokens=self.max_model_len - num_prompt_tokens)
@@ -115,6 +118,16 @@ class OpenAIServing:
         logprobs = request.requested_logprobs
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise OpenAIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.", param="logprobs")
+
+    def _check_length_penalty(self, length_penalty: float) -> None:
+        # A beam's score divides by seq_len ** length_penalty, which must stay a finite,
+        # non-zero float for every length up to max_model_len.
+        if abs(length_penalty) * math.log(self.max_model_len) >= math.log(sys.float_info.max):
+            raise OpenAIError(
+                f"length_penalty={length_penalty} is too large: {self.max_model_len} ** length_penalty "
+                "is not a finite float.",
+                param="length_penalty",
+            )
 
     # --------------------------------------------------------------- engine
     async def add_requests(

@@ -41,6 +41,9 @@ BAD_REQUESTS = [
     (COMPLETIONS, body(prompt="x", use_beam_search=True, n=2, stream=True), 400, None),
     (COMPLETIONS, body(prompt="x", stream_options={"include_usage": True}), 400, None),
     (COMPLETIONS, body(prompt="x", priority=5), 400, None),  # the server runs the fcfs policy
+    (COMPLETIONS, body(prompt="x", n=2, use_beam_search=True, temperature=0, length_penalty=1e30), 400, "length_penalty"),
+    (COMPLETIONS, b'{"prompt": "x", "temperature": NaN}', 422, "temperature"),  # Python's JSON reads NaN
+    (COMPLETIONS, b'{"prompt": "x", "top_p": Infinity}', 422, "top_p"),
     (COMPLETIONS, body(prompt=""), 400, "prompt"),
     (COMPLETIONS, body(prompt=[]), 400, "prompt"),
     (COMPLETIONS, body(prompt=[10**9]), 400, "prompt"),  # not a token of the vocabulary
