@@ -305,8 +305,10 @@ def draw_latency_tradeoff(points: dict[str, tuple[float, float]], ax, xlabel: st
     xs = [points[label][0] for label in labels]
     ys = [points[label][1] for label in labels]
     ax.plot(xs, ys, "-o", color=COLORS["running"], markersize=5)
-    for label, x, y in zip(labels, xs, ys):
-        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 4), fontsize=8)
+    for i, (label, x, y) in enumerate(zip(labels, xs, ys)):
+        # Alternate above / below so neighbouring points keep readable labels.
+        ax.annotate(label, (x, y), textcoords="offset points", xytext=(6, 5 if i % 2 == 0 else -12),
+                    fontsize=8)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
