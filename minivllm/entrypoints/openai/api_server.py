@@ -117,9 +117,9 @@ def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: 
         if (request.prompt is None) == (request.messages is None):
             raise OpenAIError("Give exactly one of `prompt` and `messages`.", param="prompt")
         if request.messages is not None:
-            tokens = chat.render_chat(request.messages, request.add_generation_prompt)
+            tokens = await chat.render_chat(request.messages, request.add_generation_prompt)
         else:
-            tokens = chat.encode(request.prompt, add_special_tokens=request.add_special_tokens)
+            tokens = await chat.encode(request.prompt, add_special_tokens=request.add_special_tokens)
         return TokenizeResponse(tokens=tokens, count=len(tokens), max_model_len=chat.max_model_len)
 
     @app.post("/detokenize")

@@ -50,24 +50,28 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 class OpenAIServingChat(OpenAIServing):
-    def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """Messages -> prompt token ids, through the tokenizer's chat template."""
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:
-            text = self.tokenizer.apply_chat_template(
-                conversation, chat_template=template, add_generation_prompt=add_generation_prompt, tokenize=False
+            text = await self.run_in_tokenizer_thread(
+                self.tokenizer.apply_chat_template,
+                conversation,
+                chat_template=template,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
             )
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise OpenAIError(f"The chat template could not render the messages: {e}", param="messages") from e
         # The template writes any BOS token itself; adding special tokens again would double it.
-        return self.encode(text, add_special_tokens=False)
+        return await self.encode(text, add_special_tokens=False)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, receive
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         self.check_model(request.model)
-        prompt_ids = self.render_chat(request.messages, request.add_generation_prompt)
+        prompt_ids = await self.render_chat(request.messages, request.add_generation_prompt)
         params = self.build_sampling_params(request, len(prompt_ids))
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority)

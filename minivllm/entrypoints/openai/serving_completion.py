@@ -47,7 +47,7 @@ class OpenAIServingCompletion(OpenAIServing):
         `receive` is the ASGI receive channel, used to notice a client that hangs up.
         """
         self.check_model(request.model)
-        prompts = self._prompts_token_ids(request.prompt)
+        prompts = await self._prompts_token_ids(request.prompt)
         params = [self.build_sampling_params(request, len(ids)) for ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, prompts, params, request.priority)
@@ -57,14 +57,14 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, prompts, finals)
 
-    def _prompts_token_ids(self, prompt: str | list) -> list[list[int]]:
+    async def _prompts_token_ids(self, prompt: str | list) -> list[list[int]]:
         """OpenAI's four prompt shapes -> one list of token ids per prompt."""
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         # An empty text would still tokenize to a lone BOS; refuse it as the engine does.
         if not prompt or any(len(p) == 0 for p in prompt):
             raise OpenAIError("The prompt is empty.", param="prompt")
-        prompts = [self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+        prompts = [await self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
         for token_ids in prompts:
             self.check_token_ids(token_ids)
         return prompts

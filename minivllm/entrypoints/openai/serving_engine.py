@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import json
 import math
 import sys
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,16 +64,23 @@ class OpenAIServing:
         self.max_model_len = engine.model_config.max_model_len
         self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
         # A private copy: the step thread detokenizes with the engine's tokenizer at the same
-        # time as this (event-loop) thread tokenizes new prompts.
+        # time as the server tokenizes new prompts.
         self.tokenizer = copy.deepcopy(engine.get_tokenizer())
+        # Tokenizing a long prompt takes a while (seconds for megabytes of text); in its own
+        # thread it never stalls the event loop, which streams everybody else's tokens.
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-tokenize")
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
-    def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+    async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
+        return await self.run_in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    async def run_in_tokenizer_thread(self, fn, *args, **kwargs):
+        call = functools.partial(fn, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call)
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         # An id outside the embedding table would fail inside a step, taking the batch with it.
