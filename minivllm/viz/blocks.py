@@ -13,7 +13,8 @@ the physical blocks on the right, with reference counts.
     draw_block_usage(snapshots, ax)    free / referenced / cached blocks over a trace
 
 Block colours (from `minivllm.viz.style.COLORS`): free, used (one holder), shared (ref > 1),
-cached (kept by the prefix cache with no holder), copied (a copy-on-write destination).
+cached (kept by the prefix cache with no holder), copied (a copy-on-write destination). A
+block registered in the prefix cache while still in use gets a thick outline in the cached colour.
 """
 
 from __future__ import annotations
@@ -150,6 +151,9 @@ def _draw_pool_blocks(ax, blocks: Sequence[BlockSnapshot], positions, device: st
         tokens = block.token_ids if state != "free" else ()
         _draw_slots(ax, x, y, size, tokens, COLORS[state], token_labels,
                     linewidth=2.0 if state == "shared" else 1.0)
+        if block.cached and block.ref_count:  # registered in the prefix cache and in use
+            ax.add_patch(Rectangle((x, y), _block_width(size), _CELL, fill=False,
+                                   edgecolor=COLORS["cached"], linewidth=3.0))
         ax.text(x - 0.2, y + 0.5, f"#{block.block_number}", ha="right", va="center", fontsize=7)
         if block.ref_count:
             ax.text(x + _block_width(size) + 0.2, y + 0.5, f"ref {block.ref_count}", ha="left",

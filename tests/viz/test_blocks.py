@@ -73,8 +73,11 @@ def test_block_tables_picture_has_every_slot_and_one_arrow_per_logical_block(for
     arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
     assert len(arrows) == num_logical == 4
     # slots: every logical block and every GPU block is drawn as BLOCK_SIZE cells
-    cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill()]
     assert len(cells) == (num_logical + snap.num_gpu_blocks) * BLOCK_SIZE
+    # block 0 is full and computed: registered in the prefix cache while in use -> outlined
+    outlines = [p for p in ax.patches if isinstance(p, Rectangle) and not p.get_fill()]
+    assert len(outlines) == sum(b.cached and b.ref_count > 0 for b in snap.gpu_blocks) == 1
     labels = texts(ax)
     assert "seq 0" in labels and "seq 1" in labels and "ref 2" in labels
     assert f"table {bm.get_block_table(group.seqs[0])}" in labels
@@ -92,7 +95,7 @@ def test_swapped_sequences_point_at_the_cpu_pool(forked_state):
     draw_block_tables(snap, ax)
     plt.close(fig)
     assert "CPU blocks (swap)" in texts(ax) and any("(swapped)" in t for t in texts(ax))
-    cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle) and p.get_fill()]
     assert len(cells) == (4 + snap.num_gpu_blocks + snap.num_cpu_blocks) * BLOCK_SIZE
 
 
