@@ -16,8 +16,9 @@ Default mode, `_schedule_default` (vLLM v0's order, step by step):
        sequence, so new prompts cannot push the batch past `max_num_seqs`.
     2. If nothing is swapped: admit waiting prompts in queue order while they fit the
        budget and the block manager says OK. LATER stops admission (head-of-line: FCFS
-       never lets a later request overtake); NEVER, or a prompt over the prompt limit,
-       finishes the request as FINISHED_IGNORED with a reason.
+       never lets a later request overtake); NEVER, a prompt over the prompt limit, or more
+       sequences (n, best_of) than `max_num_seqs` finishes the request as FINISHED_IGNORED
+       with a reason.
     3. If no prompt was admitted and the policy is "priority": preempt running groups of
        lower priority (by recompute) until the waiting head fits (`_schedule_priority_preemption`).
     4. If no prompt was admitted: decode every running group. When a group cannot get a
@@ -28,6 +29,7 @@ Default mode, `_schedule_default` (vLLM v0's order, step by step):
     swapped groups win over new prompts (they are older and hold CPU memory).
 
 Chunked prefill, `_schedule_chunked_prefill` (`enable_chunked_prefill=True`):
+    0. With policy "priority": priority preemption, as in step 3 above.
     1. Running groups, decodes first (one token each), then unfinished prompt chunks cut to
        the remaining token budget; preemption as in step 4 above.
     2. If nothing was preempted: swap groups back in.

@@ -504,3 +504,46 @@ def test_swapped_groups_block_new_prompts_in_default_mode():
         assert "new" not in scheduled_ids(outputs)  # v0: swapped requests go first
     run_to_completion(scheduler)
     assert_all_blocks_free(scheduler)
+
+
+def test_prompt_preempted_mid_chunk_is_swapped_and_resumes_its_chunks():
+    # A two-sequence request (n=2) is preempted while its prompt is being chunked: v0's rule
+    # swaps it (its max running sequences is 2); it comes back and finishes its prompt.
+    scheduler = make_scheduler(num_gpu_blocks=12, num_cpu_blocks=16, chunked=True,
+                               max_num_batched_tokens=8, max_num_seqs=4)
+    decoder = make_group("dec", 4, max_tokens=8)
+    pair = make_group("pair", 40, n=2, max_tokens=3, arrival=1.0)
+    scheduler.add_seq_group(decoder)
+    step(scheduler)
+    scheduler.add_seq_group(pair)
+    outputs = _step_until_preemption(scheduler)
+    assert outputs.preempted_by_swap == ["pair"] and len(outputs.blocks_to_swap_out) == 10
+    assert 0 < pair.first_seq.get_num_computed_tokens() < 40  # mid-prompt
+    while True:
+        metadata, outputs = step(scheduler)
+        if outputs.swapped_in:
+            break
+    (meta,) = [m for m in metadata if m.request_id == "pair"]
+    assert meta.is_prompt and meta.token_chunk_size > 1  # it continues as a prompt chunk
+    run_to_completion(scheduler)
+    assert [s.get_output_len() for s in pair.seqs] == [3, 3]
+    assert_all_blocks_free(scheduler)
+
+
+def test_swapped_request_kept_out_by_the_watermark_alone_is_ignored_not_stuck():
+    # 100 GPU blocks of one token, watermark 1 block. "b" (n=2) is swapped out holding 98
+    # blocks; swapping it back needs 98 + 2 = 100 blocks, which leaves less than the
+    # watermark even in an empty pool: LATER forever in vLLM v0. Here it is ignored.
+    from minivllm.sim import SimRequest, Simulator
+
+    requests = [SimRequest("a", [1] * 9, [42]),
+                SimRequest("b", [2] * 89, [13, 28], arrival_step=1)]
+    sim = Simulator(SchedulerConfig(max_num_seqs=4, max_model_len=256),
+                    CacheConfig(block_size=1, num_gpu_blocks=100, num_cpu_blocks=200), max_steps=500)
+    result = sim.run(requests)
+    assert result.results["a"].finish_reason == "stop"
+    b = result.results["b"]
+    assert b.status == "FINISHED_IGNORED" and "never fit back" in b.finish_message
+    ignored_at = next(s for s in result.snapshots if "b" in s.ignored)
+    assert not ignored_at.running and ignored_at.num_free_gpu_blocks == 100  # the GPU was idle
+    assert_all_blocks_free(sim.scheduler)
