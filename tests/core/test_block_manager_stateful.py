@@ -174,9 +174,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def swap_in(self, data):
         group = data.draw(st.sampled_from(self.swapped()))
         status = self.bm.can_swap_in(group)
+        num_blocks = len({b for s in group.get_seqs(SequenceStatus.SWAPPED) for b in self.bm.get_block_table(s)})
+        assert (status == AllocStatus.NEVER) == (
+            num_blocks + group.num_seqs(SequenceStatus.SWAPPED) > self.bm.num_total_gpu_blocks)
         if status != AllocStatus.OK:
+            if num_blocks > self.bm.get_num_free_gpu_blocks():  # no room: must refuse, untouched
+                free_gpu = self.bm.get_num_free_gpu_blocks()
+                try:
+                    self.bm.swap_in(group)
+                except OutOfBlocksError:
+                    assert self.bm.get_num_free_gpu_blocks() == free_gpu
+                    return
+                raise AssertionError("swap_in without room must raise")
             return
+        free_cpu = self.bm.get_num_free_cpu_blocks()
         mapping = self.bm.swap_in(group)
+        assert self.bm.get_num_free_cpu_blocks() == free_cpu + num_blocks  # every CPU block released
         self.copy(mapping, self.cpu_mem, self.gpu_mem)
         group.set_status(SequenceStatus.RUNNING)
 
