@@ -50,11 +50,13 @@ def configs(draw):
 @st.composite
 def requests(draw, max_model_len: int):
     num_requests = draw(st.integers(1, 8))
-    # A tiny vocabulary makes shared prefixes (prefix-cache hits) common.
+    # A shared "system prompt" and a tiny vocabulary make prefix-cache hits common.
     vocab = st.integers(1, 3)
+    system_prompt = draw(st.lists(vocab, max_size=16))
     result = []
     for i in range(num_requests):
-        prompt = draw(st.lists(vocab, min_size=1, max_size=max_model_len + 4))
+        prefix = system_prompt if draw(st.booleans()) else []
+        prompt = prefix + draw(st.lists(vocab, min_size=1, max_size=max_model_len + 4))
         n = draw(st.integers(1, 3))
         result.append(SimRequest(
             request_id=str(i),
