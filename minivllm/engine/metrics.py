@@ -34,7 +34,7 @@ class Stats:
     num_swapped_sys: int
     gpu_cache_usage_sys: float
     cpu_cache_usage_sys: float
-    gpu_prefix_cache_hit_rate: float
+    gpu_prefix_cache_hit_rate: float  # -1.0 when prefix caching is off
     # This step.
     num_prompt_tokens_iter: int = 0
     num_generation_tokens_iter: int = 0
@@ -99,11 +99,16 @@ class LoggingStatLogger(StatLoggerBase):
             f"Pending: {stats.num_waiting_sys} reqs, "
             f"GPU KV cache usage: {stats.gpu_cache_usage_sys * 100:.1f}%, "
             f"CPU KV cache usage: {stats.cpu_cache_usage_sys * 100:.1f}%, "
-            f"Prefix cache hit rate: {stats.gpu_prefix_cache_hit_rate * 100:.1f}%, "
+            f"Prefix cache hit rate: {_hit_rate(stats.gpu_prefix_cache_hit_rate)}, "
             f"Preemptions: {self.num_preemptions}, "
             f"TTFT: {_mean_ms(self.ttfts)}, TPOT: {_mean_ms(self.tpots)}, "
             f"Queue time: {_mean_ms(self.queue_times)}"
         )
+
+
+def _hit_rate(rate: float) -> str:
+    # The block manager reports -1 when prefix caching is off (as vLLM v0 does).
+    return "off" if rate < 0 else f"{rate * 100:.1f}%"
 
 
 def _mean_ms(values: list[float]) -> str:
