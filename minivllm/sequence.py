@@ -319,8 +319,10 @@ class SequenceGroup:
         return all(seq.is_finished() for seq in self.seqs)
 
     def is_prefill(self) -> bool:
-        # All sequences of a group share the prompt, so the first one tells.
-        return self.first_seq.is_prefill()
+        # Unfinished sequences of a group move in lockstep (they share the prompt and are
+        # preempted together), so the first unfinished one tells; a finished sibling doesn't.
+        unfinished = self.get_unfinished_seqs()
+        return (unfinished[0] if unfinished else self.first_seq).is_prefill()
 
     def get_max_num_running_seqs(self) -> int:
         """How many sequences this group may run at once (its future block demand).
