@@ -1,0 +1,224 @@
+"""Decode step latency against the memory-bandwidth floor (and, optionally, where it goes).
+
+A decode step reads every weight once and every cached key/value of the batch once, and does
+little arithmetic per byte, so its floor is a bandwidth one:
+
+    floor = (weight bytes + KV bytes) / copy bandwidth
+    KV bytes = batch x context x layers x 2 (K and V) x num_kv_heads x head_dim x dtype bytes
+
+The copy bandwidth is measured here (a 1 GiB device-to-device copy, bytes read + written,
+best of 3). We time, at batch 1 and batch 256, context 1024 (prompts of 1024 tokens, then
+decode), for CUDA graphs and eager:
+
+    forward       the model's decode forward alone: CUDA-graph replay timed with CUDA events
+                  (graphs), or the eager forward (eager)
+    engine step   LLMEngine.step() wall time: schedule, prepare inputs, forward, LM head,
+                  sampling, output processing (what a user waits for)
+
+    python benchmarks/decode_latency.py --ckpt /tmp/qwen3-0.6b --result out.json [--profile-dir d]
+
+--profile-dir writes torch.profiler tables (GPU kernels) and a cProfile of engine.step()
+(the Python side) at batch 256.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import gc
+import io
+import json
+import pstats
+import random
+import time
+from pathlib import Path
+
+import torch
+
+CONTEXT = 1024
+BATCH_SIZES = (1, 256)
+MEASURE_STEPS = 20  # decode steps timed per configuration
+WARMUP_STEPS = 3
+COPY_BYTES = 1 << 30
+COPY_ROUNDS = 3
+BLOCK_SIZE = 16
+PROFILE_STEPS = 5
+MAX_MODEL_LEN = 2048
+
+
+def copy_bandwidth(device: str) -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(COPY_ROUNDS):
+        dst.copy_(src)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(5):
+            dst.copy_(src)
+        end.record()
+        torch.cuda.synchronize()
+        best = min(best, start.elapsed_time(end) / 5 / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * COPY_BYTES / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Every parameter once (a tied LM head shares the embedding's storage)."""
+    seen, total = set(), 0
+    for p in model.parameters():
+        if p.data_ptr() not in seen:
+            seen.add(p.data_ptr())
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes(hf_config, batch: int, context: int, dtype_bytes: int) -> int:
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+    return batch * context * hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes
+
+
+def make_llm(ckpt: str, device: str, enforce_eager: bool, max_batch: int):
+    from minivllm import LLM
+
+    blocks_per_seq = -(-(CONTEXT + WARMUP_STEPS + MEASURE_STEPS + PROFILE_STEPS * 3 + 64) // BLOCK_SIZE)
+    return LLM(model=ckpt, dtype="bfloat16", device=device, enforce_eager=enforce_eager, block_size=BLOCK_SIZE,
+               max_model_len=MAX_MODEL_LEN, max_num_seqs=max_batch, max_num_batched_tokens=16384,
+               num_gpu_blocks_override=max_batch * blocks_per_seq + 16)
+
+
+def start_batch(llm, batch: int) -> None:
+    """Add `batch` requests with CONTEXT-token prompts and step until all are decoding."""
+    from minivllm import SamplingParams
+
+    engine = llm.llm_engine
+    rng = random.Random(batch)
+    params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=MAX_MODEL_LEN - CONTEXT, detokenize=False)
+    for i in range(batch):
+        engine.add_request(f"b{batch}-{i}", {"prompt_token_ids": [rng.randrange(10000) for _ in range(CONTEXT)]}, params)
+    while any(seq_group.is_prefill() for seq_group in engine.scheduler.running) or engine.scheduler.waiting:
+        engine.step()
+    for _ in range(WARMUP_STEPS):
+        engine.step()
+
+
+def time_engine_steps(engine, steps: int) -> float:
+    """Median wall time of engine.step() in ms (step() ends by reading the sampled tokens: synced)."""
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
+def time_forward(llm, batch: int, enforce_eager: bool) -> float:
+    """Median GPU time of the decode forward (ms) on the batch the last step ran."""
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    if not enforce_eager:
+        graph = runner.graph_runners[min(s for s in runner.graph_runners if s >= batch)].graph
+        fn = graph.replay
+    else:
+        fn = _eager_forward(llm, batch)
+    return _cuda_median_ms(fn, MEASURE_STEPS)
+
+
+def _eager_forward(llm, batch: int):
+    """A closure re-running the model on the running batch (its K/V writes land in its own slots)."""
+    engine = llm.llm_engine
+    worker = engine.model_executor.driver_worker
+    runner = worker.model_runner
+    seq_group_metadata_list, _ = engine.scheduler.schedule()
+    model_input = runner.prepare_model_input(seq_group_metadata_list)
+    return lambda: runner.model(model_input.input_ids, model_input.positions, worker.kv_caches,
+                                model_input.attn_metadata)
+
+
+def _cuda_median_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def profile_steps(llm, label: str, profile_dir: Path) -> None:
+    """torch.profiler kernel table and a cProfile of the Python side, over a few steps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = llm.llm_engine
+    profile_dir.mkdir(parents=True, exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(PROFILE_STEPS):
+        engine.step()
+    profiler.disable()
+    stream = io.StringIO()
+    stats = pstats.Stats(profiler, stream=stream)
+    stats.sort_stats("tottime").print_stats(25)
+    stats.sort_stats("cumulative").print_stats(25)
+    with open(profile_dir.parent / f"profile_{profile_dir.name}.txt", "a") as f:
+        f.write(f"\n\n######## {label}: torch.profiler, {PROFILE_STEPS} steps\n{table}\n")
+        f.write(f"\n######## {label}: cProfile of engine.step(), {PROFILE_STEPS} steps\n{stream.getvalue()}\n")
+
+
+def measure(ckpt: str, device: str, enforce_eager: bool, bandwidth: float, profile_dir: Path | None) -> dict:
+    mode = "eager" if enforce_eager else "graphs"
+    llm = make_llm(ckpt, device, enforce_eager, max(BATCH_SIZES))
+    engine = llm.llm_engine
+    model = engine.model_executor.driver_worker.model_runner.model
+    hf_config = engine.model_config.hf_config
+    weights = weight_bytes(model)
+    results = {}
+    for batch in BATCH_SIZES:
+        start_batch(llm, batch)
+        step_ms = time_engine_steps(engine, MEASURE_STEPS)
+        forward_ms = time_forward(llm, batch, enforce_eager)
+        kv = kv_bytes(hf_config, batch, CONTEXT, 2)
+        floor_ms = 1e3 * (weights + kv) / bandwidth
+        results[f"batch_{batch}"] = {
+            "context": CONTEXT, "forward_ms": round(forward_ms, 3), "engine_step_ms": round(step_ms, 3),
+            "weight_bytes": weights, "kv_bytes": kv, "floor_ms": round(floor_ms, 3),
+            "forward_over_floor": round(forward_ms / floor_ms, 2), "step_over_floor": round(step_ms / floor_ms, 2),
+        }
+        print(mode, batch, results[f"batch_{batch}"], flush=True)
+        if profile_dir is not None and batch == max(BATCH_SIZES):
+            profile_steps(llm, f"{mode}, batch {batch} x context {CONTEXT}", profile_dir)
+        engine.abort_request([g.request_id for g in list(engine.scheduler.running) + list(engine.scheduler.waiting)])
+        engine.step()
+    del llm, engine, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--ckpt", required=True)
+    parser.add_argument("--result", required=True)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--profile-dir", default=None)
+    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"])
+    args = parser.parse_args()
+    bandwidth = copy_bandwidth(args.device)
+    report = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3)}
+    profile_dir = Path(args.profile_dir) if args.profile_dir else None
+    for mode in args.modes:
+        report[mode] = measure(args.ckpt, args.device, mode == "eager", bandwidth, profile_dir)
+        Path(args.result).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

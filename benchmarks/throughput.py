@@ -1,0 +1,512 @@
+"""Offline throughput: minivllm against what a user would otherwise reach for, on one GPU.
+
+The workload is nano-vllm's offline benchmark (its bench.py): 256 requests, random prompt
+token ids (0-10000) of 100-1024 tokens, 100-1024 new tokens each, EOS ignored, `random.seed(0)`
+(prompts drawn first, then output lengths). Every system gets the same token ids and must
+return exactly `max_tokens` tokens per request; the script checks it. Sampling is greedy
+everywhere (nano-vllm samples at temperature 0.6; greedy lets us compare outputs, and costs
+the same in every system).
+
+Systems, each in its own process (so one's memory never limits the next):
+
+    minivllm (CUDA graphs)   LLM.generate, decode steps replayed from captured graphs
+    minivllm (eager)         the same with enforce_eager=True
+    HF static batches        transformers `generate`, batches of --hf-batch-size requests in
+                             request order (unsorted), left-padded; a batch runs until its
+                             longest request is done, shorter ones are cut to their max_tokens
+    HF continuous batching   transformers' ContinuousBatchingManager (init_continuous_batching),
+                             per-request max_new_tokens
+
+transformers is 20-30x slower than minivllm here, so its two systems run on the first
+--hf-subset requests only and report tokens/s of that subset (labelled "subset" in every
+table; the full workload would take minutes per system).
+
+Models: local configs in benchmarks/configs (Qwen3-0.6B and Llama-3.2-1B shapes), random
+weights (transformers `from_config`, seed 0), bf16, saved once to a temporary directory.
+
+    python benchmarks/throughput.py all --out results/             # on a GPU: everything
+    python benchmarks/throughput.py plot results/throughput.json --png docs/img/throughput_h100.png
+
+`all` writes throughput.json (every number), prints a markdown table, and draws the bar chart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+MODELS = ["qwen3-0.6b", "llama-3.2-1b"]
+SYSTEMS = ["minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
+SYSTEM_LABELS = {
+    "minivllm-graphs": "minivllm (CUDA graphs)",
+    "minivllm-eager": "minivllm (eager)",
+    "hf-static": "transformers generate, static batches",
+    "hf-cb": "transformers continuous batching",
+}
+# nano-vllm's workload (bench.py).
+NUM_SEQS, MIN_LEN, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_TOKEN_ID, SEED = 256, 100, 1024, 1024, 10000, 0
+MAX_MODEL_LEN = MAX_INPUT_LEN + MAX_OUTPUT_LEN  # the longest prompt plus the longest output
+# minivllm engine settings (nano-vllm uses the same token budget per step).
+MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = 256, 16384, 0.9
+HF_BATCH_SIZE, HF_SUBSET = 64, 64
+PAD_TOKEN_ID = 0  # any id: padded positions are masked out
+WARMUP_TOKENS = 8
+
+
+# --------------------------------------------------------------------------- workload
+def make_workload(num_seqs: int = NUM_SEQS, seed: int = SEED) -> tuple[list[list[int]], list[int]]:
+    """(prompt_token_ids, max_tokens) exactly as nano-vllm's bench.py draws them."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(MIN_LEN, MAX_INPUT_LEN))]
+               for _ in range(num_seqs)]
+    max_tokens = [rng.randint(MIN_LEN, MAX_OUTPUT_LEN) for _ in range(num_seqs)]
+    return prompts, max_tokens
+
+
+def build_checkpoint(name: str, out_dir: Path, device: str, overrides: dict | None = None) -> Path:
+    """Random-weight bf16 checkpoint of benchmarks/configs/<name>, plus a stand-in tokenizer.
+
+    The tokenizer only exists because the engine loads one; the benchmark sends token ids
+    and never detokenizes. `overrides` shrinks the config (CPU smoke tests).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(CONFIG_DIR / name, **(overrides or {}))
+    if getattr(config, "layer_types", None) is not None:  # Qwen3: one entry per layer
+        config.layer_types = config.layer_types[:1] * config.num_hidden_layers
+    torch.manual_seed(SEED)
+    with torch.device(device):  # initialising 600M parameters is much faster on the GPU
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    path = out_dir / name
+    model.save_pretrained(path)
+    _save_stand_in_tokenizer(path)
+    del model
+    return path
+
+
+def _save_stand_in_tokenizer(path: Path) -> None:
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<eos>": 1}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+
+
+# --------------------------------------------------------------------------- minivllm
+class KVWasteLogger:
+    """Engine stat logger: KV slots allocated vs holding a token, summed over sampled steps.
+
+    allocated = blocks in use x block_size; used = tokens whose K/V are in the cache (the
+    computed tokens of every running sequence). Sampled every `every` steps (cheap anyway).
+    """
+
+    def __init__(self, scheduler, num_gpu_blocks: int, block_size: int, every: int = 4) -> None:
+        self.scheduler, self.num_gpu_blocks, self.block_size = scheduler, num_gpu_blocks, block_size
+        self.every, self.steps = every, 0
+        self.allocated = self.used = self.peak_allocated = self.preemptions = 0
+
+    def log(self, stats) -> None:
+        self.steps += 1
+        self.preemptions += stats.num_preemption_iter
+        if self.steps % self.every:
+            return
+        allocated = (self.num_gpu_blocks - self.scheduler.block_manager.get_num_free_gpu_blocks()) * self.block_size
+        used = sum(seq.get_num_computed_tokens() for group in self.scheduler.running for seq in group.get_seqs()
+                   if not seq.is_finished())
+        self.allocated += allocated
+        self.used += used
+        self.peak_allocated = max(self.peak_allocated, allocated)
+
+    def result(self) -> dict:
+        waste = 1 - self.used / self.allocated if self.allocated else None
+        return {"kv_waste_fraction": waste, "kv_peak_allocated_slots": self.peak_allocated,
+                "kv_pool_slots": self.num_gpu_blocks * self.block_size, "preemptions": self.preemptions,
+                "engine_steps": self.steps}
+
+
+def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: str) -> dict:
+    import torch
+
+    from minivllm import LLM, SamplingParams
+
+    start = time.perf_counter()
+    llm = LLM(model=str(ckpt), dtype="bfloat16", device=device, enforce_eager=enforce_eager,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+    startup_s = time.perf_counter() - start
+    engine = llm.llm_engine
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    llm.generate(inputs[:4], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=WARMUP_TOKENS,
+                                            detokenize=False), use_tqdm=False)
+    waste = KVWasteLogger(engine.scheduler, engine.cache_config.num_gpu_blocks, engine.cache_config.block_size)
+    engine.add_logger("kv_waste", waste)
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    token_ids = [list(o.outputs[0].token_ids) for o in outputs]
+    result = _result(token_ids, max_tokens, elapsed)
+    result.update(waste.result(), startup_s=round(startup_s, 2), num_gpu_blocks=engine.cache_config.num_gpu_blocks,
+                  block_size=engine.cache_config.block_size)
+    result["first_outputs"] = [t[:16] for t in token_ids[:8]]
+    del llm, engine
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return result
+
+
+# --------------------------------------------------------------------------- transformers
+def load_hf(ckpt: Path, device: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device).eval()
+    # EOS ignored, as in the workload: generation stops only at max_new_tokens.
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = PAD_TOKEN_ID
+    return model
+
+
+def run_hf_static(ckpt: Path, prompts, max_tokens, device: str, batch_size: int) -> dict:
+    import torch
+
+    model = load_hf(ckpt, device)
+    _hf_static_batch(model, prompts[:2], [WARMUP_TOKENS] * 2, device)  # warm-up
+    _sync(device)
+    start = time.perf_counter()
+    token_ids, padded_tokens = [], 0
+    with torch.inference_mode():
+        for i in range(0, len(prompts), batch_size):
+            batch_ids, batch_len = _hf_static_batch(model, prompts[i : i + batch_size], max_tokens[i : i + batch_size], device)
+            token_ids += batch_ids
+            padded_tokens += batch_len * len(batch_ids)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    result = _result(token_ids, max_tokens, elapsed)
+    result.update(batch_size=batch_size, order="request order (unsorted)", generated_incl_padding=padded_tokens)
+    result["first_outputs"] = [t[:16] for t in token_ids[:8]]
+    return result
+
+
+def _hf_static_batch(model, prompts, max_tokens, device: str):
+    """One left-padded batch, run to its longest request; each output cut to its max_tokens."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):  # left padding: every prompt ends at the same column
+        input_ids[row, width - len(prompt):] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt):] = 1
+    new_tokens = max(max_tokens)
+    out = model.generate(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device),
+                         max_new_tokens=new_tokens, min_new_tokens=None, do_sample=False)
+    generated = out[:, width:].tolist()
+    if any(len(g) != new_tokens for g in generated):
+        raise RuntimeError("transformers stopped a static batch early.")
+    return [g[:m] for g, m in zip(generated, max_tokens)], new_tokens
+
+
+def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str) -> dict:
+    """transformers' continuous batching: a manager thread that schedules requests itself."""
+    import torch
+    from transformers import GenerationConfig
+
+    model = load_hf(ckpt, device)
+    if not hasattr(model, "init_continuous_batching"):
+        return {"error": "this transformers has no init_continuous_batching"}
+    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=-1,
+                              pad_token_id=PAD_TOKEN_ID)
+    manager = model.init_continuous_batching(generation_config=config)
+    per_request = "max_new_tokens" in inspect.signature(manager.add_request).parameters
+    manager.start()
+    try:
+        _hf_cb_collect(manager, prompts[:2], [WARMUP_TOKENS] * 2, per_request, "warmup")
+        _sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            token_ids = _hf_cb_collect(manager, prompts, max_tokens, per_request, "req")
+        _sync(device)
+        elapsed = time.perf_counter() - start
+    finally:
+        manager.stop(block=True)
+    if not per_request:  # every request ran to the longest max_tokens; count only what was asked
+        token_ids = [t[:m] for t, m in zip(token_ids, max_tokens)]
+    result = _result(token_ids, max_tokens, elapsed)
+    result.update(per_request_max_new_tokens=per_request,
+                  attn_implementation=getattr(model.config, "_attn_implementation", None))
+    result["first_outputs"] = [t[:16] for t in token_ids[:8]]
+    return result
+
+
+def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str) -> list[list[int]]:
+    ids = []
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        kwargs = {"max_new_tokens": m} if per_request else {}
+        ids.append(manager.add_request(input_ids=prompt, request_id=f"{prefix}{i}", **kwargs))
+    results = {}
+    while len(results) < len(ids):
+        out = manager.get_result(timeout=1)
+        if out is None:
+            if not manager.is_running():
+                raise RuntimeError("transformers' continuous batching thread stopped early.")
+            continue
+        if out.request_id in ids:
+            results[out.request_id] = list(out.generated_tokens)
+    return [results[i] for i in ids]
+
+
+# --------------------------------------------------------------------------- shared helpers
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def _result(token_ids: list[list[int]], max_tokens: list[int], elapsed: float) -> dict:
+    """Throughput, after checking that each request got exactly its max_tokens tokens."""
+    counts = [len(t) for t in token_ids]
+    wrong = [i for i, (c, m) in enumerate(zip(counts, max_tokens)) if c != m]
+    if wrong:
+        raise RuntimeError(f"{len(wrong)} requests got the wrong number of tokens, e.g. #{wrong[0]}: "
+                           f"{counts[wrong[0]]} instead of {max_tokens[wrong[0]]}.")
+    output_tokens = sum(counts)
+    return {"num_requests": len(token_ids), "output_tokens": output_tokens, "tokens_checked": True,
+            "elapsed_s": round(elapsed, 3), "output_tokens_per_s": round(output_tokens / elapsed, 1)}
+
+
+def run_one(args: argparse.Namespace) -> int:
+    """One system on one model, in this process; writes a JSON file."""
+    prompts, max_tokens = make_workload(args.num_seqs)
+    subset = args.num_seqs if args.system.startswith("minivllm") else min(args.hf_subset, args.num_seqs)
+    prompts, max_tokens = prompts[:subset], max_tokens[:subset]
+    ckpt = Path(args.ckpt)
+    if args.system == "minivllm-graphs":
+        result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device)
+    elif args.system == "minivllm-eager":
+        result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=True, device=args.device)
+    elif args.system == "hf-static":
+        result = run_hf_static(ckpt, prompts, max_tokens, args.device, args.hf_batch_size)
+    else:
+        result = run_hf_cb(ckpt, prompts, max_tokens, args.device)
+    result.update(system=args.system, subset=subset < args.num_seqs)
+    Path(args.result).write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k != "first_outputs"}), flush=True)
+    return 0
+
+
+# --------------------------------------------------------------------------- orchestration
+def run_all(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    report = {"environment": _environment(args.device), "workload": _workload_summary(args.num_seqs),
+              "settings": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
+                           "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
+                           "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "hf_subset": args.hf_subset,
+                           "hf_batch_size": args.hf_batch_size, "sampling": "greedy, ignore_eos"},
+              "models": {}}
+    tmp = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
+    for model in args.models:
+        ckpt = build_checkpoint(model, tmp, args.device, json.loads(args.config_overrides or "{}"))
+        report["models"][model] = results = {}
+        for system in args.systems:
+            results[system] = _run_subprocess(args, model, system, ckpt, tmp)
+            _save(out, report)
+        results["agreement"] = output_agreement(results)
+        if args.decode_latency:
+            results["decode_latency"] = _run_decode_latency(args, ckpt, tmp)
+            _save(out, report)
+    print(markdown_table(report))
+    plot(report, out / "throughput.png")
+    return 0
+
+
+def output_agreement(results: dict) -> dict:
+    """For each system: how many of the first 8 requests have the same first 16 greedy tokens
+    as minivllm (CUDA graphs). bf16 kernels differ in rounding, so near-ties can flip a token;
+    exact greedy parity is tested in fp32 on the CPU (tests/engine)."""
+    reference = results.get("minivllm-graphs", {}).get("first_outputs")
+    agreement = {}
+    for system, r in results.items():
+        if reference and r.get("first_outputs") and system != "minivllm-graphs":
+            pairs = list(zip(reference, r["first_outputs"]))
+            agreement[system] = f"{sum(a == b for a, b in pairs)}/{len(pairs)}"
+    return agreement
+
+
+def _run_subprocess(args, model: str, system: str, ckpt: Path, tmp: Path) -> dict:
+    result_file = tmp / f"{model}-{system}.json"
+    cmd = [sys.executable, __file__, "one", "--system", system, "--ckpt", str(ckpt), "--result", str(result_file),
+           "--num-seqs", str(args.num_seqs), "--hf-subset", str(args.hf_subset),
+           "--hf-batch-size", str(args.hf_batch_size), "--device", args.device]
+    print(f"== {model} / {system}", flush=True)
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, timeout=args.system_timeout)
+        failed = proc.returncode != 0
+    except subprocess.TimeoutExpired:
+        failed = True
+    wall = round(time.perf_counter() - start, 1)
+    if failed or not result_file.exists():
+        return {"system": system, "error": f"failed or timed out after {wall} s", "wall_s": wall}
+    result = json.loads(result_file.read_text())
+    result["wall_s"] = wall
+    return result
+
+
+def _run_decode_latency(args, ckpt: Path, tmp: Path) -> dict:
+    result_file = tmp / f"{ckpt.name}-decode.json"
+    cmd = [sys.executable, str(Path(__file__).parent / "decode_latency.py"), "--ckpt", str(ckpt),
+           "--result", str(result_file), "--device", args.device]
+    if args.profile_dir:
+        cmd += ["--profile-dir", str(Path(args.profile_dir) / ckpt.name)]
+    print(f"== {ckpt.name} / decode latency", flush=True)
+    try:
+        subprocess.run(cmd, timeout=args.system_timeout)
+    except subprocess.TimeoutExpired:
+        pass
+    return json.loads(result_file.read_text()) if result_file.exists() else {"error": "failed or timed out"}
+
+
+def _save(out: Path, report: dict) -> None:
+    (out / "throughput.json").write_text(json.dumps(report, indent=1))
+
+
+def _environment(device: str) -> dict:
+    import torch
+    import transformers
+
+    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name()
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return env
+
+
+def _workload_summary(num_seqs: int) -> dict:
+    prompts, max_tokens = make_workload(num_seqs)
+    return {"source": "nano-vllm bench.py", "num_seqs": num_seqs, "seed": SEED,
+            "prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(max_tokens)}
+
+
+# --------------------------------------------------------------------------- reporting
+def markdown_table(report: dict) -> str:
+    lines = ["| model | system | requests | output tokens | time (s) | output tok/s | vs HF static | vs HF CB |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for model, results in report["models"].items():
+        rate = {s: r.get("output_tokens_per_s") for s, r in results.items() if s in SYSTEMS}
+        for system in SYSTEMS:
+            r = results.get(system)
+            if r is None:
+                continue
+            if "error" in r:
+                lines.append(f"| {model} | {SYSTEM_LABELS[system]} | – | – | – | {r['error']} | | |")
+                continue
+            label = SYSTEM_LABELS[system] + (" (subset)" if r.get("subset") else "")
+            ratios = [_ratio(rate[system], rate.get(peer)) for peer in ("hf-static", "hf-cb")]
+            lines.append(f"| {model} | {label} | {r['num_requests']} | {r['output_tokens']} | {r['elapsed_s']} | "
+                         f"{r['output_tokens_per_s']:,.0f} | {ratios[0]} | {ratios[1]} |")
+    return "\n".join(lines)
+
+
+def _ratio(a, b) -> str:
+    return f"{a / b:.1f}x" if a and b else "–"
+
+
+def plot(report: dict, png: Path) -> None:
+    """Grouped bars: output tokens/s per system, one group per model (log scale)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz.style import COLORS
+
+    models = list(report["models"])
+    # minivllm in the blues of "our" blocks, transformers in the warm colours.
+    colors = {"minivllm-graphs": COLORS["used"], "minivllm-eager": COLORS["generated"],
+              "hf-static": COLORS["copied"], "hf-cb": COLORS["prompt"]}
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    width = 0.8 / len(SYSTEMS)
+    for j, system in enumerate(SYSTEMS):
+        values = [report["models"][m].get(system, {}).get("output_tokens_per_s") or 0 for m in models]
+        xs = [i + (j - (len(SYSTEMS) - 1) / 2) * width for i in range(len(models))]
+        bars = ax.bar(xs, values, width, label=SYSTEM_LABELS[system], color=colors[system])
+        for bar, value in zip(bars, values):
+            if value:
+                ax.annotate(f"{value:,.0f}", (bar.get_x() + bar.get_width() / 2, value), ha="center",
+                            va="bottom", fontsize=8)
+    ax.set_xticks(range(len(models)), [f"{m} shape" for m in models])
+    ax.set_yscale("log")
+    ax.set_ylabel("output tokens / s (log scale)")
+    gpu = report["environment"].get("gpu", "CPU")
+    ax.set_title(f"Offline throughput, nano-vllm workload, bf16, {gpu}\n(transformers: first "
+                 f"{report['settings']['hf_subset']} requests)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--num-seqs", type=int, default=NUM_SEQS)
+    common.add_argument("--hf-subset", type=int, default=HF_SUBSET, help="requests given to transformers")
+    common.add_argument("--hf-batch-size", type=int, default=HF_BATCH_SIZE)
+    common.add_argument("--device", default="cuda")
+    everything = sub.add_parser("all", parents=[common], help="every system on every model")
+    everything.add_argument("--out", required=True)
+    everything.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    everything.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
+    everything.add_argument("--decode-latency", action="store_true", help="also run decode_latency.py")
+    everything.add_argument("--profile-dir", default=None, help="decode_latency.py writes profiles here")
+    everything.add_argument("--system-timeout", type=float, default=600)
+    everything.add_argument("--config-overrides", default=None, help='JSON, e.g. {"num_hidden_layers": 2}')
+    everything.set_defaults(func=run_all)
+    one = sub.add_parser("one", parents=[common], help="one system (used by `all`)")
+    one.add_argument("--system", required=True, choices=SYSTEMS)
+    one.add_argument("--ckpt", required=True)
+    one.add_argument("--result", required=True)
+    one.set_defaults(func=run_one)
+    redraw = sub.add_parser("plot", help="table and chart from a saved throughput.json")
+    redraw.add_argument("json")
+    redraw.add_argument("--png", required=True)
+    redraw.set_defaults(func=lambda a: _redraw(a.json, a.png))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+def _redraw(json_path: str, png: str) -> int:
+    report = json.loads(Path(json_path).read_text())
+    print(markdown_table(report))
+    plot(report, Path(png))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())
