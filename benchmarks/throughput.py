@@ -326,13 +326,14 @@ def run_all(args: argparse.Namespace) -> int:
     for model in args.models:
         ckpt = build_checkpoint(model, tmp, args.device, json.loads(args.config_overrides or "{}"))
         report["models"][model] = results = {}
+        if args.decode_latency:  # first: it also writes the profiles, the most useful output
+            results["decode_latency"] = _run_decode_latency(args, ckpt, tmp)
+            _save(out, report)
         for system in args.systems:
             results[system] = _run_subprocess(args, model, system, ckpt, tmp)
             _save(out, report)
         results["agreement"] = output_agreement(results)
-        if args.decode_latency:
-            results["decode_latency"] = _run_decode_latency(args, ckpt, tmp)
-            _save(out, report)
+        _save(out, report)
     print(markdown_table(report))
     plot(report, out / "throughput.png")
     return 0
