@@ -193,7 +193,7 @@ def test_minivllm_greedy_equals_transformers_on_the_bundled_model(model, tokeniz
     from minivllm import LLM, SamplingParams
 
     # 8 blocks of 16 tokens cannot hold all three requests at full length: one is preempted.
-    llm = LLM(block_size=16, num_gpu_blocks_override=8, enable_prefix_caching=True)
+    llm = LLM(device="cpu", block_size=16, num_gpu_blocks_override=8, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=ENGINE_NEW_TOKENS, ignore_eos=True)
     outputs = llm.generate(ENGINE_PROMPTS, params, use_tqdm=False)
     for prompt, output in zip(ENGINE_PROMPTS, outputs):

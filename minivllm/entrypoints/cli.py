@@ -110,7 +110,7 @@ def run_bench(args: argparse.Namespace) -> int:
         "num_seqs": args.num_seqs,
         "input_tokens": sum(len(p["prompt_token_ids"]) for p in prompts),
         "output_tokens": output_tokens,
-        "elapsed_s": round(elapsed, 3),
+        "elapsed_s": round(elapsed, 4),
         "output_tokens_per_s": round(output_tokens / elapsed, 1),
     }
     print(json.dumps(result))

@@ -18,7 +18,7 @@ BLOCK_SIZE = 8
 @pytest.fixture
 def engine(checkpoint_dirs) -> LLMEngine:
     path, _ = checkpoint_dirs["llama"]
-    return LLMEngine.from_engine_args(EngineArgs(model=path, block_size=BLOCK_SIZE, max_model_len=64))
+    return LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=BLOCK_SIZE, max_model_len=64))
 
 
 def run(engine: LLMEngine) -> dict:
@@ -111,7 +111,7 @@ def test_eos_stops_unless_ignored_and_min_tokens_delays_it(checkpoint_dirs, tmp_
     tokenizer = checkpoints.build_tokenizer()
     tokenizer.eos_token = eos_text
     tokenizer.save_pretrained(eos_dir)
-    engine = LLMEngine.from_engine_args(EngineArgs(model=str(eos_dir), block_size=BLOCK_SIZE))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=str(eos_dir), device="cpu", block_size=BLOCK_SIZE))
     assert engine.eos_token_id == eos
     engine.add_request("eos", {"prompt_token_ids": prompt}, greedy())
     engine.add_request("ignore", {"prompt_token_ids": prompt}, greedy(ignore_eos=True))
@@ -168,7 +168,7 @@ def test_bad_input_is_rejected_clearly_and_the_engine_keeps_serving(engine, capl
 def test_abort_in_every_state_frees_every_block(checkpoint_dirs, preemption_mode):
     path, _ = checkpoint_dirs["llama"]
     engine = LLMEngine.from_engine_args(EngineArgs(
-        model=path, block_size=BLOCK_SIZE, num_gpu_blocks_override=12, preemption_mode=preemption_mode,
+        model=path, device="cpu", block_size=BLOCK_SIZE, num_gpu_blocks_override=12, preemption_mode=preemption_mode,
         max_num_seqs=4, max_model_len=128))
     params = SamplingParams(temperature=1.0, seed=0, max_tokens=60, ignore_eos=True, n=2)
     for i in range(6):

@@ -57,10 +57,12 @@ def assert_all_blocks_free(engine: LLMEngine) -> None:
     assert block_manager.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
 
 
+# device="cpu": the reference is transformers in fp32 on the CPU (on a GPU, "auto" would pick
+# bf16, and tokens may legitimately differ); tests/engine/test_engine_gpu.py covers the GPU.
 def check_parity(checkpoint_dirs, family: str, prompts, stagger: int = 0, max_tokens: int = MAX_TOKENS,
                  **engine_kwargs) -> LLMEngine:
     path, hf_model = checkpoint_dirs[family]
-    engine = LLMEngine.from_engine_args(EngineArgs(model=path, **engine_kwargs))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", **engine_kwargs))
     collector = StatsCollector()
     engine.add_logger("collector", collector)
     engine.collector = collector
@@ -88,7 +90,7 @@ def test_greedy_matches_transformers_under_preemption(checkpoint_dirs, preemptio
 
 def test_swap_mode_moves_blocks_through_the_cpu_pool(checkpoint_dirs):
     path, _ = checkpoint_dirs["llama"]
-    engine = LLMEngine.from_engine_args(EngineArgs(model=path, block_size=8, num_gpu_blocks_override=16,
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, num_gpu_blocks_override=16,
                                                    preemption_mode="swap"))
     engine.record_snapshots = True
     run_all(engine, mixed_prompts(8, seed=1), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))

@@ -16,7 +16,7 @@ BLOCK_SIZE = 8
 
 def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
     path, _ = checkpoint_dirs[family]
-    return LLMEngine.from_engine_args(EngineArgs(model=path, block_size=BLOCK_SIZE, **kwargs))
+    return LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=BLOCK_SIZE, **kwargs))
 
 
 def run(engine: LLMEngine, requests: dict[str, tuple[list[int], SamplingParams]]):

@@ -10,7 +10,7 @@ from minivllm.bundled_models import resolve_model
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
-    return LLM(tiny_llama[0], block_size=8)
+    return LLM(tiny_llama[0], device="cpu", block_size=8)
 
 
 def test_outputs_come_back_in_input_order_and_match_transformers(llm, tiny_llama):
@@ -52,7 +52,7 @@ def test_progress_bar_reports_throughput(llm, capsys):
 
 
 def test_default_model_is_the_bundled_one():
-    llm = LLM(num_gpu_blocks_override=64)
+    llm = LLM(device="cpu", num_gpu_blocks_override=64)
     assert llm.llm_engine.model_config.model == resolve_model(None)
     [output] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=8), use_tqdm=False)
     assert output.outputs[0].text
