@@ -59,10 +59,15 @@ class LLM:
             sampling_params = SamplingParams()
         params_list = self._params_per_prompt(sampling_params, len(prompts))
         request_ids = []
-        for prompt, params in zip(prompts, params_list):
-            request_id = str(next(self.request_counter))
-            self.llm_engine.add_request(request_id, prompt, params)
-            request_ids.append(request_id)
+        try:
+            for prompt, params in zip(prompts, params_list):
+                request_id = str(next(self.request_counter))
+                self.llm_engine.add_request(request_id, prompt, params)
+                request_ids.append(request_id)
+        except ValueError:
+            # One bad prompt rejects the whole call: take back the ones already queued.
+            self.llm_engine.abort_request(request_ids)
+            raise
         finished = self._run_engine(len(request_ids), use_tqdm)
         return [finished[request_id] for request_id in request_ids]
 

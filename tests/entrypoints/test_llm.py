@@ -45,6 +45,14 @@ def test_default_params_and_param_count_mismatch(llm):
         llm.generate(["a", "b"], [SamplingParams()] * 3, use_tqdm=False)
 
 
+def test_a_bad_prompt_rejects_the_call_and_leaves_nothing_queued(llm):
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate(["fine", ""], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    [output] = llm.generate(["fine"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert output.finished
+
+
 def test_progress_bar_reports_throughput(llm, capsys):
     llm.generate(["a", "b"], SamplingParams(max_tokens=3), use_tqdm=True)
     err = capsys.readouterr().err
