@@ -108,8 +108,11 @@ class ModelRunner:
     def prepare_model_input(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> ModelInput:
         """Flatten the scheduled groups (prefills must come first) into one batch."""
         _check_prefills_first(seq_group_metadata_list)
-        seqs: list[tuple[SequenceData, list[int], int, int]] = []  # data, table, context, query
-        query_lens: list[int] = []
+        datas: list[SequenceData] = []
+        tables: list[list[int]] = []
+        context_lens: list[int] = []
+        query_lens: list[int] = []  # per group (all sequences of a group compute as many)
+        seq_query_lens: list[int] = []  # per sequence
         num_prefills = 0
         for metadata in seq_group_metadata_list:
             query_len = metadata.token_chunk_size if metadata.is_prompt else 1
@@ -117,11 +120,22 @@ class ModelRunner:
             for seq_id, data in metadata.seq_data.items():
                 # A prefill resumes after its computed tokens (cached prefix, earlier chunks);
                 # a decode computes exactly the last token.
-                context_len = data.num_computed_tokens if metadata.is_prompt else data.get_len() - 1
-                seqs.append((data, metadata.block_tables[seq_id], context_len, query_len))
+                datas.append(data)
+                tables.append(metadata.block_tables[seq_id])
+                context_lens.append(data.num_computed_tokens if metadata.is_prompt else data.get_len() - 1)
+                seq_query_lens.append(query_len)
                 num_prefills += metadata.is_prompt
-        input_ids, positions, slot_mapping = self._flatten_tokens(seqs)
-        attn_metadata = self._attn_metadata(seqs, num_prefills, slot_mapping)
+        block_tables = _pad_block_tables(tables)
+        context = np.array(context_lens, dtype=np.int64)
+        queries = np.array(seq_query_lens, dtype=np.int64)
+        input_ids, positions = _flatten_tokens(datas, context, queries, num_prefills)
+        # Row of each new token's sequence, for a vectorized block-table lookup.
+        rows = np.repeat(np.arange(len(datas)), queries)
+        logical_blocks = positions // self.block_size
+        if np.any(logical_blocks >= np.array([len(t) for t in tables])[rows]):
+            raise ValueError("a block table holds fewer blocks than its sequence's new tokens need.")
+        slot_mapping = block_tables[rows, logical_blocks].astype(np.int64) * self.block_size + positions % self.block_size
+        attn_metadata = self._attn_metadata(context, queries, num_prefills, slot_mapping, block_tables)
         sampling_metadata = SamplingMetadata.prepare(
             seq_group_metadata_list, query_lens, self.device, self.generators
         )
@@ -133,38 +147,14 @@ class ModelRunner:
             query_lens=query_lens,
         )
 
-    def _flatten_tokens(self, seqs) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """input_ids, positions and slot_mapping for every new token, built with numpy."""
-        input_ids, positions, slot_mapping = [], [], []
-        for data, block_table, context_len, query_len in seqs:
-            pos = np.arange(context_len, context_len + query_len)
-            if query_len == 1:
-                input_ids.append(np.array([data.get_last_token_id()]))
-            else:
-                input_ids.append(np.asarray(data.get_token_ids()[context_len : context_len + query_len]))
-            table = np.asarray(block_table)
-            if table.size * self.block_size < context_len + query_len:
-                raise ValueError(
-                    f"block table {block_table} holds fewer than {context_len + query_len} tokens."
-                )
-            positions.append(pos)
-            slot_mapping.append(table[pos // self.block_size] * self.block_size + pos % self.block_size)
-        return np.concatenate(input_ids), np.concatenate(positions), np.concatenate(slot_mapping)
-
-    def _attn_metadata(self, seqs, num_prefills: int, slot_mapping: np.ndarray) -> AttentionMetadata:
-        context_lens = np.array([s[2] for s in seqs])
-        query_lens = np.array([s[3] for s in seqs])
+    def _attn_metadata(self, context_lens: np.ndarray, query_lens: np.ndarray, num_prefills: int,
+                       slot_mapping: np.ndarray, block_tables: np.ndarray) -> AttentionMetadata:
         seq_lens = context_lens + query_lens
         query_start_loc = np.concatenate([[0], np.cumsum(query_lens)])
-        max_blocks = max(len(s[1]) for s in seqs)
-        # Rows padded with block 0: kernels never read past a sequence's seq_len.
-        block_tables = np.zeros((len(seqs), max_blocks), dtype=np.int32)
-        for row, (_, table, _, _) in enumerate(seqs):
-            block_tables[row, : len(table)] = table
         return AttentionMetadata(
             num_prefills=num_prefills,
             num_prefill_tokens=int(query_lens[:num_prefills].sum()),
-            num_decode_tokens=len(seqs) - num_prefills,
+            num_decode_tokens=len(query_lens) - num_prefills,
             slot_mapping=_to_device(slot_mapping, torch.long, self.device),
             seq_lens=_to_device(seq_lens, torch.int32, self.device),
             query_start_loc=_to_device(query_start_loc, torch.int32, self.device),
@@ -312,6 +302,30 @@ class _CUDAGraphRunner:
         buffers.block_tables[n:b].fill_(_PAD_BLOCK)
         self.graph.replay()
         return self.output[:n]
+
+
+def _pad_block_tables(tables: list[list[int]]) -> np.ndarray:
+    """`[num_seqs, max_blocks]` int32; rows padded with block 0 (kernels stop at seq_len)."""
+    block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
+    for row, table in enumerate(tables):
+        block_tables[row, : len(table)] = table
+    return block_tables
+
+
+def _flatten_tokens(datas: list[SequenceData], context_lens: np.ndarray, query_lens: np.ndarray,
+                    num_prefills: int) -> tuple[np.ndarray, np.ndarray]:
+    """input_ids and positions of every new token: prefill chunks, then one token per decode."""
+    prefill_ids = [
+        data.get_token_ids()[start : start + length]
+        for data, start, length in zip(datas[:num_prefills], context_lens.tolist(), query_lens.tolist())
+    ]
+    decode_ids = [data.get_last_token_id() for data in datas[num_prefills:]]
+    input_ids = np.fromiter((t for ids in prefill_ids for t in ids), dtype=np.int64)
+    input_ids = np.concatenate([input_ids, np.array(decode_ids, dtype=np.int64)])
+    # Position of each new token: its sequence's context length plus its offset in the chunk.
+    starts = np.repeat(context_lens, query_lens)
+    offsets = np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
+    return input_ids, starts + offsets
 
 
 def _check_prefills_first(seq_group_metadata_list: list[SequenceGroupMetadata]) -> None:
