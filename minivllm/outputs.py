@@ -7,13 +7,15 @@ vLLM's `LLM.generate` reads minivllm's outputs unchanged:
         print(output.prompt, "->", output.outputs[0].text, output.outputs[0].finish_reason)
 
 Plain data, no torch: a notebook can build and print these without a model.
+`RequestOutput.from_seq_group` turns the engine's `SequenceGroup` into one (as in vLLM).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minivllm.sequence import RequestMetrics
+from minivllm.sequence import RequestMetrics, Sequence, SequenceGroup, SequenceStatus
 
 # One entry per position: {token_id: Logprob} holding the chosen token and the top-N.
 SampleLogprobs = list[dict[int, "Logprob"]]
@@ -83,3 +85,92 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+
+    @classmethod
+    def from_seq_group(
+        cls,
+        seq_group: SequenceGroup,
+        decode_token: Callable[[int], str] | None = None,
+        eos_token_id: int | None = None,
+    ) -> "RequestOutput":
+        """The request's state now: cumulative text and tokens of its `n` reported sequences.
+
+        Args:
+            decode_token: token id -> its text, for `Logprob.decoded_token` (None: not filled).
+            eos_token_id: the model's EOS (beam scores do not count a final EOS in the length).
+        """
+        params = seq_group.sampling_params
+        seqs = _reported_seqs(seq_group, eos_token_id)
+        want_logprobs = params.logprobs is not None
+        outputs = [
+            CompletionOutput(
+                index=index,
+                text=seq.output_text,
+                token_ids=list(seq.get_output_token_ids()),
+                cumulative_logprob=seq.get_cumulative_logprob() if want_logprobs or params.use_beam_search else None,
+                logprobs=_sample_logprobs(seq, decode_token) if want_logprobs else None,
+                finish_reason=SequenceStatus.get_finished_reason(seq.status),
+                stop_reason=seq.stop_reason,
+            )
+            for index, seq in enumerate(seqs)
+        ]
+        return cls(
+            request_id=seq_group.request_id,
+            prompt=seq_group.prompt,
+            prompt_token_ids=seq_group.prompt_token_ids,
+            prompt_logprobs=_prompt_logprobs(seq_group, decode_token),
+            outputs=outputs,
+            finished=seq_group.is_finished(),
+            metrics=seq_group.metrics,
+        )
+
+
+def _reported_seqs(seq_group: SequenceGroup, eos_token_id: int | None) -> list[Sequence]:
+    """All sequences in creation order when n == best_of (indices stay put while streaming);
+    else the best n: by beam score for beam search, by cumulative logprob for best_of."""
+    params = seq_group.sampling_params
+    seqs = seq_group.get_seqs()
+    if params.best_of == params.n and not params.use_beam_search:
+        return seqs
+    if params.use_beam_search:
+        def score(seq: Sequence) -> float:
+            return seq.get_beam_search_score(params.length_penalty, eos_token_id=eos_token_id)
+    else:
+        def score(seq: Sequence) -> float:
+            return seq.get_cumulative_logprob()
+    return sorted(seqs, key=score, reverse=True)[: params.n]
+
+
+def _sample_logprobs(seq: Sequence, decode_token) -> SampleLogprobs:
+    return [
+        _logprob_dict(entry, token, rank, decode_token)
+        for entry, token, rank in zip(seq.output_logprobs, seq.get_output_token_ids(), seq.output_ranks)
+    ]
+
+
+def _prompt_logprobs(seq_group: SequenceGroup, decode_token) -> PromptLogprobs | None:
+    if seq_group.prompt_logprobs is None:
+        return None
+    tokens = seq_group.prompt_token_ids
+    return [
+        None if entry is None else _logprob_dict(entry, tokens[i], seq_group.prompt_ranks[i], decode_token)
+        for i, entry in enumerate(seq_group.prompt_logprobs)
+    ]
+
+
+def _logprob_dict(entry: dict[int, float], chosen: int, chosen_rank: int | None, decode_token) -> dict[int, Logprob]:
+    """{token: Logprob}, the chosen token first. The others are the top-N, so their rank is
+    their place in descending logprob order; the chosen token's rank came from the sampler."""
+    by_logprob = sorted(entry, key=lambda t: entry[t], reverse=True)
+    ranks = {token: place + 1 for place, token in enumerate(by_logprob)}
+    ranks[chosen] = chosen_rank
+
+    def text(token: int) -> str | None:
+        return decode_token(token) if decode_token is not None else None
+
+    result = {chosen: Logprob(entry[chosen], ranks[chosen], text(chosen))}
+    for token in by_logprob:
+        if token != chosen:
+            result[token] = Logprob(entry[token], ranks[token], text(token))
+    return result
+

@@ -32,18 +32,12 @@ from minivllm.core.snapshot import StepSnapshot, take_snapshot
 from minivllm.engine.arg_utils import EngineArgs, EngineConfig
 from minivllm.engine.detokenizer import Detokenizer
 from minivllm.engine.metrics import StatLoggerBase, Stats
+from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.executor.uniproc_executor import UniProcExecutor
-from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
+from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import (
-    ExecuteModelRequest,
-    Sequence,
-    SequenceGroup,
-    SequenceGroupOutput,
-    SequenceOutput,
-    SequenceStatus,
-)
+from minivllm.sequence import ExecuteModelRequest, Sequence, SequenceGroup, SequenceGroupOutput, SequenceStatus
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +75,12 @@ class LLMEngine:
         )
         self._initialize_kv_caches()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        self.output_processor = SequenceGroupOutputProcessor(
+            self.scheduler,
+            self.detokenizer,
+            StopChecker(self.scheduler_config.max_model_len, self.eos_token_id),
+            self.seq_counter,
+        )
         self.stat_loggers: dict[str, StatLoggerBase] = {}
         self.record_snapshots = False
         self.snapshots: list[StepSnapshot] = []
@@ -229,7 +229,7 @@ class LLMEngine:
                 self._record_prompt_logprobs(seq_group, output, first_computed)
             if output.samples:
                 self._update_metrics(seq_group, now, stats)
-                self._process_samples(seq_group, output.samples)
+                self.output_processor.process_outputs(seq_group, output.samples)
                 # Beam search proposes 2 x beam_width candidates but keeps beam_width.
                 stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
             request_outputs.append(self._make_request_output(seq_group, now, stats))
@@ -255,208 +255,11 @@ class LLMEngine:
                 seq_group.prompt_logprobs.append(entry)
                 seq_group.prompt_ranks.append(rank)
 
-    # ------------------------------------------------------------------ samples
-    def _process_samples(self, seq_group: SequenceGroup, samples: list[SequenceOutput]) -> None:
-        """Append each sample to its parent; a parent with several samples forks children."""
-        params = seq_group.sampling_params
-        existing_finished = seq_group.get_finished_seqs()
-        child_seqs: list[tuple[Sequence, Sequence]] = []  # (child, parent); parent continues itself
-        for parent in seq_group.get_seqs(status=SequenceStatus.RUNNING):
-            child_samples = [s for s in samples if s.parent_seq_id == parent.seq_id]
-            if not child_samples:
-                # Beam search dropped this beam: it has no future, free it now.
-                parent.status = SequenceStatus.FINISHED_ABORTED
-                seq_group.remove(parent.seq_id)
-                self.scheduler.free_seq(parent)
-                continue
-            for sample in child_samples[:-1]:
-                child = parent.fork(next(self.seq_counter))
-                child.append_token_id(sample.output_token, sample.logprobs, sample.rank)
-                child_seqs.append((child, parent))
-            last = child_samples[-1]
-            parent.append_token_id(last.output_token, last.logprobs, last.rank)
-            child_seqs.append((parent, parent))
-        for seq, _ in child_seqs:
-            new_char_count = self.detokenizer.decode_sequence_inplace(seq, params) if params.detokenize else 0
-            self._check_stop(seq, new_char_count, params)
-        if params.use_beam_search:
-            selected, unselected = self._select_beams(seq_group, child_seqs, existing_finished)
-        else:
-            selected, unselected = child_seqs, []
-        self._apply_selection(seq_group, selected, unselected)
-
-    def _apply_selection(self, seq_group: SequenceGroup, selected, unselected) -> None:
-        # Fork the new children first, then free finished parents: a child must take its
-        # references to the parent's blocks before the parent lets go of them.
-        for seq, parent in selected:
-            if seq is not parent:
-                seq_group.add(seq)
-                if not seq.is_finished():
-                    self.scheduler.fork_seq(parent, seq)
-        for seq, parent in selected:
-            if seq is parent and seq.is_finished():
-                self.scheduler.free_seq(seq)
-        for seq, parent in unselected:
-            if seq is parent:
-                seq_group.remove(seq.seq_id)
-                self.scheduler.free_seq(seq)
-
-    def _select_beams(self, seq_group: SequenceGroup, child_seqs, existing_finished):
-        """vLLM v0's beam selection: keep the best `beam_width` finished and running beams.
-
-        Returns (selected, unselected) lists of (seq, parent). Finished beams compete with
-        the finished beams of earlier steps; running beams continue unless the search stops
-        (`early_stopping`, or no running beam can beat the worst kept finished one).
-        """
-        params = seq_group.sampling_params
-        beam_width = params.best_of
-
-        def score(seq: Sequence, seq_len: int | None = None) -> float:
-            return seq.get_beam_search_score(params.length_penalty, seq_len, self.eos_token_id)
-
-        selected, unselected = [], []
-        # (seq, parent, is_new) for all finished beams, best first.
-        finished = [(s, None, False) for s in existing_finished]
-        finished += [(s, p, True) for s, p in child_seqs if s.is_finished()]
-        finished.sort(key=lambda x: score(x[0]), reverse=True)
-        for seq, parent, is_new in finished[:beam_width]:
-            if is_new:
-                selected.append((seq, parent))
-        for seq, parent, is_new in finished[beam_width:]:
-            if is_new:
-                unselected.append((seq, parent))
-            else:
-                seq_group.remove(seq.seq_id)  # an old finished beam pushed out of the top
-        running = sorted(((s, p) for s, p in child_seqs if not s.is_finished()),
-                         key=lambda x: score(x[0]), reverse=True)
-        if not running:
-            stop = True
-        elif len(finished) < beam_width:
-            stop = False
-        else:
-            stop = self._beam_search_done(params, running[0][0], finished[beam_width - 1][0], score)
-        if stop:
-            unselected += running
-        else:
-            selected += running[:beam_width]
-            unselected += running[beam_width:]
-        return selected, unselected
-
-    def _beam_search_done(self, params: SamplingParams, best_running: Sequence, worst_finished: Sequence, score) -> bool:
-        """`early_stopping` as in transformers: True stops at beam_width finished beams;
-        False stops when the best running beam, scored now, cannot beat the worst finished;
-        "never" scores the best running beam at the longest length it could still reach."""
-        if params.early_stopping is True:
-            return True
-        best_len = None
-        if params.early_stopping == "never" and params.length_penalty > 0.0:
-            best_len = max(best_running.get_prompt_len() + params.max_tokens, self.scheduler_config.max_model_len)
-        return score(worst_finished) >= score(best_running, best_len)
-
-    # ------------------------------------------------------------------ stopping
-    def _check_stop(self, seq: Sequence, new_char_count: int, params: SamplingParams) -> None:
-        """Finish `seq` when a stop condition holds (vLLM's StopChecker order)."""
-        if seq.get_output_len() < params.min_tokens:
-            return
-        last_token = seq.get_last_token_id()
-        if not params.ignore_eos and last_token == self.eos_token_id:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            return
-        if last_token in params.stop_token_ids:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = last_token
-            return
-        stop_str = self._find_stop_string(seq, new_char_count, params)
-        if stop_str is not None:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-            seq.stop_reason = stop_str
-            return
-        if seq.get_len() >= self.scheduler_config.max_model_len or seq.get_output_len() >= params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    @staticmethod
-    def _find_stop_string(seq: Sequence, new_char_count: int, params: SamplingParams) -> str | None:
-        """Look for a stop string ending in the new text; truncate the output text there."""
-        if not new_char_count:
-            return None
-        for stop_str in params.stop:
-            # Only a match that overlaps the new characters can be new.
-            start = max(len(seq.output_text) - new_char_count - len(stop_str) + 1, 0)
-            index = seq.output_text.find(stop_str, start)
-            if index == -1:
-                continue
-            end = index + len(stop_str) if params.include_stop_str_in_output else index
-            seq.output_text = seq.output_text[:end]
-            return stop_str
-        return None
-
     # ------------------------------------------------------------------ outputs
     def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput:
-        params = seq_group.sampling_params
-        seqs = self._ranked_seqs(seq_group)
-        finished = seq_group.is_finished()
-        if finished:
+        if seq_group.is_finished():
             self._on_request_finished(seq_group, now, stats)
-        return RequestOutput(
-            request_id=seq_group.request_id,
-            prompt=seq_group.prompt,
-            prompt_token_ids=seq_group.prompt_token_ids,
-            prompt_logprobs=self._prompt_logprobs_output(seq_group),
-            outputs=[self._completion_output(i, seq, params) for i, seq in enumerate(seqs)],
-            finished=finished,
-            metrics=seq_group.metrics,
-        )
-
-    def _ranked_seqs(self, seq_group: SequenceGroup) -> list[Sequence]:
-        """The `n` sequences to report: all of them in creation order when n == best_of
-        (stable indices while streaming), else the best n (beam score / cumulative logprob)."""
-        params = seq_group.sampling_params
-        seqs = seq_group.get_seqs()
-        if params.best_of == params.n and not params.use_beam_search:
-            return seqs
-        if params.use_beam_search:
-            def key(s):
-                return s.get_beam_search_score(params.length_penalty, eos_token_id=self.eos_token_id)
-        else:
-            def key(s):
-                return s.get_cumulative_logprob()
-        return sorted(seqs, key=key, reverse=True)[: params.n]
-
-    def _completion_output(self, index: int, seq: Sequence, params: SamplingParams) -> CompletionOutput:
-        want_logprobs = params.logprobs is not None
-        return CompletionOutput(
-            index=index,
-            text=seq.output_text,
-            token_ids=list(seq.get_output_token_ids()),
-            cumulative_logprob=seq.get_cumulative_logprob() if want_logprobs or params.use_beam_search else None,
-            logprobs=self._sample_logprobs(seq) if want_logprobs else None,
-            finish_reason=SequenceStatus.get_finished_reason(seq.status),
-            stop_reason=seq.stop_reason,
-        )
-
-    def _sample_logprobs(self, seq: Sequence) -> list[dict[int, Logprob]]:
-        return [
-            self._logprob_dict(entry, token, rank)
-            for entry, token, rank in zip(seq.output_logprobs, seq.get_output_token_ids(), seq.output_ranks)
-        ]
-
-    def _prompt_logprobs_output(self, seq_group: SequenceGroup):
-        if seq_group.prompt_logprobs is None:
-            return None
-        tokens = seq_group.prompt_token_ids
-        return [
-            None if entry is None else self._logprob_dict(entry, tokens[i], seq_group.prompt_ranks[i])
-            for i, entry in enumerate(seq_group.prompt_logprobs)
-        ]
-
-    def _logprob_dict(self, entry: dict[int, float], chosen: int, chosen_rank: int | None) -> dict[int, Logprob]:
-        """{token: Logprob}; the top-N alternatives are ranked by their order (1 = best)."""
-        others = sorted((t for t in entry if t != chosen), key=lambda t: entry[t], reverse=True)
-        ranks = {t: i + 1 for i, t in enumerate(sorted(entry, key=lambda t: entry[t], reverse=True))}
-        result = {chosen: Logprob(entry[chosen], chosen_rank, self.detokenizer.decode_token(chosen))}
-        for token in others:
-            result[token] = Logprob(entry[token], ranks[token], self.detokenizer.decode_token(token))
-        return result
+        return RequestOutput.from_seq_group(seq_group, self.detokenizer.decode_token, self.eos_token_id)
 
     # ------------------------------------------------------------------ metrics
     def add_logger(self, logger_name: str, stat_logger: StatLoggerBase) -> None:

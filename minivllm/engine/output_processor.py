@@ -1,0 +1,199 @@
+"""What the engine does with each step's samples: append, fork, stop, select beams.
+
+Mirrors `vllm/engine/output_processor/single_step.py` and `stop_checker.py` (v0, ~0.6).
+
+For each scheduled request, the sampler returned `SequenceOutput`s, each naming the parent
+sequence it extends. A parent with one sample just appends the token. A parent with several
+(the prompt step of `n > 1` / `best_of`, or a beam that won several candidates) keeps the
+last sample itself and **forks** a child per other sample: `Sequence.fork` copies the token
+list, `Scheduler.fork_seq` copies the block table and raises the blocks' reference counts, so
+parent and children share their KV cache until one of them writes to a shared block
+(copy-on-write, done by the block manager at the next `append_slots`).
+
+Beam search then keeps only the best `beam_width` of those children (vLLM 0.6's selection),
+freeing the rest; parallel sampling keeps them all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from minivllm.core.scheduler import Scheduler
+from minivllm.engine.detokenizer import Detokenizer
+from minivllm.sampling_params import SamplingParams
+from minivllm.sequence import Sequence, SequenceGroup, SequenceOutput, SequenceStatus
+
+# (sequence, the parent it came from); a parent that continues itself is its own parent.
+ChildAndParent = tuple[Sequence, Sequence]
+
+
+class StopChecker:
+    """Finishes a sequence when a stop condition holds, in vLLM's order:
+
+    min_tokens not reached -> never stop; EOS (unless `ignore_eos`); a `stop_token_ids` token
+    (`stop_reason` = the id); a stop string in the new text (the text is cut there, or after it
+    with `include_stop_str_in_output`; `stop_reason` = the string); `max_model_len` reached;
+    `max_tokens` reached ("length").
+    """
+
+    def __init__(self, max_model_len: int, eos_token_id: int | None) -> None:
+        self.max_model_len = max_model_len
+        self.eos_token_id = eos_token_id
+
+    def maybe_stop_sequence(self, seq: Sequence, new_char_count: int, params: SamplingParams) -> None:
+        if seq.get_output_len() < params.min_tokens:
+            return
+        last_token = seq.get_last_token_id()
+        if not params.ignore_eos and last_token == self.eos_token_id:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            return
+        if last_token in params.stop_token_ids:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = last_token
+            return
+        stop_str = self._find_stop_string(seq, new_char_count, params)
+        if stop_str is not None:
+            seq.status = SequenceStatus.FINISHED_STOPPED
+            seq.stop_reason = stop_str
+            return
+        # >= : a sequence never holds more tokens than the model's context.
+        if seq.get_len() >= self.max_model_len or seq.get_output_len() >= params.max_tokens:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    @staticmethod
+    def _find_stop_string(seq: Sequence, new_char_count: int, params: SamplingParams) -> str | None:
+        """A stop string ending in the new text, or None; truncates `seq.output_text` there."""
+        if not new_char_count:
+            return None
+        for stop_str in params.stop:
+            # Only a match that overlaps the new characters can be new.
+            start = max(len(seq.output_text) - new_char_count - len(stop_str) + 1, 0)
+            index = seq.output_text.find(stop_str, start)
+            if index == -1:
+                continue
+            end = index + len(stop_str) if params.include_stop_str_in_output else index
+            seq.output_text = seq.output_text[:end]
+            return stop_str
+        return None
+
+
+class SequenceGroupOutputProcessor:
+    """Applies one request's samples to its sequences (see the module docstring).
+
+    Args:
+        scheduler: forks and frees sequences' blocks (`fork_seq`, `free_seq`).
+        detokenizer: appends each new token's text.
+        stop_checker: decides which sequences finished.
+        seq_counter: source of new sequence ids (shared with the engine).
+    """
+
+    def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, stop_checker: StopChecker,
+                 seq_counter: Iterator[int]) -> None:
+        self.scheduler = scheduler
+        self.detokenizer = detokenizer
+        self.stop_checker = stop_checker
+        self.seq_counter = seq_counter
+
+    def process_outputs(self, seq_group: SequenceGroup, samples: list[SequenceOutput]) -> None:
+        params = seq_group.sampling_params
+        existing_finished = seq_group.get_finished_seqs()
+        child_seqs = self._append_and_fork(seq_group, samples)
+        for seq, _ in child_seqs:
+            new_char_count = self.detokenizer.decode_sequence_inplace(seq, params) if params.detokenize else 0
+            self.stop_checker.maybe_stop_sequence(seq, new_char_count, params)
+        if params.use_beam_search:
+            selected, unselected = self._select_beams(seq_group, child_seqs, existing_finished)
+        else:
+            selected, unselected = child_seqs, []
+        self._apply_selection(seq_group, selected, unselected)
+
+    def _append_and_fork(self, seq_group: SequenceGroup, samples: list[SequenceOutput]) -> list[ChildAndParent]:
+        """Give every running parent its samples: the last one in place, the others to forks."""
+        child_seqs: list[ChildAndParent] = []
+        for parent in seq_group.get_seqs(status=SequenceStatus.RUNNING):
+            child_samples = [s for s in samples if s.parent_seq_id == parent.seq_id]
+            if not child_samples:
+                # Beam search gave this beam no candidate: it has no future, free it now.
+                parent.status = SequenceStatus.FINISHED_ABORTED
+                seq_group.remove(parent.seq_id)
+                self.scheduler.free_seq(parent)
+                continue
+            for sample in child_samples[:-1]:
+                child = parent.fork(next(self.seq_counter))
+                child.append_token_id(sample.output_token, sample.logprobs, sample.rank)
+                child_seqs.append((child, parent))
+            last = child_samples[-1]
+            parent.append_token_id(last.output_token, last.logprobs, last.rank)
+            child_seqs.append((parent, parent))
+        return child_seqs
+
+    def _apply_selection(self, seq_group: SequenceGroup, selected: list[ChildAndParent],
+                         unselected: list[ChildAndParent]) -> None:
+        # Fork the new children first, then free finished parents: a child must take its
+        # references to the parent's blocks before the parent lets go of them.
+        for seq, parent in selected:
+            if seq is not parent:
+                seq_group.add(seq)
+                if not seq.is_finished():
+                    self.scheduler.fork_seq(parent, seq)
+        for seq, parent in selected:
+            if seq is parent and seq.is_finished():
+                self.scheduler.free_seq(seq)
+        for seq, parent in unselected:
+            if seq is parent:
+                seq_group.remove(seq.seq_id)
+                self.scheduler.free_seq(seq)
+
+    # ------------------------------------------------------------------ beam search
+    def _select_beams(self, seq_group: SequenceGroup, child_seqs: list[ChildAndParent],
+                      existing_finished: list[Sequence]) -> tuple[list[ChildAndParent], list[ChildAndParent]]:
+        """vLLM 0.6's selection: the best `beam_width` finished beams (new ones compete with
+        those of earlier steps, by `cumulative_logprob / len ** length_penalty`), and the best
+        `beam_width` running ones, unless the search is done (`_beam_search_done`).
+
+        Returns (selected, unselected) lists of (seq, parent).
+        """
+        params = seq_group.sampling_params
+        beam_width = params.best_of
+        selected: list[ChildAndParent] = []
+        unselected: list[ChildAndParent] = []
+        # (seq, parent, is_new) for all finished beams, best first.
+        finished = [(s, None, False) for s in existing_finished]
+        finished += [(s, p, True) for s, p in child_seqs if s.is_finished()]
+        finished.sort(key=lambda x: self._score(x[0], params), reverse=True)
+        for seq, parent, is_new in finished[:beam_width]:
+            if is_new:
+                selected.append((seq, parent))
+        for seq, parent, is_new in finished[beam_width:]:
+            if is_new:
+                unselected.append((seq, parent))
+            else:
+                seq_group.remove(seq.seq_id)  # an old finished beam pushed out of the top
+        running = sorted(((s, p) for s, p in child_seqs if not s.is_finished()),
+                         key=lambda x: self._score(x[0], params), reverse=True)
+        if not running:
+            done = True
+        elif len(finished) < beam_width:
+            done = False
+        else:
+            done = self._beam_search_done(params, running[0][0], finished[beam_width - 1][0])
+        if done:
+            unselected += running
+        else:
+            selected += running[:beam_width]
+            unselected += running[beam_width:]
+        return selected, unselected
+
+    def _score(self, seq: Sequence, params: SamplingParams, seq_len: int | None = None) -> float:
+        return seq.get_beam_search_score(params.length_penalty, seq_len, self.stop_checker.eos_token_id)
+
+    def _beam_search_done(self, params: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
+        """`early_stopping` as in transformers: True stops once beam_width beams finished;
+        False stops when the best running beam, scored now, cannot beat the worst kept finished
+        one; "never" scores the best running beam at the longest length it could still reach."""
+        if params.early_stopping is True:
+            return True
+        best_len = None
+        if params.early_stopping == "never" and params.length_penalty > 0.0:
+            best_len = max(best_running.get_prompt_len() + params.max_tokens, self.stop_checker.max_model_len)
+        return self._score(worst_finished, params) >= self._score(best_running, params, best_len)
