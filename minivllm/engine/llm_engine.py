@@ -236,7 +236,6 @@ class LLMEngine:
         for seq_group in scheduler_outputs.ignored_seq_groups:
             if seq_group.finish_message:
                 logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)
-            self._finished_requests_ids.append(seq_group.request_id)
             request_outputs.append(self._make_request_output(seq_group, now, stats))
         return request_outputs
 
