@@ -101,6 +101,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.engine.async_llm_engine": "vllm/engine/async_llm_engine.py",
     "minivllm.engine.arg_utils": "vllm/engine/arg_utils.py",
     "minivllm.engine.metrics": "vllm/engine/metrics.py",
+    "minivllm.engine.output_processor": "vllm/engine/output_processor/single_step.py",
     "minivllm.transformers_utils": "vllm/transformers_utils/",
     "minivllm.transformers_utils.tokenizer": "vllm/transformers_utils/tokenizer.py",
     "minivllm.transformers_utils.detokenizer": "vllm/transformers_utils/detokenizer.py",
@@ -387,19 +388,27 @@ def layout(
     graph: dict[str, set[str]], max_columns: int = _MAX_COLUMNS
 ) -> dict[str, tuple[float, float]]:
     """Box centres `{module: (x, y)}`: one band per entry of `ROWS` from the top (y = 0) down
-    (negative y), modules of a band side by side in `LAYERS` order, wrapping after
-    `max_columns` boxes so a big layer takes two lines instead of a very wide one."""
-    bands: list[list[str]] = [[] for _ in ROWS]
+    (negative y). A layer's modules sit side by side, wrapping after `max_columns` boxes;
+    small layers of one band share a line when they fit (core beside the simulator)."""
+    bands: list[dict[str, list[str]]] = [{} for _ in ROWS]
     for module in sorted(graph, key=_layer_order_key):
-        bands[row_of(module)].append(module)
-    positions, line = {}, 0
+        bands[row_of(module)].setdefault(layer_of(module), []).append(module)
+    lines: list[list[str]] = []
     for band in bands:
-        for start in range(0, len(band), max_columns):
-            chunk = band[start : start + max_columns]
-            for column, module in enumerate(chunk):
-                positions[module] = (column - (len(chunk) - 1) / 2, -float(line))
-            line += 1
-    return positions
+        band_lines: list[list[str]] = []
+        for modules in band.values():
+            for start in range(0, len(modules), max_columns):
+                chunk = modules[start : start + max_columns]
+                if band_lines and len(band_lines[-1]) + len(chunk) <= max_columns:
+                    band_lines[-1].extend(chunk)
+                else:
+                    band_lines.append(list(chunk))
+        lines.extend(band_lines)
+    return {
+        module: (column - (len(line) - 1) / 2, -float(line_index))
+        for line_index, line in enumerate(lines)
+        for column, module in enumerate(line)
+    }
 
 
 def _layer_order_key(module: str) -> tuple[int, str]:
