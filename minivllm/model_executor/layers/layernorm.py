@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.model_executor.layers.fused import fused_ops
+
 
 class RMSNorm(nn.Module):
     """RMSNorm over the last dimension, with vLLM's fused residual add.
@@ -34,6 +36,9 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        ops = fused_ops(x)
+        if ops is not None and x.stride(-1) == 1 and (residual is None or (x.dim() == 2 and residual.is_contiguous())):
+            return ops.rms_norm(x, self.weight, self.eps, residual)  # one kernel (see layers.fused)
         if residual is None:
             return self._norm(x)
         residual = x + residual

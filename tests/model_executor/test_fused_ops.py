@@ -1,0 +1,97 @@
+"""The fused Triton ops (`minivllm.kernels.fused_ops`) against the PyTorch layers they replace.
+
+On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
+on a GPU, natively. The PyTorch layer code (the spec, also what transformers computes) runs
+with fusion switched off. fp32 must agree to float rounding; bf16 to one rounding step at
+most on a few elements (the fp32 sum of squares may be accumulated in a different order,
+and a one-ulp change before the weight can become two after it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from minivllm.kernels import fused_ops
+from minivllm.model_executor.layers import fused
+from minivllm.model_executor.layers.activation import SiluAndMul
+from minivllm.model_executor.layers.layernorm import RMSNorm
+from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def pytorch_layers(monkeypatch):
+    """The layers below run their PyTorch code: they are the reference here."""
+    monkeypatch.setattr(fused, "ENABLED", False)
+
+
+def _close(actual, expected, dtype):
+    if dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    else:  # a rounding step or two (bf16: 2^-8 relative), never more
+        torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=1e-2)
+        # Triton's CPU interpreter truncates fp32 -> bf16 (GPUs round to nearest), so the
+        # last bit differs almost everywhere there; on a GPU only a few elements may differ.
+        if DEVICE == "cuda":
+            assert (actual != expected).float().mean() < 0.03
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_with_and_without_residual(dtype):
+    torch.manual_seed(0)
+    norm = RMSNorm(96, eps=1e-6).to(DEVICE, dtype)
+    norm.weight.data = torch.randn(96, device=DEVICE).to(dtype)
+    x = torch.randn(5, 96, device=DEVICE).to(dtype)
+    residual = torch.randn(5, 96, device=DEVICE).to(dtype)
+    _close(fused_ops.rms_norm(x, norm.weight, norm.eps), norm(x), dtype)
+    out, new_residual = fused_ops.rms_norm(x, norm.weight, norm.eps, residual)
+    ref_out, ref_residual = norm(x, residual)
+    _close(new_residual, ref_residual, dtype)
+    _close(out, ref_out, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_of_heads_inside_a_strided_view(dtype):
+    """Qwen3's q/k norm: per-head RMSNorm on a [tokens, heads, head_dim] view of the qkv output."""
+    torch.manual_seed(1)
+    heads, head_dim = 3, 16
+    norm = RMSNorm(head_dim).to(DEVICE, dtype)
+    norm.weight.data = torch.randn(head_dim, device=DEVICE).to(dtype)
+    qkv = torch.randn(4, heads * head_dim + 32, device=DEVICE).to(dtype)
+    q = qkv[:, : heads * head_dim].view(4, heads, head_dim)  # not contiguous
+    _close(fused_ops.rms_norm(q, norm.weight, norm.eps), norm(q), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_and_mul(dtype):
+    torch.manual_seed(2)
+    x = (3 * torch.randn(6, 2 * 40, device=DEVICE)).to(dtype)
+    _close(fused_ops.silu_and_mul(x), SiluAndMul()(x), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rope", [{"rope_type": "default", "rope_theta": 10000.0},
+                                  {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}])
+def test_rotary_on_strided_query_and_key(dtype, rope):
+    torch.manual_seed(3)
+    head_dim, max_position = 16, 256
+    rotary = RotaryEmbedding(head_dim, max_position, rope).to(DEVICE)
+    qkv = torch.randn(7, (4 + 2 + 2) * head_dim, device=DEVICE).to(dtype)
+    q = qkv[:, : 4 * head_dim].view(7, 4, head_dim)
+    k = qkv[:, 4 * head_dim : 6 * head_dim].view(7, 2, head_dim)
+    positions = torch.tensor([0, 1, 5, 17, 100, 200, 255], device=DEVICE)
+    ref_q, ref_k = rotary(positions, q, k)
+    _close(fused_ops.rotary(q, positions, rotary.cos_sin_cache), ref_q, dtype)
+    _close(fused_ops.rotary(k, positions, rotary.cos_sin_cache), ref_k, dtype)
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError):
+        fused_ops.silu_and_mul(torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError):
+        fused_ops.rotary(torch.zeros(2, 3, 6), torch.zeros(2, dtype=torch.long), torch.zeros(8, 6))
