@@ -17,8 +17,10 @@ How many blocks fit (`determine_num_available_blocks`):
           `MINIVLLM_CPU_KVCACHE_SPACE` GiB (like vLLM's `VLLM_CPU_KVCACHE_SPACE`), default
           0.5 GiB, never more than a quarter of the machine's RAM and never more blocks than
           `max_num_seqs` full-length sequences could ever use.
-    Both: num_cpu_blocks (the swap pool) = swap_space bytes // block_bytes (on a CPU device
-          at most num_gpu_blocks: swapping from RAM to RAM only needs to hold what it moves).
+    Both: num_cpu_blocks (the swap pool) = swap_space bytes // block_bytes, at most what
+          `max_num_seqs` full-length sequences hold (a tiny model's 4 GiB would otherwise be
+          millions of blocks for the Python block manager to track). The swap pool is allocated
+          uninitialised, so its pages cost RAM only once blocks are swapped out.
     `num_gpu_blocks_override` replaces the GPU figure (tests use it to force preemption).
 """
 
@@ -95,9 +97,9 @@ class Worker:
             num_gpu_blocks = self._cpu_budget_blocks(block_bytes)
         if self.cache_config.num_gpu_blocks_override is not None:
             num_gpu_blocks = self.cache_config.num_gpu_blocks_override
-        num_cpu_blocks = self.cache_config.swap_space_bytes // block_bytes
-        if self.device.type == "cpu":
-            num_cpu_blocks = min(num_cpu_blocks, num_gpu_blocks)
+        # More swap blocks than max_num_seqs full-length sequences hold would never be used,
+        # and every block costs the (pure Python) block manager an object.
+        num_cpu_blocks = min(self.cache_config.swap_space_bytes // block_bytes, self._max_blocks_in_use())
         if num_gpu_blocks < 1:
             raise ValueError(
                 "no memory left for the KV cache after loading the model; raise "
@@ -122,9 +124,12 @@ class Worker:
         budget = float(os.environ.get(CPU_KVCACHE_SPACE_ENV, _DEFAULT_CPU_KVCACHE_SPACE_GIB)) * _GiB
         ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") if hasattr(os, "sysconf") else budget
         budget = min(budget, ram * _MAX_CPU_RAM_FRACTION)
+        return int(min(budget // block_bytes, self._max_blocks_in_use()))
+
+    def _max_blocks_in_use(self) -> int:
+        """Blocks that max_num_seqs sequences of max_model_len tokens hold at most."""
         blocks_per_seq = -(-self.scheduler_config.max_model_len // self.cache_config.block_size)
-        most_useful = self.scheduler_config.max_num_seqs * blocks_per_seq
-        return int(min(budget // block_bytes, most_useful))
+        return self.scheduler_config.max_num_seqs * blocks_per_seq
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.cache_config.num_gpu_blocks = num_gpu_blocks

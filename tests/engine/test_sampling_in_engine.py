@@ -166,3 +166,27 @@ def test_logprobs_and_prompt_logprobs_match_the_models_distribution(checkpoint_d
         assert entry[token].decoded_token == checkpoints.build_tokenizer().decode([token])
         cumulative += entry[token].logprob
     assert completion.cumulative_logprob == pytest.approx(cumulative, abs=1e-4)
+
+
+@pytest.mark.parametrize("preemption_mode", ["swap", "recompute"])
+def test_seeded_samples_do_not_change_under_preemption(checkpoint_dirs, preemption_mode):
+    """A seeded request's tokens depend only on its own generator, so a pool small enough to
+    preempt it (swapping n=2 groups out and back, or recomputing n=1 ones) changes nothing."""
+    n = 2 if preemption_mode == "swap" else 1
+    requests = {str(i): (random_prompt(12 + i, seed=i), SamplingParams(n=n, temperature=1.0, seed=100 + i,
+                                                                      max_tokens=20, ignore_eos=True))
+                for i in range(6)}
+    roomy = run(make_engine(checkpoint_dirs), requests)
+    tight_engine = make_engine(checkpoint_dirs, num_gpu_blocks_override=12, preemption_mode=preemption_mode,
+                               max_num_seqs=8)
+    tight_engine.record_snapshots = True
+    tight = run(tight_engine, requests)
+    moved = [s for s in tight_engine.snapshots if s.preempted]
+    assert moved, "the small pool should have forced a preemption"
+    if preemption_mode == "swap":
+        assert any(s.blocks_to_swap_out for s in tight_engine.snapshots)
+    for request_id in requests:
+        assert [c.token_ids for c in tight[request_id].outputs] == [c.token_ids for c in roomy[request_id].outputs]
+    block_manager = tight_engine.scheduler.block_manager
+    assert block_manager.get_num_free_gpu_blocks() == tight_engine.cache_config.num_gpu_blocks
+    assert block_manager.get_num_free_cpu_blocks() == tight_engine.cache_config.num_cpu_blocks

@@ -25,10 +25,12 @@ def test_cpu_blocks_come_from_the_budget_and_swap_space(llama_dir, monkeypatch):
     monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "0.0001")
     num_gpu, num_cpu = worker.determine_num_available_blocks()
     assert num_gpu == int(0.0001 * GiB // block_bytes)
-    assert num_cpu == min(int(0.0001 * GiB) // block_bytes, num_gpu)
+    assert num_cpu == int(0.0001 * GiB) // block_bytes
+    # Both pools are capped at what max_num_seqs sequences of max_model_len could use.
+    worker.cache_config.swap_space = 4.0
     # A big budget is capped at what max_num_seqs sequences of max_model_len could use.
     monkeypatch.setenv(CPU_KVCACHE_SPACE_ENV, "1")
-    assert worker.determine_num_available_blocks()[0] == 8 * 64 // 4
+    assert worker.determine_num_available_blocks() == (8 * 64 // 4, 8 * 64 // 4)
 
 
 def test_override_wins(llama_dir):
