@@ -8,7 +8,8 @@ little arithmetic per byte, so its floor is a bandwidth one:
 
 The copy bandwidth is measured here (a 1 GiB device-to-device copy, bytes read + written,
 best of 3). We time, at batch 1 and batch 256, context 1024 (prompts of 1024 tokens, then
-decode), for CUDA graphs and eager:
+decode), for CUDA graphs, eager, and CUDA graphs without the fused Triton elementwise ops
+(MINIVLLM_FUSED_OPS=0's code path, to show what fusion buys):
 
     forward       the model's decode forward alone: CUDA-graph replay timed with CUDA events
                   (graphs), or the eager forward (eager)
@@ -28,6 +29,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
 import random
 import time
@@ -35,8 +37,8 @@ from pathlib import Path
 
 import torch
 
-CONTEXT = 1024
-BATCH_SIZES = (1, 256)
+CONTEXT = int(os.environ.get("DECODE_CONTEXT", "1024"))
+BATCH_SIZES = tuple(int(b) for b in os.environ.get("DECODE_BATCH_SIZES", "1,256").split(","))
 MEASURE_STEPS = 20  # decode steps timed per configuration
 WARMUP_STEPS = 3
 COPY_BYTES = 1 << 30
@@ -44,10 +46,13 @@ COPY_ROUNDS = 3
 BLOCK_SIZE = 16
 PROFILE_STEPS = 5
 MAX_MODEL_LEN = 2048
+MODES = ["graphs", "eager", "graphs-unfused"]
 
 
 def copy_bandwidth(device: str) -> float:
     """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    if not device.startswith("cuda"):
+        return 2e10  # CPU smoke tests only: a nominal figure
     src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -137,6 +142,8 @@ def _eager_forward(llm, batch: int):
 
 
 def _cuda_median_ms(fn, reps: int) -> float:
+    if not torch.cuda.is_available():  # CPU smoke tests
+        return _median_wall_ms(fn, reps)
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -148,16 +155,26 @@ def _cuda_median_ms(fn, reps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _median_wall_ms(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * sorted(times)[len(times) // 2]
+
+
 def profile_steps(llm, label: str, profile_dir: Path) -> None:
     """torch.profiler kernel table and a cProfile of the Python side, over a few steps."""
     from torch.profiler import ProfilerActivity, profile
 
     engine = llm.llm_engine
     profile_dir.mkdir(parents=True, exist_ok=True)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
         for _ in range(PROFILE_STEPS):
             engine.step()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30, max_name_column_width=60)
+    table = prof.key_averages().table(sort_by="cuda_time_total" if torch.cuda.is_available() else "cpu_time_total", row_limit=30, max_name_column_width=60)
     profiler = cProfile.Profile()
     profiler.enable()
     for _ in range(PROFILE_STEPS):
@@ -172,8 +189,13 @@ def profile_steps(llm, label: str, profile_dir: Path) -> None:
         f.write(f"\n######## {label}: cProfile of engine.step(), {PROFILE_STEPS} steps\n{stream.getvalue()}\n")
 
 
-def measure(ckpt: str, device: str, enforce_eager: bool, bandwidth: float, profile_dir: Path | None) -> dict:
-    mode = "eager" if enforce_eager else "graphs"
+def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Path | None) -> dict:
+    """mode: "graphs", "eager" (enforce_eager), or "graphs-unfused" (CUDA graphs, but the
+    PyTorch RMSNorm / SiLU / rotary instead of the fused Triton ops: before/after fusion)."""
+    from minivllm.model_executor.layers import fused
+
+    enforce_eager = mode == "eager"
+    fused.ENABLED = mode != "graphs-unfused"
     llm = make_llm(ckpt, device, enforce_eager, max(BATCH_SIZES))
     engine = llm.llm_engine
     model = engine.model_executor.driver_worker.model_runner.model
@@ -192,13 +214,14 @@ def measure(ckpt: str, device: str, enforce_eager: bool, bandwidth: float, profi
             "forward_over_floor": round(forward_ms / floor_ms, 2), "step_over_floor": round(step_ms / floor_ms, 2),
         }
         print(mode, batch, results[f"batch_{batch}"], flush=True)
-        if profile_dir is not None and batch == max(BATCH_SIZES):
+        if profile_dir is not None and batch == max(BATCH_SIZES) and mode != "graphs-unfused":
             profile_steps(llm, f"{mode}, batch {batch} x context {CONTEXT}", profile_dir)
         engine.abort_request([g.request_id for g in list(engine.scheduler.running) + list(engine.scheduler.waiting)])
         engine.step()
     del llm, engine, model
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return results
 
 
@@ -208,13 +231,13 @@ def main() -> int:
     parser.add_argument("--result", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile-dir", default=None)
-    parser.add_argument("--modes", nargs="+", default=["graphs", "eager"], choices=["graphs", "eager"])
+    parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     args = parser.parse_args()
     bandwidth = copy_bandwidth(args.device)
     report = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3)}
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
     for mode in args.modes:
-        report[mode] = measure(args.ckpt, args.device, mode == "eager", bandwidth, profile_dir)
+        report[mode] = measure(args.ckpt, args.device, mode, bandwidth, profile_dir)
         Path(args.result).write_text(json.dumps(report, indent=1))
     print(json.dumps(report), flush=True)
     return 0

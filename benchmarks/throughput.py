@@ -326,7 +326,7 @@ def run_all(args: argparse.Namespace) -> int:
     for model in args.models:
         ckpt = build_checkpoint(model, tmp, args.device, json.loads(args.config_overrides or "{}"))
         report["models"][model] = results = {}
-        if args.decode_latency:  # first: it also writes the profiles, the most useful output
+        if args.decode_latency and model in (args.decode_latency_models or args.models):  # first: it also writes the profiles, the most useful output
             results["decode_latency"] = _run_decode_latency(args, ckpt, tmp)
             _save(out, report)
         for system in args.systems:
@@ -484,6 +484,8 @@ def main(argv: list[str] | None = None) -> int:
     everything.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     everything.add_argument("--systems", nargs="+", default=SYSTEMS, choices=SYSTEMS)
     everything.add_argument("--decode-latency", action="store_true", help="also run decode_latency.py")
+    everything.add_argument("--decode-latency-models", nargs="+", default=None, choices=MODELS,
+                            help="models for --decode-latency (default: all)")
     everything.add_argument("--profile-dir", default=None, help="decode_latency.py writes profiles here")
     everything.add_argument("--system-timeout", type=float, default=600)
     everything.add_argument("--config-overrides", default=None, help='JSON, e.g. {"num_hidden_layers": 2}')
