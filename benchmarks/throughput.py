@@ -376,6 +376,8 @@ def _run_decode_latency(args, ckpt: Path, tmp: Path) -> dict:
     result_file = tmp / f"{ckpt.name}-decode.json"
     cmd = [sys.executable, str(Path(__file__).parent / "decode_latency.py"), "--ckpt", str(ckpt),
            "--result", str(result_file), "--device", args.device]
+    if args.decode_latency_modes:
+        cmd += ["--modes", *args.decode_latency_modes]
     if args.profile_dir:
         cmd += ["--profile-dir", str(Path(args.profile_dir) / ckpt.name)]
     print(f"== {ckpt.name} / decode latency", flush=True)
@@ -486,6 +488,8 @@ def main(argv: list[str] | None = None) -> int:
     everything.add_argument("--decode-latency", action="store_true", help="also run decode_latency.py")
     everything.add_argument("--decode-latency-models", nargs="+", default=None, choices=MODELS,
                             help="models for --decode-latency (default: all)")
+    everything.add_argument("--decode-latency-modes", nargs="+", default=None,
+                            help="modes for decode_latency.py (default: all of its modes)")
     everything.add_argument("--profile-dir", default=None, help="decode_latency.py writes profiles here")
     everything.add_argument("--system-timeout", type=float, default=600)
     everything.add_argument("--config-overrides", default=None, help='JSON, e.g. {"num_hidden_layers": 2}')
