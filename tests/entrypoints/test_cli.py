@@ -37,3 +37,14 @@ def test_python_dash_m_shows_every_subcommand():
     serve = subprocess.run([sys.executable, "-m", "minivllm", "serve", "--help"], capture_output=True, text=True,
                            check=True).stdout
     assert "--port" in serve and "--max-num-seqs" in serve
+
+
+def test_readme_quickstart_generates_readable_text_with_the_bundled_model():
+    """`minivllm generate "ROMEO:"` (the README's main job), as a real subprocess."""
+    args = [sys.executable, "-m", "minivllm", "generate", "ROMEO:", "--max-tokens", "24", "--device", "cpu",
+            "--num-gpu-blocks-override", "32"]
+    out = subprocess.run(args, capture_output=True, text=True, check=True, timeout=300).stdout
+    assert out.startswith("ROMEO:")
+    completion = out.split("ROMEO:", 1)[1].split("-" * 40)[0]
+    words = completion.split()
+    assert len(words) >= 5 and all(w.isprintable() for w in words)
