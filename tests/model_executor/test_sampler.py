@@ -203,3 +203,19 @@ def test_a_mixed_batch_keeps_each_request_on_its_own_rows():
     outs = run_sampler(batch, logits)
     assert [o.samples[0].output_token for o in outs] == logits[[3, 4, 5]].argmax(-1).tolist()
     assert [o.samples[0].parent_seq_id for o in outs] == [0, 1, 2]
+
+
+def test_plain_greedy_batch_gives_the_general_paths_tokens_and_logprobs():
+    """A batch of plain greedy rows takes a fast path; asking for logprobs=0 forces the
+    general one: same tokens, and both logprobs equal log_softmax of the logits."""
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(11)) * 4
+    def batch(params):
+        return [decode_metadata(str(i), params, [[1, 2, 3, 4 + i]], first_seq_id=i) for i in range(3)]
+    fast = run_sampler(batch(SamplingParams(temperature=0.0)), logits)
+    general = run_sampler(batch(SamplingParams(temperature=0.0, logprobs=0)), logits)
+    reference = torch.log_softmax(logits, -1)
+    for i, (a, b) in enumerate(zip(fast, general)):
+        [sa], [sb] = a.samples, b.samples
+        assert sa.output_token == sb.output_token == int(logits[i].argmax())
+        assert sa.logprobs[sa.output_token] == pytest.approx(float(reference[i].max()), abs=1e-5)
+        assert sb.logprobs[sb.output_token] == pytest.approx(float(reference[i].max()), abs=1e-5)
