@@ -50,7 +50,8 @@ class LLMEngine:
     Build it with `LLMEngine.from_engine_args(EngineArgs(...))`. Attributes worth knowing:
     `model_config`, `cache_config` (its `num_gpu_blocks` is the pool size after profiling),
     `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `record_snapshots`
-    (set True to keep a `StepSnapshot` per step in `snapshots`, for the visualizations).
+    (set True to keep a `StepSnapshot` per step in `snapshots`, for the visualizations; each
+    includes the block manager's full state, so keep the pool small when recording long runs).
     """
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] = UniProcExecutor) -> None:
