@@ -62,6 +62,9 @@ class Worker:
         self.scheduler_config = scheduler_config
         self.device_config = device_config
         self.device = torch.device(device_config.device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # "cuda" means the current GPU; CUDA calls such as set_device need its index.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.attn_backend = get_attn_backend(attn_backend, self.device)
         self.model_runner = ModelRunner(
             model_config, cache_config, scheduler_config, self.device, self.attn_backend, enforce_eager
