@@ -77,7 +77,11 @@ def test_silu_and_mul(dtype):
                                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}])
-def test_rotary_on_strided_query_and_key(dtype, rope):
+def test_rotary_on_strided_query_and_key(dtype, rope, request):
+    if DEVICE == "cuda" and dtype == torch.bfloat16:
+        # Failed on an H100 on 2026-11-26 (fp32 passed); the layer keeps the fused rotary off
+        # (fused.ROTARY_ENABLED) until this passes. Not strict: a pass here is the green light.
+        request.applymarker(pytest.mark.xfail(reason="bf16 fused rotary vs PyTorch on GPU: under investigation"))
     torch.manual_seed(3)
     head_dim, max_position = 16, 256
     rotary = RotaryEmbedding(head_dim, max_position, rope).to(DEVICE)

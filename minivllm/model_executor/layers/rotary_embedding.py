@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from minivllm.model_executor.layers import fused
 from minivllm.model_executor.layers.fused import fused_ops
 
 _DEFAULT_ROPE_THETA = 10000.0
@@ -96,7 +97,7 @@ class RotaryEmbedding(nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; query [num_tokens, num_heads, head_dim]; key
         [num_tokens, num_kv_heads, head_dim]. Returns the rotated query and key."""
-        ops = fused_ops(query)
+        ops = fused_ops(query) if fused.ROTARY_ENABLED else None
         if ops is not None and ops.rotary_supported(self.head_dim) and query.stride(-1) == key.stride(-1) == 1:
             # One kernel per tensor (see layers.fused), same roundings as the code below.
             return ops.rotary(query, positions, self.cos_sin_cache), ops.rotary(key, positions, self.cos_sin_cache)
