@@ -16,8 +16,6 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from tqdm.auto import tqdm
-
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.outputs import RequestOutput
@@ -84,7 +82,11 @@ class LLM:
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
         finished: dict[str, RequestOutput] = {}
-        bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True, disable=not use_tqdm)
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm  # only when a bar is wanted (scripts run without tqdm)
+
+            bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
         prompt_tokens = generated_tokens = 0
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
@@ -93,11 +95,13 @@ class LLM:
                 finished[output.request_id] = output
                 prompt_tokens += len(output.prompt_token_ids)
                 generated_tokens += sum(len(c.token_ids) for c in output.outputs)
-                elapsed = bar.format_dict["elapsed"] or 1e-9
-                bar.set_postfix_str(
-                    f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, "
-                    f"output: {generated_tokens / elapsed:.1f} toks/s"
-                )
-                bar.update(1)
-        bar.close()
+                if bar is not None:
+                    elapsed = bar.format_dict["elapsed"] or 1e-9
+                    bar.set_postfix_str(
+                        f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, "
+                        f"output: {generated_tokens / elapsed:.1f} toks/s"
+                    )
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
         return finished
