@@ -12,8 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from minivllm.attention.metadata import build_attn_metadata
 from minivllm.kernels import fused_ops
-from minivllm.model_executor.layers import fused
+from minivllm.model_executor import get_model
+from minivllm.model_executor.layers import activation, fused, layernorm, rotary_embedding
 from minivllm.model_executor.layers.activation import SiluAndMul
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -99,3 +101,29 @@ def test_bad_shapes_raise():
         fused_ops.silu_and_mul(torch.zeros(2, 3, 4))
     with pytest.raises(ValueError):
         fused_ops.rotary(torch.zeros(2, 3, 6), torch.zeros(2, dtype=torch.long), torch.zeros(8, 6))
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_whole_model_on_fused_ops_matches_transformers(make_checkpoint, family, monkeypatch):
+    """Every RMSNorm (q/k norms included), SiLU-and-mul and rotary of the model on the fused
+    kernels (on the CPU through the interpreter, so forced on here): transformers' logits."""
+    hf_model, model_config = make_checkpoint(family)
+    calls = []
+
+    def always_fused(x):
+        calls.append(x.shape)
+        return fused_ops
+
+    for module in (layernorm, activation, rotary_embedding):
+        monkeypatch.setattr(module, "fused_ops", always_fused)
+    monkeypatch.setattr(fused, "ROTARY_ENABLED", True)
+    model = get_model(model_config, DEVICE, "float32", "torch")
+    hf_model = hf_model.to(DEVICE)
+    prompt = torch.tensor([(7 * i + 3) % hf_model.config.vocab_size for i in range(20)], device=DEVICE)
+    metadata = build_attn_metadata([[0, 1]], [0], [len(prompt)], num_prefills=1, block_size=16, device=DEVICE)
+    no_cache = [torch.empty(0, device=DEVICE) for _ in model.model.layers]  # attention within the prompt
+    with torch.no_grad():
+        ours = model.compute_logits(model(prompt, torch.arange(len(prompt), device=DEVICE), no_cache, metadata))
+        expected = hf_model(prompt.unsqueeze(0)).logits[0]
+    assert len(calls) >= 4 * len(model.model.layers) + 1  # 2 norms, SiLU, rotary per layer; final norm
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
