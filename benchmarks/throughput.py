@@ -367,7 +367,7 @@ def run_all(args: argparse.Namespace) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
     for model in args.models:
         ckpt = build_checkpoint(model, tmp, args.device, json.loads(args.config_overrides or "{}"))
-        report["models"][model] = results = {}
+        report["models"][model] = results = _reused_rows(args, model)
         if args.decode_latency and model in (args.decode_latency_models or args.models):  # first: it also writes the profiles, the most useful output
             results["decode_latency"] = _run_decode_latency(args, ckpt, tmp)
             _save(out, report)
@@ -379,6 +379,15 @@ def run_all(args: argparse.Namespace) -> int:
     print(markdown_table(report))
     plot(report, out / "throughput.png")
     return 0
+
+
+def _reused_rows(args, model: str) -> dict:
+    """Rows of systems not run now, taken from an earlier throughput.json (--reuse), marked."""
+    if not args.reuse:
+        return {}
+    earlier = json.loads(Path(args.reuse).read_text())["models"].get(model, {})
+    return {system: dict(row, reused_from=args.reuse) for system, row in earlier.items()
+            if system in SYSTEMS and system not in args.systems and "error" not in row}
 
 
 def output_agreement(results: dict) -> dict:
@@ -470,6 +479,7 @@ def markdown_table(report: dict) -> str:
                 lines.append(f"| {model} | {SYSTEM_LABELS[system]} | – | – | – | {r['error']} | | |")
                 continue
             label = SYSTEM_LABELS[system] + (" (subset)" if r.get("subset") else "")
+            label += " (earlier run)" if r.get("reused_from") else ""
             ratios = [_ratio(rate[system], rate.get(peer)) for peer in ("hf-static", "hf-cb")]
             lines.append(f"| {model} | {label} | {r['num_requests']} | {r['output_tokens']} | {r['elapsed_s']} | "
                          f"{r['output_tokens_per_s']:,.0f} | {ratios[0]} | {ratios[1]} |")
@@ -533,6 +543,8 @@ def main(argv: list[str] | None = None) -> int:
     everything.add_argument("--decode-latency-modes", nargs="+", default=None,
                             help="modes for decode_latency.py (default: all of its modes)")
     everything.add_argument("--profile-dir", default=None, help="decode_latency.py writes profiles here")
+    everything.add_argument("--reuse", default=None,
+                            help="earlier throughput.json: rows of systems not run now are copied (marked)")
     everything.add_argument("--system-timeout", type=float, default=600)
     everything.add_argument("--config-overrides", default=None, help='JSON, e.g. {"num_hidden_layers": 2}')
     everything.set_defaults(func=run_all)
