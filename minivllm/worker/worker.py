@@ -11,8 +11,12 @@ this order:
     execute_model(request)  (per step)  swap-in, swap-out, copy-on-write, then the forward
 
 How many blocks fit (`determine_num_available_blocks`):
-    CUDA: run `profile_run` with no KV cache and read the memory this process holds at its
-          peak; then  num_gpu_blocks = (total x gpu_memory_utilization - peak) // block_bytes.
+    CUDA: run `profile_run` with no KV cache, then read how much GPU memory is in use at its
+          peak (our weights and activations, plus anything else on the GPU: another engine
+          in this process, other processes); then
+          num_gpu_blocks = (total x gpu_memory_utilization - peak) // block_bytes.
+          So gpu_memory_utilization caps the whole GPU's use, and a second engine on a busy GPU
+          gets a clear "no memory left" error rather than an out-of-memory crash later.
     CPU:  there is no separate device memory to measure, so the "GPU" pool gets a budget:
           `MINIVLLM_CPU_KVCACHE_SPACE` GiB (like vLLM's `VLLM_CPU_KVCACHE_SPACE`), default
           0.5 GiB, never more than a quarter of the machine's RAM and never more blocks than
@@ -26,6 +30,7 @@ How many blocks fit (`determine_num_available_blocks`):
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 
@@ -78,8 +83,10 @@ class Worker:
     def init_device(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            # Hand memory freed by earlier engines (maybe still in reference cycles) back to the
+            # driver, so it counts as free below.
+            gc.collect()
             torch.cuda.empty_cache()
-            self.init_free_memory, self.total_memory = torch.cuda.mem_get_info()
         # Unseeded requests draw from the global RNG: seed it so runs are repeatable.
         torch.manual_seed(self.model_config.seed)
 
@@ -105,21 +112,20 @@ class Worker:
         num_cpu_blocks = min(self.cache_config.swap_space_bytes // block_bytes, self._max_blocks_in_use())
         if num_gpu_blocks < 1:
             raise ValueError(
-                "no memory left for the KV cache after loading the model; raise "
-                "gpu_memory_utilization or lower max_num_batched_tokens / max_num_seqs."
+                "no memory left for the KV cache: the weights, the profile's activations and "
+                "whatever else already uses the device take all of gpu_memory_utilization; raise "
+                "it, free the GPU, or lower max_num_batched_tokens / max_num_seqs."
             )
         return num_gpu_blocks, num_cpu_blocks
 
     def _profile_gpu_blocks(self, block_bytes: int) -> int:
-        torch.cuda.reset_peak_memory_stats()
         self.model_runner.profile_run()
+        # The caching allocator still holds the profile's peak, so free memory is at its lowest.
         free, total = torch.cuda.mem_get_info()
-        # Memory this process took since init_device: weights plus the profile's peak
-        # activations (the caching allocator keeps the peak reserved until emptied).
-        peak = self.init_free_memory - free
+        peak = total - free
         available = total * self.cache_config.gpu_memory_utilization - peak
         torch.cuda.empty_cache()
-        logger.info("profile: total %.2f GiB, peak %.2f GiB, %.2f GiB for the KV cache",
+        logger.info("profile: total %.2f GiB, in use at peak %.2f GiB, %.2f GiB for the KV cache",
                     total / _GiB, peak / _GiB, available / _GiB)
         return int(available // block_bytes)
 

@@ -12,16 +12,18 @@ from minivllm.entrypoints.cli import main
 
 def test_generate_prints_prompt_and_completion(tiny_llama, capsys):
     path, _ = tiny_llama
-    assert main(["generate", "To be", "Q", "--model", path, "--max-tokens", "6", "--temperature", "0"]) == 0
+    assert main(["generate", "To be", "Q", "--model", path, "--device", "cpu", "--max-tokens", "6",
+                 "--temperature", "0"]) == 0
     out = capsys.readouterr().out
-    expected = LLM(path).generate(["To be", "Q"], SamplingParams(temperature=0.0, max_tokens=6), use_tqdm=False)
+    expected = LLM(path, device="cpu").generate(["To be", "Q"], SamplingParams(temperature=0.0, max_tokens=6),
+                                                use_tqdm=False)
     for output in expected:
         assert output.prompt + output.outputs[0].text in out
 
 
 def test_bench_prints_json_throughput(tiny_llama, capsys):
     path, _ = tiny_llama
-    args = ["bench", "--model", path, "--num-seqs", "4", "--min-len", "4", "--max-input-len", "12",
+    args = ["bench", "--model", path, "--device", "cpu", "--num-seqs", "4", "--min-len", "4", "--max-input-len", "12",
             "--max-output-len", "6", "--max-num-seqs", "4", "--max-model-len", "64"]
     assert main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
