@@ -21,35 +21,28 @@ PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proce
 GiB = 1 << 30
 
 
-def release(llm: LLM) -> None:
-    """Drop an engine and give its KV cache back, so the next engine can profile the GPU."""
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
+def greedy_run(**engine_args) -> tuple[list[list[int]], list[int], bool]:
+    """Greedy tokens for PROMPTS, the captured graph sizes, and whether every block came back.
 
-
-def greedy_tokens(llm: LLM) -> list[list[int]]:
+    The engine lives only inside this function: the next engine's memory profile must see
+    its KV cache freed (`Worker.init_device` collects garbage and empties the CUDA cache).
+    """
+    llm = LLM(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.4,
+              **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
-
-
-def make_llm(**engine_args) -> LLM:
-    return LLM(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.4,
-               **engine_args)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    engine = llm.llm_engine
+    graph_sizes = sorted(engine.model_executor.driver_worker.model_runner.graph_runners)
+    all_free = engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    return tokens, graph_sizes, all_free
 
 
 def test_cuda_graph_decode_gives_the_eager_tokens():
-    eager_llm = make_llm(enforce_eager=True)
-    assert not eager_llm.llm_engine.model_executor.driver_worker.model_runner.graph_runners
-    eager = greedy_tokens(eager_llm)
-    release(eager_llm)
-    graphed_llm = make_llm()
-    runner = graphed_llm.llm_engine.model_executor.driver_worker.model_runner
-    assert sorted(runner.graph_runners) == [1, 2, 4, 8]
-    assert greedy_tokens(graphed_llm) == eager
-    engine = graphed_llm.llm_engine
-    assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
-    release(graphed_llm)
+    eager, eager_graphs, _ = greedy_run(enforce_eager=True)
+    graphed, graph_sizes, all_free = greedy_run()
+    assert eager_graphs == [] and graph_sizes == [1, 2, 4, 8]
+    assert graphed == eager
+    assert all_free
 
 
 def test_gpu_block_count_comes_from_the_profile():
@@ -57,10 +50,11 @@ def test_gpu_block_count_comes_from_the_profile():
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info()
     in_use_before = total - free
-    llm = make_llm(enforce_eager=True)
-    pool_bytes = llm.llm_engine.cache_config.num_gpu_blocks * llm.llm_engine.model_executor.driver_worker.get_cache_block_size_bytes()
+    llm = LLM(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.4,
+              enforce_eager=True)
+    worker = llm.llm_engine.model_executor.driver_worker
+    pool_bytes = llm.llm_engine.cache_config.num_gpu_blocks * worker.get_cache_block_size_bytes()
     # 40 % of the GPU, less what was in use, less this 5M-parameter model's weights and
     # profile activations (well under 2 GiB).
     budget = 0.4 * total - in_use_before
     assert budget - 2 * GiB <= pool_bytes <= budget
-    release(llm)
