@@ -26,7 +26,7 @@ BENCH_MIN_LEN = 100
 BENCH_MAX_INPUT_LEN = 1024
 BENCH_MAX_OUTPUT_LEN = 1024
 BENCH_SEED = 0
-# Token ids are drawn below this, so they are valid for any real vocabulary.
+# Token ids are drawn in [0, 10000], as nano-vllm does (valid for Qwen3's vocabulary).
 BENCH_MAX_TOKEN_ID = 10000
 
 
@@ -89,16 +89,14 @@ def run_bench(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     llm = LLM(**vars(engine_args))
-    vocab_limit = min(BENCH_MAX_TOKEN_ID, llm.llm_engine.vocab_size)
+    prompts, output_lens = bench_workload(args.num_seqs, args.min_len, args.max_input_len, args.max_output_len)
+    # A model with a smaller vocabulary or context gets the same draw, folded into its limits.
+    vocab_size = llm.llm_engine.vocab_size
     max_model_len = llm.llm_engine.scheduler_config.max_model_len
-    rng = random.Random(BENCH_SEED)
-    prompts, params = [], []
-    for _ in range(args.num_seqs):
-        # Clip both lengths so prompt + output always fits the model's context.
-        input_len = min(rng.randint(args.min_len, args.max_input_len), max_model_len - 1)
-        output_len = min(rng.randint(args.min_len, args.max_output_len), max_model_len - input_len)
-        prompts.append({"prompt_token_ids": [rng.randrange(vocab_limit) for _ in range(input_len)]})
-        params.append(SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=output_len))
+    prompts = [[t % vocab_size for t in p[: max_model_len - 1]] for p in prompts]
+    output_lens = [min(n, max_model_len - len(p)) for p, n in zip(prompts, output_lens)]
+    params = [SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=n) for n in output_lens]
+    prompts = [{"prompt_token_ids": p} for p in prompts]
     llm.generate(prompts[:1], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
@@ -115,6 +113,17 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     print(json.dumps(result))
     return 0
+
+
+def bench_workload(num_seqs: int, min_len: int, max_input_len: int,
+                   max_output_len: int) -> tuple[list[list[int]], list[int]]:
+    """nano-vllm's draw, in its order (all prompts, then all output lengths), from
+    `random.seed(0)`: at the defaults 142,827 prompt and 133,966 output tokens."""
+    rng = random.Random(BENCH_SEED)
+    prompts = [[rng.randint(0, BENCH_MAX_TOKEN_ID) for _ in range(rng.randint(min_len, max_input_len))]
+               for _ in range(num_seqs)]
+    output_lens = [rng.randint(min_len, max_output_len) for _ in range(num_seqs)]
+    return prompts, output_lens
 
 
 def run_serve(args: argparse.Namespace) -> int:

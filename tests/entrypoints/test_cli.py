@@ -50,3 +50,12 @@ def test_readme_quickstart_generates_readable_text_with_the_bundled_model():
     completion = out.split("ROMEO:", 1)[1].split("-" * 40)[0]
     words = completion.split()
     assert len(words) >= 5 and all(w.isprintable() for w in words)
+
+
+def test_bench_workload_is_nano_vllms():
+    """nano-vllm's README reports 133,966 output tokens for its 256-request benchmark."""
+    from minivllm.entrypoints.cli import bench_workload
+
+    prompts, output_lens = bench_workload(256, 100, 1024, 1024)
+    assert len(prompts) == 256 and sum(output_lens) == 133_966
+    assert all(100 <= len(p) <= 1024 for p in prompts) and max(t for p in prompts for t in p) <= 10_000
