@@ -1,13 +1,9 @@
 """Fixtures for the engine tests: tiny random checkpoints saved once per session.
 
-`checkpoints.py` is loaded by path and registered as the module `engine_test_checkpoints`,
-so test files (here, in tests/worker and in tests/entrypoints) can `import` it: pytest's
-importlib mode keeps tests/ itself off sys.path.
+`checkpoints.py` is registered as the module `engine_test_checkpoints` by tests/conftest.py.
 """
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -17,12 +13,7 @@ import torch
 # slower softmax on [4, 1, 40]). One thread keeps the engine tests fast everywhere.
 torch.set_num_threads(1)
 
-MODULE_NAME = "engine_test_checkpoints"
-if MODULE_NAME not in sys.modules:
-    _spec = importlib.util.spec_from_file_location(MODULE_NAME, Path(__file__).with_name("checkpoints.py"))
-    sys.modules[MODULE_NAME] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules[MODULE_NAME])
-checkpoints = sys.modules[MODULE_NAME]
+checkpoints = sys.modules["engine_test_checkpoints"]  # registered by tests/conftest.py
 
 
 @pytest.fixture(scope="session")
