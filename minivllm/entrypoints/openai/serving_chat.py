@@ -28,7 +28,6 @@ from minivllm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from minivllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     Delta,
     DeltaTracker,
     OpenAIError,
@@ -77,7 +76,7 @@ class OpenAIServingChat(OpenAIServing):
         streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority)
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return self._stream(request, request_id, model, len(prompt_ids), streams)
+            return self.sse_stream(self._events(request, request_id, model, len(prompt_ids), streams), streams)
         (final,) = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, len(prompt_ids), final)
 
@@ -115,30 +114,23 @@ class OpenAIServingChat(OpenAIServing):
         return ChatCompletionLogProbs(content=content)
 
     # -------------------------------------------------------------- stream
-    async def _stream(self, request, request_id, model, num_prompt, streams) -> AsyncIterator[str]:
+    async def _events(self, request, request_id, model, num_prompt, streams) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker()
 
         def chunk(choices, usage=None) -> str:
             return sse_event(ChatCompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
-        try:
-            # OpenAI opens every choice with the role, before any content.
-            yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
-            async for _, request_output in merge_streams(streams):
-                for output in request_output.outputs:
-                    delta = tracker.delta(output.index, output)
-                    if delta is not None:
-                        yield chunk([self._stream_choice(request, output, delta)])
-            if request.include_usage:
-                total = num_prompt + tracker.num_generated
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))
-        except Exception as e:  # the headers are gone: report the error in-band, like vLLM
-            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
-        finally:
-            # The client hung up (this generator was cancelled or closed): free the blocks.
-            await self.abort_unfinished(streams)
-        yield SSE_DONE
+        # OpenAI opens every choice with the role, before any content.
+        yield chunk([ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")) for i in range(request.n)])
+        async for _, request_output in merge_streams(streams):
+            for output in request_output.outputs:
+                delta = tracker.delta(output.index, output)
+                if delta is not None:
+                    yield chunk([self._stream_choice(request, output, delta)])
+        if request.include_usage:
+            total = num_prompt + tracker.num_generated
+            yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))
 
     def _stream_choice(self, request, output: CompletionOutput, delta: Delta) -> ChatCompletionStreamChoice:
         return ChatCompletionStreamChoice(

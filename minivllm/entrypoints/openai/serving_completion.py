@@ -28,7 +28,6 @@ from minivllm.entrypoints.openai.protocol import (
     random_uuid,
 )
 from minivllm.entrypoints.openai.serving_engine import (
-    SSE_DONE,
     DeltaTracker,
     OpenAIError,
     OpenAIServing,
@@ -53,7 +52,7 @@ class OpenAIServingCompletion(OpenAIServing):
         streams = await self.add_requests(request_id, prompts, params, request.priority)
         model = request.model or self.served_model_names[0]
         if request.stream:
-            return self._stream(request, request_id, model, prompts, streams)
+            return self.sse_stream(self._events(request, request_id, model, prompts, streams), streams)
         finals = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, prompts, finals)
 
@@ -110,30 +109,23 @@ class OpenAIServingCompletion(OpenAIServing):
         return result
 
     # -------------------------------------------------------------- stream
-    async def _stream(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
+    async def _events(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker()
 
         def chunk(choices, usage=None) -> str:
             return sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
 
-        try:
-            async for prompt_index, request_output in merge_streams(streams):
-                for output in request_output.outputs:
-                    index = prompt_index * request.n + output.index
-                    delta = tracker.delta(index, output)
-                    if delta is None:
-                        continue
-                    echo = self._echo_text(request, prompts[prompt_index]) if delta.first else ""
-                    text = echo + delta.text
-                    yield chunk([self._choice(request, index, output, delta.token_ids, delta.logprobs, text, delta.text_offset)])
-            if request.include_usage:
-                num_prompt = sum(len(ids) for ids in prompts)
-                total = num_prompt + tracker.num_generated
-                yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))
-        except Exception as e:  # the headers are gone: report the error in-band, like vLLM
-            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
-        finally:
-            # The client hung up (this generator was cancelled or closed): free the blocks.
-            await self.abort_unfinished(streams)
-        yield SSE_DONE
+        async for prompt_index, request_output in merge_streams(streams):
+            for output in request_output.outputs:
+                index = prompt_index * request.n + output.index
+                delta = tracker.delta(index, output)
+                if delta is None:
+                    continue
+                echo = self._echo_text(request, prompts[prompt_index]) if delta.first else ""
+                text = echo + delta.text
+                yield chunk([self._choice(request, index, output, delta.token_ids, delta.logprobs, text, delta.text_offset)])
+        if request.include_usage:
+            num_prompt = sum(len(ids) for ids in prompts)
+            total = num_prompt + tracker.num_generated
+            yield chunk([], UsageInfo(prompt_tokens=num_prompt, completion_tokens=tracker.num_generated, total_tokens=total))

@@ -8,6 +8,7 @@ always gets a clear 4xx with OpenAI's error body.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import functools
 import json
@@ -157,6 +158,24 @@ class OpenAIServing:
 
     async def abort_unfinished(self, streams: Sequence[AsyncStream]) -> None:
         await self.engine.abort([s.request_id for s in streams if not s.finished])
+
+    async def sse_stream(self, events: AsyncIterator[str], streams: Sequence[AsyncStream]) -> AsyncIterator[str]:
+        """What every Server-Sent-Events response shares around its own `events`.
+
+        An error mid-stream is reported in-band (the 200 headers are already sent, like vLLM);
+        whatever the client left unfinished is aborted, so a hang-up frees its blocks; the
+        stream ends with `data: [DONE]`.
+        """
+        try:
+            async with contextlib.aclosing(events):
+                async for event in events:
+                    yield event
+        except Exception as e:
+            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
+        finally:
+            # The client hung up (this generator was cancelled or closed): free the blocks.
+            await self.abort_unfinished(streams)
+        yield SSE_DONE
 
     # ------------------------------------------------------------- logprobs
     def decoded(self, token_id: int, logprob: Logprob) -> str:
