@@ -118,6 +118,12 @@ class SchedulerConfig:
         enable_chunked_prefill: mix decodes and prompt chunks in one step.
         preemption_mode: None (vLLM v0's rule), "recompute" or "swap".
         policy: "fcfs" or "priority".
+        num_scheduler_steps: decode steps the GPU runs per `schedule()` (vLLM v0's
+            multi-step scheduling). Above 1, each decoding sequence gets slots reserved for
+            its next `num_scheduler_steps` tokens, and a decode-only batch runs that many
+            forward passes back to back, feeding each step's sampled tokens into the next on
+            the GPU, so the host's scheduling and batch preparation are paid once per
+            `num_scheduler_steps` tokens instead of once per token.
     """
 
     max_num_batched_tokens: int | None = None
@@ -126,9 +132,10 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None
     policy: str = "fcfs"
+    num_scheduler_steps: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_model_len"):
+        for name in ("max_num_seqs", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
         if self.max_num_batched_tokens is None:
@@ -154,6 +161,11 @@ class SchedulerConfig:
             )
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots a decoding sequence reserves beyond its next token (multi-step)."""
+        return self.num_scheduler_steps - 1
 
 
 @dataclass

@@ -365,6 +365,8 @@ class SequenceGroupMetadata:
         token_chunk_size: how many new tokens each sequence computes this step.
         do_sample: False for a prefill chunk that does not reach the end of the prompt.
         computed_block_nums: prefix-cached blocks whose K/V need not be computed.
+        num_lookahead_slots: slots reserved after the next token: a multi-step run may take
+            `1 + num_lookahead_slots` decode steps for this group.
     """
 
     request_id: str
@@ -375,6 +377,7 @@ class SequenceGroupMetadata:
     token_chunk_size: int
     do_sample: bool = True
     computed_block_nums: list[int] = field(default_factory=list)
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -410,6 +413,9 @@ class ExecuteModelRequest:
     scheduler's preemption decisions, copy for copy-on-write. Each is a list of (src, dst)
     block numbers. `finished_requests_ids` lets workers drop per-request state (seeded
     random generators) of requests that finished or were aborted since the last step.
+    `num_steps` > 1 asks for a multi-step run of a decode batch (see
+    `SchedulerConfig.num_scheduler_steps`); the worker may run fewer (one) when the batch
+    needs the host between steps.
     """
 
     seq_group_metadata_list: list[SequenceGroupMetadata]
@@ -417,3 +423,4 @@ class ExecuteModelRequest:
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     finished_requests_ids: list[str] = field(default_factory=list)
+    num_steps: int = 1

@@ -188,13 +188,16 @@ class BlockSpaceManager:
         return seqs[0]
 
     # ================================================================== growth
-    def can_append_slots(self, seq_group: SequenceGroup) -> bool:
-        """Conservatively one new block per running sequence (vLLM v0's rule)."""
+    def can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        """Conservatively one new block per running sequence (vLLM v0's rule), plus the
+        blocks `num_lookahead_slots` more tokens could fill (multi-step)."""
         num_seqs = seq_group.num_seqs(status=SequenceStatus.RUNNING)
-        return num_seqs <= self.gpu_allocator.get_num_free_blocks()
+        blocks_per_seq = 1 + -(-num_lookahead_slots // self.block_size)
+        return num_seqs * blocks_per_seq <= self.gpu_allocator.get_num_free_blocks()
 
-    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Make sure the newest token of `seq` has a slot it alone may write.
+    def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
+        """Make sure the newest token of `seq` has a slot it alone may write, and that
+        `num_lookahead_slots` more slots follow it (the tokens of a multi-step run).
 
         Call it after the token is appended to `seq`. Returns the copy-on-write pairs
         [(src, dst)] the worker must copy before the step (empty when none).
@@ -202,18 +205,21 @@ class BlockSpaceManager:
         block_table = self._get_table(seq)
         now = self._tick()
         self._register_computed_blocks(seq, min(seq.get_num_computed_tokens(), seq.get_len() - 1))
-        while len(block_table) < seq.n_blocks:  # the last block is full: start a new one
+        num_blocks = -(-(seq.get_len() + num_lookahead_slots) // self.block_size)
+        while len(block_table) < num_blocks:  # the last block is full: start a new one
             block_table.append(self.gpu_allocator.allocate(now))
-        last_block = block_table[-1]
-        if last_block.device is not Device.GPU:
+        # The block the newest token goes to (the last one, unless lookahead slots follow).
+        index = (seq.get_len() - 1) // self.block_size
+        block = block_table[index]
+        if block.device is not Device.GPU:
             raise ValueError(f"sequence {seq.seq_id} is swapped out; swap it in first.")
-        if last_block.ref_count == 1:
+        if block.ref_count == 1:
             return []
         # Shared (a fork): never write into a block someone else reads. Copy, then write.
         new_block = self.gpu_allocator.allocate(now)
-        block_table[-1] = new_block
-        self.gpu_allocator.free(last_block, now)
-        return [(last_block.block_number, new_block.block_number)]
+        block_table[index] = new_block
+        self.gpu_allocator.free(block, now)
+        return [(block.block_number, new_block.block_number)]
 
     # ================================================================= sharing
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:

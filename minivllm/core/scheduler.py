@@ -131,10 +131,12 @@ class SchedulingBudget:
 @dataclass
 class ScheduledSequenceGroup:
     """A group in this step's batch. `token_chunk_size`: new tokens per sequence
-    (the prompt chunk for a prefill, 1 for a decode)."""
+    (the prompt chunk for a prefill, 1 for a decode). `num_lookahead_slots`: slots reserved
+    beyond the next token, for the further decode steps of a multi-step run."""
 
     seq_group: SequenceGroup
     token_chunk_size: int
+    num_lookahead_slots: int = 0
 
 
 @dataclass
@@ -411,20 +413,43 @@ class Scheduler:
             if num_new_tokens == 0:
                 break  # token budget spent; the rest stay running, unscheduled
             self.running.popleft()
-            if self._make_room_for(seq_group, state):
-                self._append_slots(seq_group, state)
-                if self._is_prefill(seq_group):
+            is_prefill = self._is_prefill(seq_group)
+            lookahead = 0 if is_prefill else self._num_lookahead_slots(seq_group)
+            if lookahead and not self._can_append_slots(seq_group, lookahead):
+                lookahead = 0  # lookahead is a bonus: never preempt anyone for it
+            if self._make_room_for(seq_group, state, lookahead):
+                self._append_slots(seq_group, state, lookahead)
+                if is_prefill:
                     state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
                 else:
-                    state.decodes.append(ScheduledSequenceGroup(seq_group, 1))
+                    state.decodes.append(ScheduledSequenceGroup(seq_group, 1, lookahead))
                 state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
                 state.budget.add_num_seqs(seq_group.request_id,
                                           seq_group.get_max_num_running_seqs())
 
-    def _make_room_for(self, seq_group: SequenceGroup, state: _StepState) -> bool:
+    def _num_lookahead_slots(self, seq_group: SequenceGroup) -> int:
+        """Slots to reserve beyond a decode's next token (multi-step scheduling).
+
+        Only for a lone sequence (n = best_of = 1, no beam search): forks share blocks, and
+        a multi-step run feeds each sampled token straight back, which only works when
+        every row continues one sequence. Never more than the sequence may still generate
+        (max_tokens, max_model_len), so no block is reserved that could never be written.
+        """
+        lookahead = self.scheduler_config.num_lookahead_slots
+        params = seq_group.sampling_params
+        if lookahead == 0 or params.best_of > 1 or params.use_beam_search:
+            return 0
+        seq = seq_group.first_seq
+        remaining = self.scheduler_config.max_model_len - seq.get_len()
+        if params.max_tokens is not None:
+            remaining = min(remaining, params.max_tokens - seq.get_output_len())
+        return max(0, min(lookahead, remaining - 1))
+
+    def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one
-        token per sequence. False if `seq_group` itself had to be preempted."""
-        while not self._can_append_slots(seq_group):
+        token per sequence (and its lookahead slots). False if `seq_group` itself had to
+        be preempted."""
+        while not self._can_append_slots(seq_group, num_lookahead_slots):
             victim = self.running.pop() if self.running else seq_group
             state.budget.subtract(victim.request_id)
             self._preempt(victim, state)
@@ -432,7 +457,7 @@ class Scheduler:
                 return False
         return True
 
-    def _can_append_slots(self, seq_group: SequenceGroup) -> bool:
+    def _can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """Can every running sequence of the group get a slot for its next token?
 
         vLLM v0's rule (`block_manager.can_append_slots`) wants one free block per sequence
@@ -440,9 +465,10 @@ class Scheduler:
         chunked, a sequence whose last block has room) would then preempt itself forever.
         So the rule is waived when no sequence needs a new block.
         """
-        return self.block_manager.can_append_slots(seq_group) or self._needs_no_new_block(seq_group)
+        return (self.block_manager.can_append_slots(seq_group, num_lookahead_slots)
+                or self._needs_no_new_block(seq_group, num_lookahead_slots))
 
-    def _needs_no_new_block(self, seq_group: SequenceGroup) -> bool:
+    def _needs_no_new_block(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
         tables = [self.block_manager.get_block_table(seq) for seq in seqs]
         last_blocks = [table[-1] for table in tables if table]
@@ -450,11 +476,13 @@ class Scheduler:
             return False  # siblings share a last block: a write needs a copy (a new block)
         # Only the last block of a sequence can take new tokens, and it is never shared
         # across requests: the prefix cache only shares full, computed blocks.
-        return all(len(table) >= seq.n_blocks for seq, table in zip(seqs, tables))
+        size = self.block_manager.block_size
+        return all(len(table) >= -(-(seq.get_len() + num_lookahead_slots) // size)
+                   for seq, table in zip(seqs, tables))
 
-    def _append_slots(self, seq_group: SequenceGroup, state: _StepState) -> None:
+    def _append_slots(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> None:
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
-            state.blocks_to_copy.extend(self.block_manager.append_slots(seq))
+            state.blocks_to_copy.extend(self.block_manager.append_slots(seq, num_lookahead_slots))
 
     # ------------------------------------------------------------------ swapped
     def _schedule_swapped(self, state: _StepState, enable_chunking: bool) -> None:
@@ -635,4 +663,5 @@ class Scheduler:
             token_chunk_size=scheduled.token_chunk_size,
             do_sample=do_sample,
             computed_block_nums=computed_block_nums,
+            num_lookahead_slots=scheduled.num_lookahead_slots,
         )

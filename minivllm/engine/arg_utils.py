@@ -56,6 +56,7 @@ class EngineArgs:
     enable_chunked_prefill: bool = False
     preemption_mode: str | None = None
     scheduling_policy: str = "fcfs"
+    num_scheduler_steps: int = 1
     attention_backend: str | None = None
     enforce_eager: bool = False
 
@@ -81,6 +82,7 @@ class EngineArgs:
             enable_chunked_prefill=self.enable_chunked_prefill,
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,
+            num_scheduler_steps=self.num_scheduler_steps,
         )
         return EngineConfig(
             model_config=model_config,
@@ -123,6 +125,7 @@ _ARG_TYPES = {
     "max_num_seqs": int,
     "max_num_batched_tokens": int,
     "max_model_len": int,
+    "num_scheduler_steps": int,
 }
 _CHOICES = {
     "dtype": ["auto", "float32", "float16", "bfloat16"],
@@ -148,6 +151,7 @@ _HELP = {
     "enable_chunked_prefill": "split long prompts and mix them with decodes",
     "preemption_mode": "force recompute or swap (default: vLLM v0's rule)",
     "scheduling_policy": "fcfs, or priority (lower value first)",
+    "num_scheduler_steps": "decode steps per schedule (multi-step scheduling; 8 is a good GPU value)",
     "attention_backend": "torch (PyTorch reference) or triton (default on GPU)",
     "enforce_eager": "never use CUDA graphs",
 }

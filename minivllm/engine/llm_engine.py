@@ -27,7 +27,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from minivllm.core.snapshot import StepSnapshot, take_snapshot
 from minivllm.engine.arg_utils import EngineArgs, EngineConfig
 from minivllm.engine.detokenizer import Detokenizer
@@ -37,7 +37,8 @@ from minivllm.executor.executor_base import ExecutorBase
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import ExecuteModelRequest, Sequence, SequenceGroup, SequenceGroupOutput, SequenceStatus
+from minivllm.sequence import (ExecuteModelRequest, Sequence, SequenceGroup, SequenceGroupMetadata,
+                               SequenceGroupOutput, SequenceStatus)
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +190,7 @@ class LLMEngine:
         if self.record_snapshots:
             snapshot = take_snapshot(self.scheduler, scheduler_outputs, self.step_counter,
                                      include_block_manager=True)
-        outputs: list[SequenceGroupOutput] = []
+        step_outputs: list[list[SequenceGroupOutput]] = [[]]
         if not scheduler_outputs.is_empty():
             request = ExecuteModelRequest(
                 seq_group_metadata_list=seq_group_metadata_list,
@@ -197,12 +198,13 @@ class LLMEngine:
                 blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
                 blocks_to_copy=scheduler_outputs.blocks_to_copy,
                 finished_requests_ids=self._finished_requests_ids,
+                num_steps=self._num_steps(seq_group_metadata_list),
             )
             self._finished_requests_ids = []
-            outputs = self.model_executor.execute_model(request)
+            step_outputs = self.model_executor.execute_model(request)
         now = time.monotonic()
         stats = self._new_stats(now, scheduler_outputs)
-        request_outputs = self._process_model_outputs(outputs, scheduler_outputs, now, stats)
+        request_outputs = self._process_model_outputs(step_outputs, scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
         self._fill_system_stats(stats)
         for stat_logger in self.stat_loggers.values():
@@ -214,11 +216,42 @@ class LLMEngine:
         self.step_counter += 1
         return request_outputs
 
+    def _num_steps(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> int:
+        """Steps to ask the worker for: a multi-step run when some decode reserved lookahead slots."""
+        return 1 + max((m.num_lookahead_slots for m in seq_group_metadata_list), default=0)
+
     def _process_model_outputs(
-        self, outputs: list[SequenceGroupOutput], scheduler_outputs: SchedulerOutputs, now: float, stats: Stats
+        self, step_outputs: list[list[SequenceGroupOutput]], scheduler_outputs: SchedulerOutputs,
+        now: float, stats: Stats,
     ) -> list[RequestOutput]:
-        request_outputs = []
-        for scheduled, output in zip(scheduler_outputs.scheduled_seq_groups, outputs):
+        """Apply every step's samples (in order), then report each scheduled request once."""
+        scheduled_groups = scheduler_outputs.scheduled_seq_groups
+        self._apply_first_step(step_outputs[0], scheduled_groups, now, stats)
+        for outputs in step_outputs[1:]:
+            self._apply_later_step(outputs, scheduled_groups, stats)
+        request_outputs = [self._make_request_output(s.seq_group, now, stats) for s in scheduled_groups]
+        for seq_group in scheduler_outputs.ignored_seq_groups:
+            if seq_group.finish_message:
+                logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)
+            request_outputs.append(self._make_request_output(seq_group, now, stats))
+        return request_outputs
+
+    def _apply_later_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
+                          stats: Stats) -> None:
+        """A later step of a multi-step run: each row computed the K/V of the token it was
+        fed (the one sampled a step earlier) and sampled the next. A request that stopped
+        in an earlier step ignores the rest (those tokens were computed past its end)."""
+        for scheduled, output in zip(scheduled_groups, outputs):
+            seq_group = scheduled.seq_group
+            if output.samples and not seq_group.is_finished():
+                seq_group.update_num_computed_tokens(1)
+                self.output_processor.process_outputs(seq_group, output.samples)
+                stats.num_generation_tokens_iter += 1
+
+    def _apply_first_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
+                          now: float, stats: Stats) -> None:
+        """The (first) step: prefill chunks and decodes computed, one sample per running sequence."""
+        for scheduled, output in zip(scheduled_groups, outputs):
             seq_group = scheduled.seq_group
             is_prefill = seq_group.is_prefill()
             first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
@@ -233,12 +266,6 @@ class LLMEngine:
                 self.output_processor.process_outputs(seq_group, output.samples)
                 # Beam search proposes 2 x beam_width candidates but keeps beam_width.
                 stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
-            request_outputs.append(self._make_request_output(seq_group, now, stats))
-        for seq_group in scheduler_outputs.ignored_seq_groups:
-            if seq_group.finish_message:
-                logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)
-            request_outputs.append(self._make_request_output(seq_group, now, stats))
-        return request_outputs
 
     def _record_prompt_logprobs(self, seq_group: SequenceGroup, output: SequenceGroupOutput, first_computed: int) -> None:
         """Store per-position prompt logprobs once (a recompute after preemption repeats them)."""

@@ -50,8 +50,8 @@ class ExecutorBase(ABC):
         """Allocate the KV caches on every worker (all with the same block counts)."""
 
     @abstractmethod
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SequenceGroupOutput]:
-        """Run one step; the sampled tokens of each scheduled group."""
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
+        """Run one step (or a multi-step run): per step run, each scheduled group's samples."""
 
     def check_health(self) -> None:
         """Raise if a worker died (a single in-process worker cannot die on its own)."""

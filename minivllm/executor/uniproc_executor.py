@@ -31,5 +31,5 @@ class UniProcExecutor(ExecutorBase):
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.driver_worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SequenceGroupOutput]:
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
         return self.driver_worker.execute_model(execute_model_req)

@@ -15,6 +15,13 @@ flattens, prefills first and decodes after (the attention layer splits the batch
 Then `execute_model` runs the model over all tokens, keeps the hidden states of the rows
 that need logits (`SamplingMetadata`), and samples.
 
+Multi-step (`execute_model_multi_step`, vLLM v0's multi-step scheduling): a decode batch
+runs several forward passes back to back. Between two of them nothing goes back to the
+host: `_advance_step` turns each row's sampled token into the next step's input on the GPU
+(position + 1, sequence length + 1, the slot from the block table the scheduler already
+grew by its lookahead slots). The host reads every step's tokens once, at the end, so the
+scheduling, batch building and output processing around the GPU are paid once per run.
+
 CUDA graphs (GPU, unless `enforce_eager=True`): a decode step runs dozens of small kernels
 per layer, and for a small batch the time to *launch* them rivals the time to run them.
 A captured graph replays the whole forward pass with one launch. Graphs freeze shapes and
@@ -27,6 +34,7 @@ launch cost).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -39,7 +47,7 @@ from minivllm.model_executor import get_model
 from minivllm.model_executor.layers.sampler import Sampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import SequenceData, SequenceGroupMetadata, SequenceGroupOutput
+from minivllm.sequence import SequenceData, SequenceGroupMetadata, SequenceGroupOutput, SequenceOutput
 
 logger = logging.getLogger(__name__)
 
@@ -179,7 +187,8 @@ class ModelRunner:
         # Prefills first, as the attention layer expects; remember the caller's order.
         order = sorted(range(len(seq_group_metadata_list)), key=lambda i: not seq_group_metadata_list[i].is_prompt)
         model_input = self.prepare_model_input([seq_group_metadata_list[i] for i in order])
-        hidden_states = self._run_model(model_input, kv_caches)
+        hidden_states = self._run_model(model_input.input_ids, model_input.positions,
+                                        model_input.attn_metadata, kv_caches)
         selected = hidden_states[model_input.sampling_metadata.selected_token_indices]
         logits = self.model.compute_logits(selected)
         sorted_outputs = self.sampler(logits, model_input.sampling_metadata)
@@ -188,14 +197,82 @@ class ModelRunner:
             outputs[position] = output
         return outputs
 
-    def _run_model(self, model_input: ModelInput, kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        md = model_input.attn_metadata
+    def can_run_multi_step(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> bool:
+        """A multi-step run needs decodes only, each one plain sequence the sampler can
+        serve on the device (no logprobs, penalties, seeds, beams or forks)."""
+        if not seq_group_metadata_list or any(m.is_prompt for m in seq_group_metadata_list):
+            return False
+        query_lens = [1] * len(seq_group_metadata_list)
+        metadata = SamplingMetadata.prepare(seq_group_metadata_list, query_lens, "cpu")
+        return self.sampler.can_sample_on_device(metadata)
+
+    @torch.inference_mode()
+    def execute_model_multi_step(
+        self,
+        seq_group_metadata_list: list[SequenceGroupMetadata],
+        kv_caches: list[torch.Tensor],
+        num_steps: int,
+        finished_requests_ids: list[str] | None = None,
+    ) -> list[list[SequenceGroupOutput]]:
+        """Up to `num_steps` decode steps with one host sync; one output list per step.
+
+        Group i runs `1 + num_lookahead_slots` steps (the slots its blocks hold); in later
+        steps its row keeps computing but writes no K/V, and its output has no samples.
+        Requires `can_run_multi_step`.
+        """
+        for request_id in finished_requests_ids or []:
+            self.generators.pop(request_id, None)
+        model_input = self.prepare_model_input(seq_group_metadata_list)
+        sampling_metadata = model_input.sampling_metadata
+        steps_allowed = [1 + m.num_lookahead_slots for m in seq_group_metadata_list]
+        limits = _to_device(np.array(steps_allowed), torch.long, self.device)
+        input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
+        step_tokens, step_logprobs = [], []
+        for step in range(num_steps):
+            if step:
+                input_ids, positions, md = self._advance_step(step_tokens[-1], positions, md, limits > step)
+            hidden_states = self._run_model(input_ids, positions, md, kv_caches)
+            logits = self.model.compute_logits(hidden_states)  # a decode samples every row
+            tokens, logprobs = self.sampler.sample_on_device(logits, sampling_metadata)
+            step_tokens.append(tokens)
+            step_logprobs.append(logprobs)
+        # The run's only device-to-host copies: every step's tokens and logprobs.
+        all_tokens = torch.stack(step_tokens).tolist()
+        all_logprobs = torch.stack(step_logprobs).tolist()
+        return [
+            [
+                SequenceGroupOutput(samples=[SequenceOutput(seq_id, token, {token: logprob})] if step < allowed else [])
+                for metadata, allowed, token, logprob in zip(seq_group_metadata_list, steps_allowed, tokens, logprobs)
+                for seq_id in metadata.seq_data
+            ]
+            for step, (tokens, logprobs) in enumerate(zip(all_tokens, all_logprobs))
+        ]
+
+    def _advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                      active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The next decode step's inputs, computed on the device (vLLM's `advance_step`).
+
+        sampled, positions, active: `[num_seqs]`. An active row feeds its sampled token at
+        the next position and writes its K/V to that position's slot. A row out of reserved
+        slots stays where it is and writes nothing (its later tokens are dropped).
+        """
+        moved = active.long()
+        positions = positions + moved
+        seq_lens = md.seq_lens + moved.to(md.seq_lens.dtype)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        blocks = md.block_tables[rows, positions // self.block_size].long()
+        slot_mapping = torch.where(active, blocks * self.block_size + positions % self.block_size, _PAD_SLOT)
+        md = dataclasses.replace(md, slot_mapping=slot_mapping, seq_lens=seq_lens, max_seq_len=md.max_seq_len + 1)
+        return sampled, positions, md
+
+    def _run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                   kv_caches: list[torch.Tensor]) -> torch.Tensor:
         batch_size = md.num_decode_tokens
         # A decode-only batch replays the graph of the smallest captured size that holds it.
         if md.num_prefills == 0 and batch_size <= max(self.graph_runners, default=0):
             runner = self.graph_runners[min(s for s in self.graph_runners if s >= batch_size)]
-            return runner.replay(model_input.input_ids, model_input.positions, md)
-        return self.model(model_input.input_ids, model_input.positions, kv_caches, md)
+            return runner.replay(input_ids, positions, md)
+        return self.model(input_ids, positions, kv_caches, md)
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()

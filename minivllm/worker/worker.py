@@ -150,8 +150,12 @@ class Worker:
 
     # ------------------------------------------------------------------ a step
     @torch.inference_mode()
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SequenceGroupOutput]:
-        """Apply the step's block moves, then run the model on the scheduled groups."""
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
+        """Apply the step's block moves, then run the model on the scheduled groups.
+
+        Returns one list of group outputs per step run (vLLM: a list of `SamplerOutput`):
+        one step, or up to `num_steps` when the batch can run multi-step.
+        """
         req = execute_model_req
         # Order matters: swap-out frees GPU blocks that swap-in or copy may then reuse in
         # the same step, so it must read them first.
@@ -162,6 +166,9 @@ class Worker:
         if req.blocks_to_copy:
             mapping = torch.tensor(req.blocks_to_copy, dtype=torch.long, device=self.device)
             self.cache_engine.copy(mapping)
-        return self.model_runner.execute_model(
-            req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids
-        )
+        runner = self.model_runner
+        if req.num_steps > 1 and runner.can_run_multi_step(req.seq_group_metadata_list):
+            return runner.execute_model_multi_step(
+                req.seq_group_metadata_list, self.kv_caches, req.num_steps, req.finished_requests_ids
+            )
+        return [runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)]

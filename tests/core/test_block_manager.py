@@ -153,6 +153,40 @@ def test_can_append_slots_needs_one_free_block_per_running_seq():
     assert bm.can_append_slots(group)
 
 
+def test_lookahead_slots_reserve_the_blocks_of_a_multi_step_run():
+    # BLOCK_SIZE 4: 5 tokens + 6 lookahead slots = 11 slots = 3 blocks, written by later steps.
+    bm = BlockSpaceManager(BLOCK_SIZE, 8, 0, watermark=0.0)
+    group = make_group(4)
+    run_prefill(bm, group)
+    seq = group.first_seq
+    seq.append_token_id(7, {7: 0.0})
+    assert bm.can_append_slots(group, num_lookahead_slots=6)  # 1 + ceil(6 / 4) = 3 <= 7 free
+    assert bm.append_slots(seq, num_lookahead_slots=6) == []
+    assert len(bm.get_block_table(seq)) == 3
+    for token in range(6):  # the run's later tokens land in reserved slots: no new block
+        seq.append_token_id(token, {token: 0.0})
+        assert bm.append_slots(seq) == [] and len(bm.get_block_table(seq)) == 3
+    assert not bm.can_append_slots(group, num_lookahead_slots=4 * BLOCK_SIZE + 1)  # 6 blocks > 5 free
+    bm.free(seq)
+    assert bm.get_num_free_gpu_blocks() == 8
+
+
+def test_copy_on_write_targets_the_newest_tokens_block_not_a_lookahead_block():
+    bm = BlockSpaceManager(BLOCK_SIZE, 8, 0, watermark=0.0)
+    group = make_group(2)
+    run_prefill(bm, group)
+    parent = group.first_seq
+    parent.append_token_id(7, {7: 0.0})
+    bm.append_slots(parent, num_lookahead_slots=BLOCK_SIZE)  # 3 tokens + 4 slots: 2 blocks
+    child = parent.fork(2000)
+    bm.fork(parent, child)
+    child.append_token_id(8, {8: 0.0})  # token 3: block 0, shared with the parent
+    first_block = bm.get_block_table(parent)[0]
+    [(src, dst)] = bm.append_slots(child)
+    assert src == first_block and bm.get_block_table(child)[0] == dst != first_block
+    assert bm.get_block_table(child)[1] == bm.get_block_table(parent)[1]
+
+
 def test_append_slots_on_swapped_or_unknown_seq_raises():
     bm = BlockSpaceManager(BLOCK_SIZE, 8, 0)
     with pytest.raises(ValueError):

@@ -2,7 +2,8 @@
 
 Each example is a small random workload (lengths, arrivals, priorities, aborts, n > 1,
 max_tokens, prompts too long to ever fit) on a tiny block pool, with both preemption modes,
-chunked prefill on or off, prefix caching on or off, FCFS or priority. The real Scheduler
+chunked prefill on or off, prefix caching on or off, FCFS or priority, 1-4 scheduler steps
+(lookahead slots). The real Scheduler
 and BlockSpaceManager run it to the end; then we check, for every step and at the end:
 
 - every request ends finished (stop / length / abort) and an ignored or scheduler-aborted
@@ -37,6 +38,8 @@ def configs(draw):
         enable_chunked_prefill=chunked,
         preemption_mode=draw(st.sampled_from([None, "recompute", "swap"])),
         policy=draw(st.sampled_from(["fcfs", "priority"])),
+        # Multi-step: lookahead slots reserved ahead of the one token a sim step produces.
+        num_scheduler_steps=draw(st.integers(1, 4)),
     )
     cache_config = CacheConfig(
         block_size=draw(st.sampled_from([1, 2, 4, 8])),

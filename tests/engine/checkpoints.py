@@ -6,6 +6,7 @@ file by path: pytest's importlib mode keeps tests/ off sys.path).
 
 from __future__ import annotations
 
+import random
 import string
 from pathlib import Path
 
@@ -74,3 +75,16 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
             do_sample=False, eos_token_id=None, pad_token_id=0,
         )
     return out[0, len(prompt_token_ids):].tolist()
+
+
+def mixed_prompts(num: int, seed: int = 0, max_len: int = 40) -> list[list[int]]:
+    """`num` prompts of token ids: lengths around block edges (block size 8), then random."""
+    rng = random.Random(seed)
+    lengths = [1, 7, 8, 9, 16, 23, max_len][:num] + [rng.randint(1, max_len) for _ in range(num - 7)]
+    return [[rng.randrange(3, VOCAB_SIZE) for _ in range(n)] for n in lengths]
+
+
+def assert_all_blocks_free(engine) -> None:
+    block_manager = engine.scheduler.block_manager
+    assert block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+    assert block_manager.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks

@@ -15,14 +15,9 @@ from minivllm.engine.metrics import Stats
 from minivllm.sampling_params import SamplingParams
 
 import engine_test_checkpoints as checkpoints  # registered by conftest.py
+from engine_test_checkpoints import assert_all_blocks_free, mixed_prompts
 
 MAX_TOKENS = 12
-
-
-def mixed_prompts(num: int, seed: int = 0, max_len: int = 40) -> list[list[int]]:
-    rng = random.Random(seed)
-    lengths = [1, 7, 8, 9, 16, 23, max_len][:num] + [rng.randint(1, max_len) for _ in range(num - 7)]
-    return [[rng.randrange(3, checkpoints.VOCAB_SIZE) for _ in range(n)] for n in lengths]
 
 
 class StatsCollector:
@@ -49,12 +44,6 @@ def run_all(engine: LLMEngine, prompts, params: SamplingParams, stagger: int = 0
                 results[output.request_id] = output.outputs[0].token_ids
         step += 1
     return results
-
-
-def assert_all_blocks_free(engine: LLMEngine) -> None:
-    block_manager = engine.scheduler.block_manager
-    assert block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
-    assert block_manager.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
 
 
 # device="cpu": the reference is transformers in fp32 on the CPU (on a GPU, "auto" would pick

@@ -121,6 +121,6 @@ def test_cuda_graph_decode_matches_eager(llama_dir):
         group(str(i), i, list(range(3, 3 + 6 + i)), 5 + i, [3 * i, 3 * i + 1, 3 * i + 2], False, 1) for i in range(3)
     ])
     with torch.inference_mode():  # as in execute_model: the graph's buffers are inference tensors
-        graph_out = runner._run_model(batch, kv_caches).clone()
+        graph_out = runner._run_model(batch.input_ids, batch.positions, batch.attn_metadata, kv_caches).clone()
         eager_out = runner.model(batch.input_ids, batch.positions, kv_caches, batch.attn_metadata)
     torch.testing.assert_close(graph_out, eager_out)

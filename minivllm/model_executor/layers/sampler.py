@@ -70,21 +70,54 @@ class Sampler(nn.Module):
         return outputs
 
 
+    def can_sample_on_device(self, sampling_metadata: SamplingMetadata) -> bool:
+        """True when `sample_on_device` serves the batch: every request samples one plain
+        sequence (greedy or unseeded random) and needs nothing from the host per token."""
+        return all(_is_plain(group, allow_random=True) for group in sampling_metadata.seq_groups)
+
+    def sample_on_device(self, logits: torch.Tensor,
+                         sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[rows]` token ids and their logprobs, left on the device (no host sync).
+
+        For batches `can_sample_on_device` accepts: the multi-step runner feeds the tokens
+        straight into the next forward pass and reads them all back at the end.
+        """
+        groups = sampling_metadata.seq_groups
+        if all(g.sampling_params.sampling_type == SamplingType.GREEDY for g in groups):
+            return _greedy_tokens(logits)
+        sample_logits = _process_logits(logits, groups)
+        tokens = _choose_per_row(sample_logits, groups)
+        token_logprobs = torch.log_softmax(sample_logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, token_logprobs
+
+
 # --------------------------------------------------------------------------- greedy fast path
-def _all_plain_greedy(groups: list[SequenceGroupToSample]) -> bool:
-    """Every sampling row is greedy with nothing to process: no penalties, no min_tokens
-    still pending, no logprobs asked for, one sequence per request, no prompt logprobs."""
-    for group in groups:
-        params = group.sampling_params
-        if group.prompt_logprob_indices or (group.do_sample and not (
-            params.sampling_type == SamplingType.GREEDY and params.logprobs is None
+def _is_plain(group: SequenceGroupToSample, allow_random: bool = False) -> bool:
+    """One sequence, greedy (or unseeded random), with nothing to process on the host: no
+    penalties, no min_tokens still pending, no logprobs asked for, no prompt logprobs."""
+    params = group.sampling_params
+    if group.prompt_logprob_indices:
+        return False
+    if not group.do_sample:
+        return True
+    types = (SamplingType.GREEDY, SamplingType.RANDOM) if allow_random else (SamplingType.GREEDY,)
+    return (params.sampling_type in types and params.logprobs is None
             and params.best_of == 1 and len(group.seq_ids) == 1
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
-            and (params.min_tokens == 0 or group.seq_data[group.seq_ids[0]].get_output_len() >= params.min_tokens)
-        )):
-            return False
-    return True
+            and (params.min_tokens == 0 or group.seq_data[group.seq_ids[0]].get_output_len() >= params.min_tokens))
+
+
+def _all_plain_greedy(groups: list[SequenceGroupToSample]) -> bool:
+    return all(_is_plain(group) for group in groups)
+
+
+def _greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Arg-max of each row and its logprob, logit - logsumexp(row): two reductions, no
+    `[rows, vocab]` log-softmax written out."""
+    tokens = logits.argmax(dim=-1)
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, chosen - torch.logsumexp(logits, dim=-1)
 
 
 def _greedy_fast_path(logits: torch.Tensor, sample_rows: list[int], groups: list[SequenceGroupToSample],
@@ -98,9 +131,7 @@ def _greedy_fast_path(logits: torch.Tensor, sample_rows: list[int], groups: list
     """
     # With no prompt-logprob rows, the selected rows are exactly the sample rows, in order.
     sample_logits = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-    tokens = sample_logits.argmax(dim=-1)
-    chosen = sample_logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    token_logprobs = chosen - torch.logsumexp(sample_logits, dim=-1)
+    tokens, token_logprobs = _greedy_tokens(sample_logits)
     token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
     row = 0
     for group, output in zip(groups, outputs):

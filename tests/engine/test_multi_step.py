@@ -1,0 +1,168 @@
+"""Multi-step scheduling (`num_scheduler_steps`): several decode steps per `schedule()`.
+
+The reference is transformers' greedy `generate` (as in test_parity.py) and, for what
+transformers cannot express (stop tokens, sampling, logprobs), the same engine run one
+step at a time. Each test also checks that multi-step runs really happened and that every
+block came back.
+"""
+
+import random
+
+import pytest
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.sampling_params import SamplingParams
+
+import engine_test_checkpoints as checkpoints  # registered by conftest.py
+from engine_test_checkpoints import assert_all_blocks_free, mixed_prompts
+
+
+def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
+    path, _ = checkpoint_dirs[family]
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, **kwargs))
+    runner = engine.model_executor.driver_worker.model_runner
+    engine.multi_step_runs = []
+    original = runner.execute_model_multi_step
+
+    def counted(metadata_list, kv_caches, num_steps, finished_requests_ids=None):
+        engine.multi_step_runs.append((len(metadata_list), num_steps))
+        return original(metadata_list, kv_caches, num_steps, finished_requests_ids)
+
+    runner.execute_model_multi_step = counted
+    return engine
+
+
+def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
+    """Run to completion; request id -> output token ids (each request's own params if a list)."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                results[output.request_id] = output.outputs[0]
+    return results
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_greedy_matches_transformers_with_several_steps_per_schedule(checkpoint_dirs, family):
+    """Lengths 3..17 are no multiple of 4: requests stop in the middle of a multi-step run."""
+    _, hf_model = checkpoint_dirs[family]
+    prompts = mixed_prompts(7, seed=5)
+    max_tokens = [3 + 2 * i for i in range(len(prompts))]
+    engine = make_engine(checkpoint_dirs, family, num_scheduler_steps=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    results = run(engine, prompts, params)
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[str(i)].token_ids == checkpoints.hf_greedy(hf_model, prompt, m), f"prompt {i}"
+        assert results[str(i)].finish_reason == "length"
+    assert engine.multi_step_runs and max(steps for _, steps in engine.multi_step_runs) == 4
+    # 1 prefill step, then at most ceil(16 / 4) runs for the longest request (17 tokens).
+    assert engine.step_counter <= 1 + 4 + 1
+    assert_all_blocks_free(engine)
+
+
+def test_stop_token_in_the_middle_of_a_run_cuts_the_output_there(checkpoint_dirs):
+    """A stop token sampled at step 2 of 4: the tokens computed after it are dropped."""
+    prompts = mixed_prompts(5, seed=6)
+    single = run(make_engine(checkpoint_dirs), prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+    # Stop at each request's 6th greedy token (the same id may occur earlier: fine, both
+    # engines see the same tokens).
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True,
+                             stop_token_ids=[single[str(i)].token_ids[5]]) for i in range(len(prompts))]
+    expected = run(make_engine(checkpoint_dirs), prompts, params)
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+    got = run(engine, prompts, params)
+    for i in range(len(prompts)):
+        assert got[str(i)].token_ids == expected[str(i)].token_ids
+        assert got[str(i)].finish_reason == "stop" and len(got[str(i)].token_ids) <= 6
+    assert engine.multi_step_runs
+    assert_all_blocks_free(engine)
+
+
+def test_preemption_and_chunked_prefill_with_multi_step(checkpoint_dirs):
+    """A pool too small for everyone: lookahead slots must never cost a preemption loop."""
+    _, hf_model = checkpoint_dirs["llama"]
+    prompts = mixed_prompts(8, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    for extra in ({"num_gpu_blocks_override": 12},
+                  {"num_gpu_blocks_override": 9, "enable_chunked_prefill": True, "max_num_batched_tokens": 24,
+                   "max_num_seqs": 4}):
+        engine = make_engine(checkpoint_dirs, num_scheduler_steps=8, **extra)
+        results = run(engine, prompts, params)
+        for i, prompt in enumerate(prompts):
+            assert results[str(i)].token_ids == checkpoints.hf_greedy(hf_model, prompt, 24), (extra, i)
+        assert engine.scheduler.num_cumulative_preemption > 0
+        assert engine.multi_step_runs
+        assert_all_blocks_free(engine)
+
+
+def test_lookahead_slots_stop_at_max_tokens_and_max_model_len(checkpoint_dirs):
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=8, max_model_len=40)
+    engine.add_request("short", {"prompt_token_ids": [5] * 10}, SamplingParams(temperature=0.0, max_tokens=3,
+                                                                               ignore_eos=True))
+    engine.add_request("long", {"prompt_token_ids": [6] * 35}, SamplingParams(temperature=0.0, max_tokens=100,
+                                                                              ignore_eos=True))
+    engine.step()  # both prefills; each has its first token
+    metadata_list, _ = engine.scheduler.schedule()
+    lookahead = {m.request_id: m.num_lookahead_slots for m in metadata_list}
+    # "short" may generate 2 more tokens, "long" 4 more (36 of 40 tokens held).
+    assert lookahead == {"short": 1, "long": 3}
+    block_manager = engine.scheduler.block_manager
+    for group in engine.scheduler.running:
+        seq = group.first_seq
+        table = block_manager.get_block_table(seq)
+        assert len(table) == -(-(seq.get_len() + lookahead[group.request_id]) // 8)
+
+
+def test_batches_that_need_the_host_between_steps_run_one_step(checkpoint_dirs):
+    """logprobs, penalties and seeds are per-token host work: the worker runs one step."""
+    prompts = mixed_prompts(3, seed=7)
+    for params in (SamplingParams(temperature=0.0, max_tokens=9, logprobs=2),
+                   SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.9, max_tokens=9, seed=11)):
+        expected = run(make_engine(checkpoint_dirs), prompts, params)
+        engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+        got = run(engine, prompts, params)
+        assert not engine.multi_step_runs
+        for i in range(len(prompts)):
+            assert got[str(i)].token_ids == expected[str(i)].token_ids
+            assert got[str(i)].logprobs == expected[str(i)].logprobs
+        assert_all_blocks_free(engine)
+
+
+def test_random_sampling_runs_multi_step_and_follows_temperature(checkpoint_dirs):
+    """Unseeded sampling stays on the device; at a tiny temperature it is greedy."""
+    prompts = mixed_prompts(4, seed=8)
+    greedy = run(make_engine(checkpoint_dirs), prompts, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+    cold = run(engine, prompts, SamplingParams(temperature=1e-4, max_tokens=10, ignore_eos=True))
+    assert engine.multi_step_runs
+    assert all(cold[k].token_ids == greedy[k].token_ids for k in greedy)
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+    hot = run(engine, prompts, SamplingParams(temperature=5.0, max_tokens=10, ignore_eos=True))
+    assert any(hot[k].token_ids != greedy[k].token_ids for k in greedy)
+    assert all(len(hot[k].token_ids) == 10 for k in hot)
+    assert_all_blocks_free(engine)
+
+
+def test_abort_during_multi_step_returns_every_block(checkpoint_dirs):
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=8)
+    rng = random.Random(9)
+    for i in range(4):
+        prompt = [rng.randrange(3, checkpoints.VOCAB_SIZE) for _ in range(5 + 3 * i)]
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, SamplingParams(temperature=0.0, max_tokens=50))
+    engine.step()
+    engine.step()
+    assert engine.multi_step_runs
+    engine.abort_request(["0", "2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert_all_blocks_free(engine)
+
+
+def test_num_scheduler_steps_must_be_positive(checkpoint_dirs):
+    with pytest.raises(ValueError, match="num_scheduler_steps"):
+        make_engine(checkpoint_dirs, num_scheduler_steps=0)
