@@ -46,7 +46,8 @@ COPY_ROUNDS = 3
 BLOCK_SIZE = 16
 PROFILE_STEPS = 5
 MAX_MODEL_LEN = 2048
-MODES = ["graphs", "eager", "graphs-unfused"]
+MODES = ["graphs", "eager", "graphs-unfused", "graphs-8step"]
+MULTI_STEP = 8  # num_scheduler_steps of mode "graphs-8step"
 
 
 def copy_bandwidth(device: str) -> float:
@@ -85,13 +86,14 @@ def kv_bytes(hf_config, batch: int, context: int, dtype_bytes: int) -> int:
     return batch * context * hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes
 
 
-def make_llm(ckpt: str, device: str, enforce_eager: bool, max_batch: int):
+def make_llm(ckpt: str, device: str, enforce_eager: bool, max_batch: int, num_scheduler_steps: int = 1):
     from minivllm import LLM
 
-    blocks_per_seq = -(-(CONTEXT + WARMUP_STEPS + MEASURE_STEPS + PROFILE_STEPS * 3 + 64) // BLOCK_SIZE)
+    steps = WARMUP_STEPS + MEASURE_STEPS + PROFILE_STEPS * 3
+    blocks_per_seq = -(-(CONTEXT + steps * num_scheduler_steps + 64) // BLOCK_SIZE)
     return LLM(model=ckpt, dtype="bfloat16", device=device, enforce_eager=enforce_eager, block_size=BLOCK_SIZE,
                max_model_len=MAX_MODEL_LEN, max_num_seqs=max_batch, max_num_batched_tokens=16384,
-               num_gpu_blocks_override=max_batch * blocks_per_seq + 16)
+               num_gpu_blocks_override=max_batch * blocks_per_seq + 16, num_scheduler_steps=num_scheduler_steps)
 
 
 def start_batch(llm, batch: int) -> None:
@@ -122,7 +124,7 @@ def time_engine_steps(engine, steps: int) -> float:
 def time_forward(llm, batch: int, enforce_eager: bool) -> float:
     """Median GPU time of the decode forward (ms) on the batch the last step ran."""
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    if not enforce_eager:
+    if not enforce_eager and runner.graph_runners:  # (none on a CPU smoke run)
         graph = runner.graph_runners[min(s for s in runner.graph_runners if s >= batch)].graph
         fn = graph.replay
     else:
@@ -190,13 +192,16 @@ def profile_steps(llm, label: str, profile_dir: Path) -> None:
 
 
 def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Path | None) -> dict:
-    """mode: "graphs", "eager" (enforce_eager), or "graphs-unfused" (CUDA graphs, but the
-    PyTorch RMSNorm / SiLU / rotary instead of the fused Triton ops: before/after fusion)."""
+    """mode: "graphs", "eager" (enforce_eager), "graphs-unfused" (CUDA graphs, but the
+    PyTorch RMSNorm / SiLU / rotary instead of the fused Triton ops: before/after fusion), or
+    "graphs-8step" (num_scheduler_steps=8: engine_step_ms is then one step() / 8, the engine
+    time per token)."""
     from minivllm.model_executor.layers import fused
 
     enforce_eager = mode == "eager"
     fused.ENABLED = mode != "graphs-unfused"
-    llm = make_llm(ckpt, device, enforce_eager, max(BATCH_SIZES))
+    tokens_per_step = MULTI_STEP if mode == "graphs-8step" else 1
+    llm = make_llm(ckpt, device, enforce_eager, max(BATCH_SIZES), tokens_per_step)
     engine = llm.llm_engine
     model = engine.model_executor.driver_worker.model_runner.model
     hf_config = engine.model_config.hf_config
@@ -204,17 +209,18 @@ def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Pa
     results = {}
     for batch in BATCH_SIZES:
         start_batch(llm, batch)
-        step_ms = time_engine_steps(engine, MEASURE_STEPS)
+        step_ms = time_engine_steps(engine, MEASURE_STEPS) / tokens_per_step
         forward_ms = time_forward(llm, batch, enforce_eager)
         kv = kv_bytes(hf_config, batch, CONTEXT, 2)
         floor_ms = 1e3 * (weights + kv) / bandwidth
         results[f"batch_{batch}"] = {
             "context": CONTEXT, "forward_ms": round(forward_ms, 3), "engine_step_ms": round(step_ms, 3),
+            "tokens_per_engine_step": tokens_per_step,
             "weight_bytes": weights, "kv_bytes": kv, "floor_ms": round(floor_ms, 3),
             "forward_over_floor": round(forward_ms / floor_ms, 2), "step_over_floor": round(step_ms / floor_ms, 2),
         }
         print(mode, batch, results[f"batch_{batch}"], flush=True)
-        if profile_dir is not None and batch == max(BATCH_SIZES) and mode != "graphs-unfused":
+        if profile_dir is not None and batch == max(BATCH_SIZES) and mode in ("graphs", "graphs-8step"):
             profile_steps(llm, f"{mode}, batch {batch} x context {CONTEXT}", profile_dir)
         engine.abort_request([g.request_id for g in list(engine.scheduler.running) + list(engine.scheduler.waiting)])
         engine.step()

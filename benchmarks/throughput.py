@@ -9,7 +9,10 @@ the same in every system).
 
 Systems, each in its own process (so one's memory never limits the next):
 
-    minivllm (CUDA graphs)   LLM.generate, decode steps replayed from captured graphs
+    minivllm (8 steps)       LLM.generate with CUDA graphs and num_scheduler_steps=8: each
+                             schedule() is followed by up to 8 decode steps on the GPU
+                             (multi-step scheduling), one host sync per 8 tokens
+    minivllm (CUDA graphs)   LLM.generate, one decode step per schedule, replayed from graphs
     minivllm (eager)         the same with enforce_eager=True
     HF static batches        transformers `generate`, batches of --hf-batch-size requests in
                              request order (unsorted), left-padded; a batch runs until its
@@ -47,8 +50,9 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 MODELS = ["qwen3-0.6b", "llama-3.2-1b"]
-SYSTEMS = ["minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
+SYSTEMS = ["minivllm-multistep", "minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
 SYSTEM_LABELS = {
+    "minivllm-multistep": "minivllm (CUDA graphs, 8 steps per schedule)",
     "minivllm-graphs": "minivllm (CUDA graphs)",
     "minivllm-eager": "minivllm (eager)",
     "hf-static": "transformers generate, static batches",
@@ -59,6 +63,7 @@ NUM_SEQS, MIN_LEN, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_TOKEN_ID, SEED = 256, 100,
 MAX_MODEL_LEN = MAX_INPUT_LEN + MAX_OUTPUT_LEN  # the longest prompt plus the longest output
 # minivllm engine settings (nano-vllm uses the same token budget per step).
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = 256, 16384, 0.9
+MULTI_STEP = 8  # num_scheduler_steps of "minivllm-multistep" (vLLM v0 suggested 8)
 HF_BATCH_SIZE, HF_SUBSET = 32, 32  # transformers takes ~70 s per 32 requests on an H100
 PAD_TOKEN_ID = 0  # any id: padded positions are masked out
 WARMUP_TOKENS = 8
@@ -137,7 +142,8 @@ class KVWasteLogger:
                 "engine_steps": self.steps}
 
 
-def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: str) -> dict:
+def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: str,
+                 num_scheduler_steps: int = 1) -> dict:
     import torch
 
     from minivllm import LLM, SamplingParams
@@ -145,7 +151,8 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
     start = time.perf_counter()
     llm = LLM(model=str(ckpt), dtype="bfloat16", device=device, enforce_eager=enforce_eager,
               max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION)
+              max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, gpu_memory_utilization=GPU_MEMORY_UTILIZATION,
+              num_scheduler_steps=num_scheduler_steps)
     startup_s = time.perf_counter() - start
     engine = llm.llm_engine
     inputs = [{"prompt_token_ids": p} for p in prompts]
@@ -340,7 +347,10 @@ def run_one(args: argparse.Namespace) -> int:
     subset = args.num_seqs if args.system.startswith("minivllm") else min(args.hf_subset, args.num_seqs)
     prompts, max_tokens = prompts[:subset], max_tokens[:subset]
     ckpt = Path(args.ckpt)
-    if args.system == "minivllm-graphs":
+    if args.system == "minivllm-multistep":
+        result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device,
+                              num_scheduler_steps=MULTI_STEP)
+    elif args.system == "minivllm-graphs":
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device)
     elif args.system == "minivllm-eager":
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=True, device=args.device)
@@ -362,6 +372,7 @@ def run_all(args: argparse.Namespace) -> int:
               "settings": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
                            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "hf_subset": args.hf_subset,
+                           "num_scheduler_steps (minivllm-multistep)": MULTI_STEP,
                            "hf_batch_size": args.hf_batch_size, "sampling": "greedy, ignore_eos"},
               "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
@@ -501,7 +512,8 @@ def plot(report: dict, png: Path) -> None:
 
     models = list(report["models"])
     # minivllm in the blues of "our" blocks, transformers in the warm colours.
-    colors = {"minivllm-graphs": COLORS["used"], "minivllm-eager": COLORS["generated"],
+    colors = {"minivllm-multistep": COLORS["shared"], "minivllm-graphs": COLORS["used"],
+              "minivllm-eager": COLORS["generated"],
               "hf-static": COLORS["copied"], "hf-cb": COLORS["prompt"]}
     fig, ax = plt.subplots(figsize=(8, 4.2))
     width = 0.8 / len(SYSTEMS)

@@ -45,6 +45,15 @@ def test_cuda_graph_decode_gives_the_eager_tokens():
     assert all_free
 
 
+@pytest.mark.parametrize("enforce_eager", [False, True])
+def test_multi_step_decode_gives_the_single_step_tokens(enforce_eager):
+    """Eight decode steps per schedule, tokens fed back on the GPU (graph replays or eager)."""
+    single, _, _ = greedy_run(enforce_eager=enforce_eager)
+    multi, _, all_free = greedy_run(enforce_eager=enforce_eager, num_scheduler_steps=8)
+    assert multi == single
+    assert all_free
+
+
 def test_gpu_block_count_comes_from_the_profile():
     gc.collect()
     torch.cuda.empty_cache()

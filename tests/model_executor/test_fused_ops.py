@@ -30,15 +30,22 @@ def pytorch_layers(monkeypatch):
     monkeypatch.setattr(fused, "ENABLED", False)
 
 
-def _close(actual, expected, dtype):
+def _close(actual, expected, dtype, few_differ: bool = True):
     if dtype == torch.float32:
         torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
     else:  # a rounding step or two (bf16: 2^-8 relative), never more
         torch.testing.assert_close(actual.float(), expected.float(), rtol=2e-2, atol=1e-2)
         # Triton's CPU interpreter truncates fp32 -> bf16 (GPUs round to nearest), so the
         # last bit differs almost everywhere there; on a GPU only a few elements may differ.
-        if DEVICE == "cuda":
+        if DEVICE == "cuda" and few_differ:
             assert (actual != expected).float().mean() < 0.03
+
+
+def _within_one_bf16_step(actual, expected):
+    """|actual - expected| is at most one bf16 spacing of the larger of the two (2^-7 relative
+    covers it) plus a tiny absolute term for results near zero."""
+    a, e = actual.float(), expected.float()
+    assert torch.all((a - e).abs() <= 2.0**-7 * torch.maximum(a.abs(), e.abs()) + 2.0**-12)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -79,11 +86,10 @@ def test_silu_and_mul(dtype):
                                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}])
-def test_rotary_on_strided_query_and_key(dtype, rope, request):
-    if DEVICE == "cuda" and dtype == torch.bfloat16:
-        # Failed on an H100 on 2026-11-26 (fp32 passed); the layer keeps the fused rotary off
-        # (fused.ROTARY_ENABLED) until this passes. Not strict: a pass here is the green light.
-        request.applymarker(pytest.mark.xfail(reason="bf16 fused rotary vs PyTorch on GPU: under investigation"))
+def test_rotary_on_strided_query_and_key(dtype, rope):
+    """fp32: the PyTorch code's result. bf16: PyTorch rounds each product x1 * cos to bf16
+    before the sum; the compiled kernel does not (Triton folds the round trip, measured on
+    an H100: about a quarter of the outputs differ), so outputs may differ by one bf16 step."""
     torch.manual_seed(3)
     head_dim, max_position = 16, 256
     rotary = RotaryEmbedding(head_dim, max_position, rope).to(DEVICE)
@@ -92,8 +98,11 @@ def test_rotary_on_strided_query_and_key(dtype, rope, request):
     k = qkv[:, 4 * head_dim : 6 * head_dim].view(7, 2, head_dim)
     positions = torch.tensor([0, 1, 5, 17, 100, 200, 255], device=DEVICE)
     ref_q, ref_k = rotary(positions, q, k)
-    _close(fused_ops.rotary(q, positions, rotary.cos_sin_cache), ref_q, dtype)
-    _close(fused_ops.rotary(k, positions, rotary.cos_sin_cache), ref_k, dtype)
+    for got, ref in ((fused_ops.rotary(q, positions, rotary.cos_sin_cache), ref_q),
+                     (fused_ops.rotary(k, positions, rotary.cos_sin_cache), ref_k)):
+        _close(got, ref, dtype, few_differ=False)
+        if dtype == torch.bfloat16:
+            _within_one_bf16_step(got, ref)
 
 
 def test_bad_shapes_raise():
@@ -116,7 +125,6 @@ def test_whole_model_on_fused_ops_matches_transformers(make_checkpoint, family, 
 
     for module in (layernorm, activation, rotary_embedding):
         monkeypatch.setattr(module, "fused_ops", always_fused)
-    monkeypatch.setattr(fused, "ROTARY_ENABLED", True)
     model = get_model(model_config, DEVICE, "float32", "torch")
     hf_model = hf_model.to(DEVICE)
     prompt = torch.tensor([(7 * i + 3) % hf_model.config.vocab_size for i in range(20)], device=DEVICE)

@@ -5,8 +5,7 @@ On a CUDA tensor, `RMSNorm`, `SiluAndMul` and `RotaryEmbedding` hand their work 
 module for why that matters at decode time). On the CPU, and when switched off, they run the
 PyTorch code, which is the readable spec and what the CPU parity tests exercise.
 
-(The rotary kernel is off by default for now: `MINIVLLM_FUSED_ROTARY=1` turns it on; see
-ROTARY_ENABLED.) Switch all off with the environment variable `MINIVLLM_FUSED_OPS=0`, or at run time with
+Switch them off with the environment variable `MINIVLLM_FUSED_OPS=0`, or at run time with
 `minivllm.model_executor.layers.fused.ENABLED = False` (before the engine captures its CUDA
 graphs), e.g. to measure before/after in a notebook.
 """
@@ -20,10 +19,6 @@ import torch
 
 FUSED_OPS_ENV = "MINIVLLM_FUSED_OPS"
 ENABLED = os.environ.get(FUSED_OPS_ENV, "1") != "0"
-# The fused rotary kernel matches the PyTorch code exactly in fp32 on an H100, but in bf16 its
-# GPU test (tests/model_executor/test_fused_ops.py) failed there once (2026-11-26, cause not
-# yet found: rounding-level, since fp32 agrees), so it stays off until that test passes on a GPU.
-ROTARY_ENABLED = os.environ.get("MINIVLLM_FUSED_ROTARY", "0") == "1"
 
 
 def fused_ops(x: torch.Tensor) -> ModuleType | None:

@@ -18,7 +18,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from minivllm.model_executor.layers import fused
 from minivllm.model_executor.layers.fused import fused_ops
 
 _DEFAULT_ROPE_THETA = 10000.0
@@ -97,9 +96,11 @@ class RotaryEmbedding(nn.Module):
                 key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; query [num_tokens, num_heads, head_dim]; key
         [num_tokens, num_kv_heads, head_dim]. Returns the rotated query and key."""
-        ops = fused_ops(query) if fused.ROTARY_ENABLED else None
+        ops = fused_ops(query)
         if ops is not None and ops.rotary_supported(self.head_dim) and query.stride(-1) == key.stride(-1) == 1:
-            # One kernel per tensor (see layers.fused), same roundings as the code below.
+            # One kernel per tensor (see layers.fused). fp32: the code below's result; bf16:
+            # it rounds once per output where the code below also rounds each product, so
+            # it may differ by one bf16 step (tests/model_executor/test_fused_ops.py).
             return ops.rotary(query, positions, self.cos_sin_cache), ops.rotary(key, positions, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim/2]
         cos = cos.unsqueeze(1).to(query.dtype)  # broadcast over heads
