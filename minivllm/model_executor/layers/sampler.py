@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.model_executor.layers.fused import fused_sampling
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
 from minivllm.sampling_params import SamplingType
 from minivllm.sequence import SequenceGroupOutput, SequenceOutput
@@ -113,8 +114,12 @@ def _all_plain_greedy(groups: list[SequenceGroupToSample]) -> bool:
 
 
 def _greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Arg-max of each row and its logprob, logit - logsumexp(row): two reductions, no
-    `[rows, vocab]` log-softmax written out."""
+    """Arg-max of each row and its logprob, logit - logsumexp(row), with no `[rows, vocab]`
+    log-softmax written out: one Triton pass over the logits on a GPU
+    (`minivllm.kernels.sampling`), PyTorch reductions on the CPU."""
+    kernels = fused_sampling(logits)
+    if kernels is not None:
+        return kernels.greedy_sample(logits)
     tokens = logits.argmax(dim=-1)
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, chosen - torch.logsumexp(logits, dim=-1)
