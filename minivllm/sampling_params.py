@@ -22,6 +22,19 @@ class SamplingType(enum.IntEnum):
     BEAM = 3
 
 
+class RequestOutputKind(enum.Enum):
+    """What `LLMEngine.step()` returns for a request that has not finished (vLLM's enum).
+
+    CUMULATIVE: its whole output so far, every step (streaming servers). FINAL_ONLY:
+    nothing until it finishes (`LLM.generate`, which only keeps finished outputs, so the
+    engine need not build a `RequestOutput` per request per step). vLLM's third kind,
+    DELTA, is not implemented: the OpenAI server computes its deltas itself.
+    """
+
+    CUMULATIVE = 0
+    FINAL_ONLY = 2
+
+
 @dataclass
 class SamplingParams:
     """Sampling parameters for text generation (vLLM v0, around 0.6).
@@ -59,6 +72,7 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled in by the engine: EOS ids of the model that must count as stop tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 

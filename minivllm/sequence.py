@@ -188,7 +188,7 @@ class Sequence:
         return self.data.stage == SequenceStage.PREFILL
 
     def is_finished(self) -> bool:
-        return SequenceStatus.is_finished(self.status)
+        return self.status > SequenceStatus.SWAPPED  # SequenceStatus.is_finished, inlined (hot)
 
     # --------------------------------------------------------------- updates
     def append_token_id(

@@ -36,7 +36,7 @@ from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopC
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import (ExecuteModelRequest, Sequence, SequenceGroup, SequenceGroupMetadata,
                                SequenceGroupOutput, SequenceStatus)
 
@@ -229,12 +229,13 @@ class LLMEngine:
         self._apply_first_step(step_outputs[0], scheduled_groups, now, stats)
         for outputs in step_outputs[1:]:
             self._apply_later_step(outputs, scheduled_groups, stats)
-        request_outputs = [self._make_request_output(s.seq_group, now, stats) for s in scheduled_groups]
+        reported = [s.seq_group for s in scheduled_groups]
         for seq_group in scheduler_outputs.ignored_seq_groups:
             if seq_group.finish_message:
                 logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)
-            request_outputs.append(self._make_request_output(seq_group, now, stats))
-        return request_outputs
+            reported.append(seq_group)
+        request_outputs = [self._make_request_output(seq_group, now, stats) for seq_group in reported]
+        return [output for output in request_outputs if output is not None]
 
     def _apply_later_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
                           stats: Stats) -> None:
@@ -283,9 +284,12 @@ class LLMEngine:
                 seq_group.prompt_ranks.append(rank)
 
     # ------------------------------------------------------------------ outputs
-    def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput:
+    def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput | None:
+        """The request's output now; None for an unfinished FINAL_ONLY request."""
         if seq_group.is_finished():
             self._on_request_finished(seq_group, now, stats)
+        elif seq_group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+            return None
         return RequestOutput.from_seq_group(seq_group, self.detokenizer.decode_token, self.eos_token_id)
 
     # ------------------------------------------------------------------ metrics

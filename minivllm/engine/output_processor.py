@@ -96,6 +96,9 @@ class SequenceGroupOutputProcessor:
 
     def process_outputs(self, seq_group: SequenceGroup, samples: list[SequenceOutput]) -> None:
         params = seq_group.sampling_params
+        if len(samples) == 1 and len(seq_group.seqs) == 1 and not params.use_beam_search:
+            self._continue_lone_sequence(seq_group.seqs[0], samples[0], params)
+            return
         existing_finished = seq_group.get_finished_seqs()
         child_seqs = self._append_and_fork(seq_group, samples)
         for seq, _ in child_seqs:
@@ -106,6 +109,19 @@ class SequenceGroupOutputProcessor:
         else:
             selected, unselected = child_seqs, []
         self._apply_selection(seq_group, selected, unselected)
+
+    def _continue_lone_sequence(self, seq: Sequence, sample: SequenceOutput, params: SamplingParams) -> None:
+        """The common case (n = 1): what the general path does for one sequence with one
+        sample (append, detokenize, stop check, free if finished), without its fork and
+        selection bookkeeping, which costs more than the rest once per token per request."""
+        if sample.parent_seq_id != seq.seq_id or seq.status != SequenceStatus.RUNNING:
+            raise ValueError(f"sample for sequence {sample.parent_seq_id}, but sequence {seq.seq_id} "
+                             f"is the request's running one (status {seq.status.name}).")
+        seq.append_token_id(sample.output_token, sample.logprobs, sample.rank)
+        new_char_count = self.detokenizer.decode_sequence_inplace(seq, params) if params.detokenize else 0
+        self.stop_checker.maybe_stop_sequence(seq, new_char_count, params)
+        if seq.is_finished():
+            self.scheduler.free_seq(seq)
 
     def _append_and_fork(self, seq_group: SequenceGroup, samples: list[SequenceOutput]) -> list[ChildAndParent]:
         """Give every running parent its samples: the last one in place, the others to forks."""

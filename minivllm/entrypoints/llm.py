@@ -13,13 +13,14 @@ over them. Mirrors `vllm/entrypoints/llm.py` (v0).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class LLM:
@@ -60,6 +61,8 @@ class LLM:
         try:
             for prompt, params in zip(prompts, params_list):
                 request_id = str(next(self.request_counter))
+                # Only finished outputs are kept: spare the engine a RequestOutput per step.
+                params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
         except ValueError:

@@ -238,3 +238,20 @@ def test_snapshots_record_every_step_with_block_tables(engine):
     assert snapshots[0].batch[0].is_prefill and snapshots[0].num_batched_tokens == 24
     assert snapshots[0].block_tables["0"] and len(next(iter(snapshots[0].block_tables["0"].values()))) == 2
     assert sorted(r for s in snapshots for r in s.finished) == ["0", "1"]
+
+
+def test_final_only_requests_report_nothing_until_they_finish(tiny_llama):
+    """RequestOutputKind.FINAL_ONLY (what LLM.generate asks for): no per-step outputs."""
+    from minivllm.sampling_params import RequestOutputKind
+
+    engine = LLMEngine.from_engine_args(EngineArgs(model=tiny_llama[0], device="cpu"))
+    final = SamplingParams(temperature=0.0, max_tokens=5, output_kind=RequestOutputKind.FINAL_ONLY)
+    engine.add_request("final", {"prompt_token_ids": [3, 4, 5]}, final)
+    engine.add_request("streamed", {"prompt_token_ids": [3, 4, 5]}, SamplingParams(temperature=0.0, max_tokens=5))
+    per_step = []
+    while engine.has_unfinished_requests():
+        per_step.append({o.request_id: o for o in engine.step()})
+    assert all("streamed" in step for step in per_step)
+    assert [("final" in step) for step in per_step] == [False] * (len(per_step) - 1) + [True]
+    last = per_step[-1]
+    assert last["final"].finished and last["final"].outputs[0].token_ids == last["streamed"].outputs[0].token_ids
