@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from minivllm.sampling_params import SamplingParams
@@ -424,3 +425,6 @@ class ExecuteModelRequest:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     finished_requests_ids: list[str] = field(default_factory=list)
     num_steps: int = 1
+    # Called with each step's outputs, in order, as soon as they reach the host (in a
+    # multi-step run, while the GPU computes the next step: vLLM's `async_callback`).
+    output_callback: Callable[[list[SequenceGroupOutput]], None] | None = None

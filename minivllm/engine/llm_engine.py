@@ -190,8 +190,16 @@ class LLMEngine:
         if self.record_snapshots:
             snapshot = take_snapshot(self.scheduler, scheduler_outputs, self.step_counter,
                                      include_block_manager=True)
-        step_outputs: list[list[SequenceGroupOutput]] = [[]]
+        stats = self._new_stats(time.monotonic(), scheduler_outputs)
         if not scheduler_outputs.is_empty():
+            steps_applied: list[int] = []
+
+            def apply_step_outputs(outputs: list[SequenceGroupOutput]) -> None:
+                # Called by the worker as each step's samples reach the host: in a multi-step
+                # run, while the GPU already computes the next step (the host work overlaps).
+                self._apply_step(outputs, scheduler_outputs.scheduled_seq_groups, stats, first=not steps_applied)
+                steps_applied.append(1)
+
             request = ExecuteModelRequest(
                 seq_group_metadata_list=seq_group_metadata_list,
                 blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
@@ -199,12 +207,12 @@ class LLMEngine:
                 blocks_to_copy=scheduler_outputs.blocks_to_copy,
                 finished_requests_ids=self._finished_requests_ids,
                 num_steps=self._num_steps(seq_group_metadata_list),
+                output_callback=apply_step_outputs,
             )
             self._finished_requests_ids = []
-            step_outputs = self.model_executor.execute_model(request)
-        now = time.monotonic()
-        stats = self._new_stats(now, scheduler_outputs)
-        request_outputs = self._process_model_outputs(step_outputs, scheduler_outputs, now, stats)
+            self.model_executor.execute_model(request)
+        now = stats.now = time.monotonic()
+        request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
         self._fill_system_stats(stats)
         for stat_logger in self.stat_loggers.values():
@@ -220,16 +228,17 @@ class LLMEngine:
         """Steps to ask the worker for: a multi-step run when some decode reserved lookahead slots."""
         return 1 + max((m.num_lookahead_slots for m in seq_group_metadata_list), default=0)
 
-    def _process_model_outputs(
-        self, step_outputs: list[list[SequenceGroupOutput]], scheduler_outputs: SchedulerOutputs,
-        now: float, stats: Stats,
-    ) -> list[RequestOutput]:
-        """Apply every step's samples (in order), then report each scheduled request once."""
-        scheduled_groups = scheduler_outputs.scheduled_seq_groups
-        self._apply_first_step(step_outputs[0], scheduled_groups, now, stats)
-        for outputs in step_outputs[1:]:
+    def _apply_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
+                    stats: Stats, first: bool) -> None:
+        """One step's samples, in order: the first step of the batch, or a later one of a multi-step run."""
+        if first:
+            self._apply_first_step(outputs, scheduled_groups, time.monotonic(), stats)
+        else:
             self._apply_later_step(outputs, scheduled_groups, stats)
-        reported = [s.seq_group for s in scheduled_groups]
+
+    def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:
+        """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted)."""
+        reported = [s.seq_group for s in scheduler_outputs.scheduled_seq_groups]
         for seq_group in scheduler_outputs.ignored_seq_groups:
             if seq_group.finish_message:
                 logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -213,40 +214,54 @@ class ModelRunner:
         kv_caches: list[torch.Tensor],
         num_steps: int,
         finished_requests_ids: list[str] | None = None,
+        output_callback: Callable[[list[SequenceGroupOutput]], None] | None = None,
     ) -> list[list[SequenceGroupOutput]]:
-        """Up to `num_steps` decode steps with one host sync; one output list per step.
+        """Up to `num_steps` decode steps with no host sync between them; one output list per step.
 
         Group i runs `1 + num_lookahead_slots` steps (the slots its blocks hold); in later
         steps its row keeps computing but writes no K/V, and its output has no samples.
-        Requires `can_run_multi_step`.
+        Each step's tokens are copied to the host as soon as they exist; `output_callback`
+        gets step s's outputs once step s + 1 is queued on the GPU, so the caller processes
+        them while the GPU computes. Requires `can_run_multi_step`.
         """
         for request_id in finished_requests_ids or []:
             self.generators.pop(request_id, None)
         model_input = self.prepare_model_input(seq_group_metadata_list)
-        sampling_metadata = model_input.sampling_metadata
         steps_allowed = [1 + m.num_lookahead_slots for m in seq_group_metadata_list]
         limits = _to_device(np.array(steps_allowed), torch.long, self.device)
         input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
-        step_tokens, step_logprobs = [], []
+        all_outputs: list[list[SequenceGroupOutput]] = []
+        pending = None  # the previous step's samples on their way to the host
         for step in range(num_steps):
             if step:
-                input_ids, positions, md = self._advance_step(step_tokens[-1], positions, md, limits > step)
+                input_ids, positions, md = self._advance_step(input_ids, positions, md, limits > step)
             hidden_states = self._run_model(input_ids, positions, md, kv_caches)
             logits = self.model.compute_logits(hidden_states)  # a decode samples every row
-            tokens, logprobs = self.sampler.sample_on_device(logits, sampling_metadata)
-            step_tokens.append(tokens)
-            step_logprobs.append(logprobs)
-        # The run's only device-to-host copies: every step's tokens and logprobs.
-        all_tokens = torch.stack(step_tokens).tolist()
-        all_logprobs = torch.stack(step_logprobs).tolist()
-        return [
-            [
-                SequenceGroupOutput(samples=[SequenceOutput(seq_id, token, {token: logprob})] if step < allowed else [])
-                for metadata, allowed, token, logprob in zip(seq_group_metadata_list, steps_allowed, tokens, logprobs)
-                for seq_id in metadata.seq_data
-            ]
-            for step, (tokens, logprobs) in enumerate(zip(all_tokens, all_logprobs))
-        ]
+            input_ids, logprobs = self.sampler.sample_on_device(logits, model_input.sampling_metadata)
+            if pending is not None:  # step - 1 is done once step is queued: hand it over
+                all_outputs.append(self._step_outputs(pending, step - 1, seq_group_metadata_list, steps_allowed))
+                if output_callback is not None:
+                    output_callback(all_outputs[-1])
+            pending = _copy_to_host(input_ids, logprobs)
+        all_outputs.append(self._step_outputs(pending, num_steps - 1, seq_group_metadata_list, steps_allowed))
+        if output_callback is not None:
+            output_callback(all_outputs[-1])
+        return all_outputs
+
+    @staticmethod
+    def _step_outputs(pending, step: int, seq_group_metadata_list: list[SequenceGroupMetadata],
+                      steps_allowed: list[int]) -> list[SequenceGroupOutput]:
+        """One output per group: its sampled token, or none past its reserved slots."""
+        tokens, logprobs, ready = pending
+        if ready is not None:
+            ready.synchronize()  # this step's copy only, not the steps queued after it
+        outputs = []
+        for metadata, allowed, token, logprob in zip(seq_group_metadata_list, steps_allowed,
+                                                      tokens.tolist(), logprobs.tolist()):
+            [seq_id] = metadata.seq_data
+            samples = [SequenceOutput(seq_id, token, {token: logprob})] if step < allowed else []
+            outputs.append(SequenceGroupOutput(samples=samples))
+        return outputs
 
     def _advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                       active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -403,6 +418,19 @@ def _flatten_tokens(datas: list[SequenceData], context_lens: np.ndarray, query_l
     starts = np.repeat(context_lens, query_lens)
     offsets = np.arange(int(query_lens.sum())) - np.repeat(np.cumsum(query_lens) - query_lens, query_lens)
     return input_ids, starts + offsets
+
+
+def _copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
+    """(tokens, logprobs, event): host copies started without waiting; wait on the event."""
+    if tokens.device.type != "cuda":
+        return tokens, logprobs, None
+    host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+    host_tokens.copy_(tokens, non_blocking=True)
+    host_logprobs.copy_(logprobs, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host_tokens, host_logprobs, ready
 
 
 def _check_prefills_first(seq_group_metadata_list: list[SequenceGroupMetadata]) -> None:

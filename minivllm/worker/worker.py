@@ -169,6 +169,10 @@ class Worker:
         runner = self.model_runner
         if req.num_steps > 1 and runner.can_run_multi_step(req.seq_group_metadata_list):
             return runner.execute_model_multi_step(
-                req.seq_group_metadata_list, self.kv_caches, req.num_steps, req.finished_requests_ids
+                req.seq_group_metadata_list, self.kv_caches, req.num_steps, req.finished_requests_ids,
+                req.output_callback,
             )
-        return [runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)]
+        outputs = runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)
+        if req.output_callback is not None:
+            req.output_callback(outputs)
+        return [outputs]

@@ -25,9 +25,9 @@ def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
     engine.multi_step_runs = []
     original = runner.execute_model_multi_step
 
-    def counted(metadata_list, kv_caches, num_steps, finished_requests_ids=None):
+    def counted(metadata_list, kv_caches, num_steps, *args):
         engine.multi_step_runs.append((len(metadata_list), num_steps))
-        return original(metadata_list, kv_caches, num_steps, finished_requests_ids)
+        return original(metadata_list, kv_caches, num_steps, *args)
 
     runner.execute_model_multi_step = counted
     return engine
@@ -166,3 +166,19 @@ def test_abort_during_multi_step_returns_every_block(checkpoint_dirs):
 def test_num_scheduler_steps_must_be_positive(checkpoint_dirs):
     with pytest.raises(ValueError, match="num_scheduler_steps"):
         make_engine(checkpoint_dirs, num_scheduler_steps=0)
+
+
+def test_each_steps_outputs_reach_the_engine_while_the_next_step_is_queued(checkpoint_dirs):
+    """The overlap contract: step s is processed only after step s + 1 was launched."""
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+    runner = engine.model_executor.driver_worker.model_runner
+    launched, seen = [], []
+    run_model, apply_step = runner._run_model, engine._apply_step
+    runner._run_model = lambda *args: launched.append(1) or run_model(*args)
+    engine._apply_step = lambda *args, **kwargs: seen.append(len(launched)) or apply_step(*args, **kwargs)
+    engine.add_request("0", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=9))
+    engine.step()  # the prefill: one forward, then its outputs
+    assert seen == [1]
+    engine.step()  # a run of 4 decode steps: outputs of steps 0-2 arrive after 2-4 launches
+    assert engine.multi_step_runs == [(1, 4)]
+    assert seen[1:] == [3, 4, 5, 5]
