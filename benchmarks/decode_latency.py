@@ -81,9 +81,9 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
-def kv_bytes(hf_config, batch: int, context: int, dtype_bytes: int) -> int:
+def kv_bytes(hf_config, batch: int, context: float, dtype_bytes: int) -> int:
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
-    return batch * context * hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes
+    return int(batch * context * hf_config.num_hidden_layers * 2 * hf_config.num_key_value_heads * head_dim * dtype_bytes)
 
 
 def make_llm(ckpt: str, device: str, enforce_eager: bool, max_batch: int, num_scheduler_steps: int = 1):
@@ -211,10 +211,13 @@ def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Pa
         start_batch(llm, batch)
         step_ms = time_engine_steps(engine, MEASURE_STEPS) / tokens_per_step
         forward_ms = time_forward(llm, batch, enforce_eager)
-        kv = kv_bytes(hf_config, batch, CONTEXT, 2)
+        # The floor at the context the forward was timed at: prompts of CONTEXT tokens plus
+        # what warm-up and the timed steps generated (8 tokens a step in "graphs-8step").
+        context = sum(g.first_seq.get_len() for g in engine.scheduler.running) / batch
+        kv = kv_bytes(hf_config, batch, context, 2)
         floor_ms = 1e3 * (weights + kv) / bandwidth
         results[f"batch_{batch}"] = {
-            "context": CONTEXT, "forward_ms": round(forward_ms, 3), "engine_step_ms": round(step_ms, 3),
+            "context": round(context, 1), "forward_ms": round(forward_ms, 3), "engine_step_ms": round(step_ms, 3),
             "tokens_per_engine_step": tokens_per_step,
             "weight_bytes": weights, "kv_bytes": kv, "floor_ms": round(floor_ms, 3),
             "forward_over_floor": round(forward_ms / floor_ms, 2), "step_over_floor": round(step_ms / floor_ms, 2),
