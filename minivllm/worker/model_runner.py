@@ -35,6 +35,7 @@ launch cost).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,11 +202,10 @@ class ModelRunner:
     def can_run_multi_step(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> bool:
         """A multi-step run needs decodes only, each one plain sequence the sampler can
         serve on the device (no logprobs, penalties, seeds, beams or forks)."""
-        if not seq_group_metadata_list or any(m.is_prompt for m in seq_group_metadata_list):
-            return False
-        query_lens = [1] * len(seq_group_metadata_list)
-        metadata = SamplingMetadata.prepare(seq_group_metadata_list, query_lens, "cpu")
-        return self.sampler.can_sample_on_device(metadata)
+        return bool(seq_group_metadata_list) and all(
+            not m.is_prompt and self.sampler.samples_on_device(m.sampling_params, list(m.seq_data.values()))
+            for m in seq_group_metadata_list
+        )
 
     @torch.inference_mode()
     def execute_model_multi_step(
@@ -236,7 +236,8 @@ class ModelRunner:
             if step:
                 input_ids, positions, md = self._advance_step(input_ids, positions, md, limits > step)
             hidden_states = self._run_model(input_ids, positions, md, kv_caches)
-            logits = self.model.compute_logits(hidden_states)  # a decode samples every row
+            # A decode samples every row; the sampler upcasts what it needs in fp32.
+            logits = self.model.compute_logits(hidden_states, upcast=False)
             input_ids, logprobs = self.sampler.sample_on_device(logits, model_input.sampling_metadata)
             if pending is not None:  # step - 1 is done once step is queued: hand it over
                 all_outputs.append(self._step_outputs(pending, step - 1, seq_group_metadata_list, steps_allowed))
@@ -398,9 +399,11 @@ class _CUDAGraphRunner:
 
 def _pad_block_tables(tables: list[list[int]]) -> np.ndarray:
     """`[num_seqs, max_blocks]` int32; rows padded with block 0 (kernels stop at seq_len)."""
-    block_tables = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-    for row, table in enumerate(tables):
-        block_tables[row, : len(table)] = table
+    lengths = np.array([len(t) for t in tables])
+    block_tables = np.zeros((len(tables), lengths.max()), dtype=np.int32)
+    # One scatter of all block numbers (row-major order) instead of a numpy call per row.
+    block_tables[np.arange(lengths.max()) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(tables), dtype=np.int32, count=int(lengths.sum()))
     return block_tables
 
 

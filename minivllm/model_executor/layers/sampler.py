@@ -26,8 +26,8 @@ from torch import nn
 
 from minivllm.model_executor.layers.fused import fused_sampling
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
-from minivllm.sampling_params import SamplingType
-from minivllm.sequence import SequenceGroupOutput, SequenceOutput
+from minivllm.sampling_params import SamplingParams, SamplingType
+from minivllm.sequence import SequenceData, SequenceGroupOutput, SequenceOutput
 
 # A beam-search step proposes twice the beam width, so that even if every beam_width best
 # candidates end in EOS, beam_width candidates can still continue (as in transformers).
@@ -76,6 +76,11 @@ class Sampler(nn.Module):
         sequence (greedy or unseeded random) and needs nothing from the host per token."""
         return all(_is_plain(group, allow_random=True) for group in sampling_metadata.seq_groups)
 
+    @staticmethod
+    def samples_on_device(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
+        """Whether `sample_on_device` can serve a decoding request, from its parameters alone."""
+        return _plain_params(params, seq_datas, allow_random=True)
+
     def sample_on_device(self, logits: torch.Tensor,
                          sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`[rows]` token ids and their logprobs, left on the device (no host sync).
@@ -85,8 +90,8 @@ class Sampler(nn.Module):
         """
         groups = sampling_metadata.seq_groups
         if all(g.sampling_params.sampling_type == SamplingType.GREEDY for g in groups):
-            return _greedy_tokens(logits)
-        sample_logits = _process_logits(logits, groups)
+            return _greedy_tokens(logits)  # (any float dtype: the kernel accumulates in fp32)
+        sample_logits = _process_logits(logits.float(), groups)
         tokens = _choose_per_row(sample_logits, groups)
         token_logprobs = torch.log_softmax(sample_logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
         return tokens, token_logprobs
@@ -96,17 +101,21 @@ class Sampler(nn.Module):
 def _is_plain(group: SequenceGroupToSample, allow_random: bool = False) -> bool:
     """One sequence, greedy (or unseeded random), with nothing to process on the host: no
     penalties, no min_tokens still pending, no logprobs asked for, no prompt logprobs."""
-    params = group.sampling_params
     if group.prompt_logprob_indices:
         return False
     if not group.do_sample:
         return True
+    seq_datas = [group.seq_data[seq_id] for seq_id in group.seq_ids]
+    return _plain_params(group.sampling_params, seq_datas, allow_random)
+
+
+def _plain_params(params: SamplingParams, seq_datas: list[SequenceData], allow_random: bool) -> bool:
     types = (SamplingType.GREEDY, SamplingType.RANDOM) if allow_random else (SamplingType.GREEDY,)
     return (params.sampling_type in types and params.logprobs is None
-            and params.best_of == 1 and len(group.seq_ids) == 1
+            and params.best_of == 1 and len(seq_datas) == 1
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
-            and (params.min_tokens == 0 or group.seq_data[group.seq_ids[0]].get_output_len() >= params.min_tokens))
+            and (params.min_tokens == 0 or seq_datas[0].get_output_len() >= params.min_tokens))
 
 
 def _all_plain_greedy(groups: list[SequenceGroupToSample]) -> bool:
@@ -120,6 +129,7 @@ def _greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     kernels = fused_sampling(logits)
     if kernels is not None:
         return kernels.greedy_sample(logits)
+    logits = logits.float()  # (a no-op for the fp32 logits of the CPU)
     tokens = logits.argmax(dim=-1)
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, chosen - torch.logsumexp(logits, dim=-1)

@@ -195,9 +195,12 @@ class LlamaForCausalLM(nn.Module):
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        # fp32 for the sampler: softmax over 150k bf16 logits loses the small probabilities.
-        return self.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
+        """`[n, vocab]` logits, in fp32 for the sampler (a softmax over 150k bf16 logits loses
+        the small probabilities). `upcast=False` keeps the model's dtype, for readers that
+        accumulate in fp32 themselves (the greedy kernel: the copy costs ~0.1 ms a step)."""
+        logits = self.lm_head(hidden_states)
+        return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Copy (name, tensor) pairs from a Hugging Face checkpoint into the model.
