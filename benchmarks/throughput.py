@@ -52,7 +52,7 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 MODELS = ["qwen3-0.6b", "llama-3.2-1b"]
 SYSTEMS = ["minivllm-multistep", "minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
 SYSTEM_LABELS = {
-    "minivllm-multistep": "minivllm (CUDA graphs, 8 steps per schedule)",
+    "minivllm-multistep": "minivllm (CUDA graphs, multi-step)",
     "minivllm-graphs": "minivllm (CUDA graphs)",
     "minivllm-eager": "minivllm (eager)",
     "hf-static": "transformers generate, static batches",
@@ -63,7 +63,7 @@ NUM_SEQS, MIN_LEN, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_TOKEN_ID, SEED = 256, 100,
 MAX_MODEL_LEN = MAX_INPUT_LEN + MAX_OUTPUT_LEN  # the longest prompt plus the longest output
 # minivllm engine settings (nano-vllm uses the same token budget per step).
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = 256, 16384, 0.9
-MULTI_STEP = 8  # num_scheduler_steps of "minivllm-multistep" (vLLM v0 suggested 8)
+MULTI_STEP = 8  # default num_scheduler_steps of "minivllm-multistep" (--multi-step; vLLM v0 suggested 8)
 HF_BATCH_SIZE, HF_SUBSET = 32, 32  # transformers takes ~70 s per 32 requests on an H100
 PAD_TOKEN_ID = 0  # any id: padded positions are masked out
 WARMUP_TOKENS = 8
@@ -122,10 +122,17 @@ class KVWasteLogger:
         self.scheduler, self.num_gpu_blocks, self.block_size = scheduler, num_gpu_blocks, block_size
         self.every, self.steps = every, 0
         self.allocated = self.used = self.peak_allocated = self.preemptions = 0
+        self.last_now, self.phase_s = None, {"prefill_s": 0.0, "decode_s": 0.0}
 
     def log(self, stats) -> None:
         self.steps += 1
         self.preemptions += stats.num_preemption_iter
+        # Wall time per phase: from the previous step's end to this one's (a step with
+        # prompt tokens is a prefill step; the default scheduler never mixes the two).
+        if self.last_now is not None:
+            phase = "prefill_s" if stats.num_prompt_tokens_iter else "decode_s"
+            self.phase_s[phase] += stats.now - self.last_now
+        self.last_now = stats.now
         if self.steps % self.every:
             return
         allocated = (self.num_gpu_blocks - self.scheduler.block_manager.get_num_free_gpu_blocks()) * self.block_size
@@ -139,7 +146,7 @@ class KVWasteLogger:
         waste = 1 - self.used / self.allocated if self.allocated else None
         return {"kv_waste_fraction": waste, "kv_peak_allocated_slots": self.peak_allocated,
                 "kv_pool_slots": self.num_gpu_blocks * self.block_size, "preemptions": self.preemptions,
-                "engine_steps": self.steps}
+                "engine_steps": self.steps, **{k: round(v, 3) for k, v in self.phase_s.items()}}
 
 
 def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: str,
@@ -163,6 +170,7 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
     engine.add_logger("kv_waste", waste)
     _sync(device)
     start = time.perf_counter()
+    waste.last_now = time.monotonic()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     _sync(device)
     elapsed = time.perf_counter() - start
@@ -349,7 +357,7 @@ def run_one(args: argparse.Namespace) -> int:
     ckpt = Path(args.ckpt)
     if args.system == "minivllm-multistep":
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device,
-                              num_scheduler_steps=MULTI_STEP)
+                              num_scheduler_steps=args.multi_step)
     elif args.system == "minivllm-graphs":
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device)
     elif args.system == "minivllm-eager":
@@ -372,7 +380,7 @@ def run_all(args: argparse.Namespace) -> int:
               "settings": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
                            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "hf_subset": args.hf_subset,
-                           "num_scheduler_steps (minivllm-multistep)": MULTI_STEP,
+                           "num_scheduler_steps (minivllm-multistep)": args.multi_step,
                            "hf_batch_size": args.hf_batch_size, "sampling": "greedy, ignore_eos"},
               "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
@@ -418,7 +426,7 @@ def _run_subprocess(args, model: str, system: str, ckpt: Path, tmp: Path) -> dic
     result_file = tmp / f"{model}-{system}.json"
     cmd = [sys.executable, __file__, "one", "--system", system, "--ckpt", str(ckpt), "--result", str(result_file),
            "--num-seqs", str(args.num_seqs), "--hf-subset", str(args.hf_subset),
-           "--hf-batch-size", str(args.hf_batch_size), "--device", args.device]
+           "--hf-batch-size", str(args.hf_batch_size), "--device", args.device, "--multi-step", str(args.multi_step)]
     print(f"== {model} / {system}", flush=True)
     start = time.perf_counter()
     try:
@@ -545,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--hf-subset", type=int, default=HF_SUBSET, help="requests given to transformers")
     common.add_argument("--hf-batch-size", type=int, default=HF_BATCH_SIZE)
     common.add_argument("--device", default="cuda")
+    common.add_argument("--multi-step", type=int, default=MULTI_STEP, help="num_scheduler_steps of minivllm-multistep")
     everything = sub.add_parser("all", parents=[common], help="every system on every model")
     everything.add_argument("--out", required=True)
     everything.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
