@@ -9,9 +9,10 @@ the same in every system).
 
 Systems, each in its own process (so one's memory never limits the next):
 
-    minivllm (8 steps)       LLM.generate with CUDA graphs and num_scheduler_steps=8: each
-                             schedule() is followed by up to 8 decode steps on the GPU
-                             (multi-step scheduling), one host sync per 8 tokens
+    minivllm (16 / 8 steps)  LLM.generate with CUDA graphs and num_scheduler_steps=16 or 8:
+                             each schedule() is followed by up to that many decode steps on
+                             the GPU (multi-step scheduling); each step's tokens reach the
+                             host while the next step runs
     minivllm (CUDA graphs)   LLM.generate, one decode step per schedule, replayed from graphs
     minivllm (eager)         the same with enforce_eager=True
     HF static batches        transformers `generate`, batches of --hf-batch-size requests in
@@ -50,9 +51,10 @@ from pathlib import Path
 
 CONFIG_DIR = Path(__file__).parent / "configs"
 MODELS = ["qwen3-0.6b", "llama-3.2-1b"]
-SYSTEMS = ["minivllm-multistep", "minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
+SYSTEMS = ["minivllm-ms16", "minivllm-ms8", "minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
 SYSTEM_LABELS = {
-    "minivllm-multistep": "minivllm (CUDA graphs, multi-step)",
+    "minivllm-ms16": "minivllm (CUDA graphs, 16 steps per schedule)",
+    "minivllm-ms8": "minivllm (CUDA graphs, 8 steps per schedule)",
     "minivllm-graphs": "minivllm (CUDA graphs)",
     "minivllm-eager": "minivllm (eager)",
     "hf-static": "transformers generate, static batches",
@@ -63,10 +65,10 @@ NUM_SEQS, MIN_LEN, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_TOKEN_ID, SEED = 256, 100,
 MAX_MODEL_LEN = MAX_INPUT_LEN + MAX_OUTPUT_LEN  # the longest prompt plus the longest output
 # minivllm engine settings (nano-vllm uses the same token budget per step).
 MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = 256, 16384, 0.9
-MULTI_STEP = 8  # default num_scheduler_steps of "minivllm-multistep" (--multi-step; vLLM v0 suggested 8)
+MULTI_STEP = {"minivllm-ms16": 16, "minivllm-ms8": 8}  # num_scheduler_steps of the multi-step systems
 HF_BATCH_SIZE, HF_SUBSET = 32, 32  # transformers takes ~70 s per 32 requests on an H100
 PAD_TOKEN_ID = 0  # any id: padded positions are masked out
-WARMUP_TOKENS = 8
+WARMUP_TOKENS, WARMUP_REQUESTS = 24, 32
 
 
 # --------------------------------------------------------------------------- workload
@@ -164,8 +166,11 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
     engine = llm.llm_engine
     inputs = [{"prompt_token_ids": p} for p in prompts]
     params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
-    llm.generate(inputs[:4], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=WARMUP_TOKENS,
-                                            detokenize=False), use_tqdm=False)
+    # Warm-up on prompts of the workload's lengths: Triton compiles a kernel variant per
+    # shape bucket on first use (once per machine, then from its cache), which is not what
+    # the benchmark measures.
+    llm.generate(inputs[:WARMUP_REQUESTS], SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=WARMUP_TOKENS,
+                                                          detokenize=False), use_tqdm=False)
     waste = KVWasteLogger(engine.scheduler, engine.cache_config.num_gpu_blocks, engine.cache_config.block_size)
     engine.add_logger("kv_waste", waste)
     _sync(device)
@@ -355,9 +360,9 @@ def run_one(args: argparse.Namespace) -> int:
     subset = args.num_seqs if args.system.startswith("minivllm") else min(args.hf_subset, args.num_seqs)
     prompts, max_tokens = prompts[:subset], max_tokens[:subset]
     ckpt = Path(args.ckpt)
-    if args.system == "minivllm-multistep":
+    if args.system in MULTI_STEP:
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device,
-                              num_scheduler_steps=args.multi_step)
+                              num_scheduler_steps=MULTI_STEP[args.system])
     elif args.system == "minivllm-graphs":
         result = run_minivllm(ckpt, prompts, max_tokens, enforce_eager=False, device=args.device)
     elif args.system == "minivllm-eager":
@@ -380,7 +385,6 @@ def run_all(args: argparse.Namespace) -> int:
               "settings": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
                            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "hf_subset": args.hf_subset,
-                           "num_scheduler_steps (minivllm-multistep)": args.multi_step,
                            "hf_batch_size": args.hf_batch_size, "sampling": "greedy, ignore_eos"},
               "models": {}}
     tmp = Path(tempfile.mkdtemp(prefix="minivllm-bench-"))
@@ -426,7 +430,7 @@ def _run_subprocess(args, model: str, system: str, ckpt: Path, tmp: Path) -> dic
     result_file = tmp / f"{model}-{system}.json"
     cmd = [sys.executable, __file__, "one", "--system", system, "--ckpt", str(ckpt), "--result", str(result_file),
            "--num-seqs", str(args.num_seqs), "--hf-subset", str(args.hf_subset),
-           "--hf-batch-size", str(args.hf_batch_size), "--device", args.device, "--multi-step", str(args.multi_step)]
+           "--hf-batch-size", str(args.hf_batch_size), "--device", args.device]
     print(f"== {model} / {system}", flush=True)
     start = time.perf_counter()
     try:
@@ -520,7 +524,7 @@ def plot(report: dict, png: Path) -> None:
 
     models = list(report["models"])
     # minivllm in the blues of "our" blocks, transformers in the warm colours.
-    colors = {"minivllm-multistep": COLORS["shared"], "minivllm-graphs": COLORS["used"],
+    colors = {"minivllm-ms16": COLORS["finished"], "minivllm-ms8": COLORS["shared"], "minivllm-graphs": COLORS["used"],
               "minivllm-eager": COLORS["generated"],
               "hf-static": COLORS["copied"], "hf-cb": COLORS["prompt"]}
     fig, ax = plt.subplots(figsize=(8, 4.2))
@@ -553,7 +557,6 @@ def main(argv: list[str] | None = None) -> int:
     common.add_argument("--hf-subset", type=int, default=HF_SUBSET, help="requests given to transformers")
     common.add_argument("--hf-batch-size", type=int, default=HF_BATCH_SIZE)
     common.add_argument("--device", default="cuda")
-    common.add_argument("--multi-step", type=int, default=MULTI_STEP, help="num_scheduler_steps of minivllm-multistep")
     everything = sub.add_parser("all", parents=[common], help="every system on every model")
     everything.add_argument("--out", required=True)
     everything.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
