@@ -47,6 +47,10 @@ vLLM v0 leaves to an assert or a crash are handled here, never crashing the engi
       `finish_message` saying why (vLLM v0 raises "Aborted due to the lack of CPU swap
       space") and returned in `ignored_seq_groups`, so the engine reports it.
 
+Multi-step (`num_scheduler_steps` > 1): a decoding group with one sequence also gets
+lookahead slots for the further tokens of the run (`_num_lookahead_slots`), reserved by
+`append_slots`; when they do not fit, the group runs with none instead of preempting anyone.
+
 Prefix caching: at admission a sequence's `num_computed_tokens` is set to the number of
 leading tokens whose KV blocks the cache already holds (`get_num_cached_tokens`), so those
 tokens are neither computed nor counted against the token budget.
