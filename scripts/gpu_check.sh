@@ -18,8 +18,10 @@ status=0
 
 python -m pip install -q -e . --no-deps --no-build-isolation > "$OUT/pip.log" 2>&1
 if ! python -c "import minivllm.kernels" 2>/dev/null; then
-    # No editable install (seen on a lent GPU machine): put a link to the package on the path
-    # instead, never the repository root (see pyproject: `kernels` must not be importable).
+    # No editable install (it needs setuptools >= 64 when pip cannot fetch one): put a link to
+    # the package on the path instead, never the repository root (see pyproject: `kernels` must
+    # not be importable). tests/test_architecture.py's layout test then fails, rightly: this is
+    # not the layout an install gives.
     echo "pip install -e failed (see $OUT/pip.log): using a path link instead"
     site=$(mktemp -d)
     ln -s "$PWD/minivllm" "$site/minivllm"
