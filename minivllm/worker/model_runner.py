@@ -238,6 +238,7 @@ class ModelRunner:
             hidden_states = self._run_model(input_ids, positions, md, kv_caches)
             # A decode samples every row; the sampler upcasts what it needs in fp32.
             logits = self.model.compute_logits(hidden_states, upcast=False)
+            # The sampled tokens, still on the device, are the next step's input ids.
             input_ids, logprobs = self.sampler.sample_on_device(logits, model_input.sampling_metadata)
             if pending is not None:  # step - 1 is done once step is queued: hand it over
                 all_outputs.append(self._step_outputs(pending, step - 1, seq_group_metadata_list, steps_allowed))
