@@ -202,3 +202,23 @@ def test_health_check_reports_a_dead_loop_and_the_next_request_restarts_it(engin
 
     assert run(engine, kill_the_loop())[-1].finished
     assert all_blocks_free(engine)
+
+
+def test_streaming_with_multi_step_arrives_in_chunks_and_matches_single_step():
+    """num_scheduler_steps=4: each streamed output adds up to 4 tokens; the text is the same."""
+    args = EngineArgs(device="cpu", seed=0, max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=64,
+                      swap_space=0.01, num_scheduler_steps=4)
+    multi = AsyncLLMEngine.from_engine_args(args)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    try:
+        outputs = run(multi, collect(multi, "m", params=params))
+        expected = sync_generate(multi.engine.__class__.from_engine_args(
+            EngineArgs(device="cpu", seed=0, max_model_len=256, num_gpu_blocks_override=64)), "s", PROMPT, params)
+        lengths = [len(o.outputs[0].token_ids) for o in outputs]
+        assert lengths[0] == 1 and lengths[-1] == 30
+        assert max(b - a for a, b in zip(lengths, lengths[1:])) == 4
+        assert outputs[-1].outputs[0].token_ids == expected.outputs[0].token_ids
+        assert outputs[-1].outputs[0].text == expected.outputs[0].text
+        assert all_blocks_free(multi)
+    finally:
+        multi.shutdown()
