@@ -71,21 +71,17 @@ class Sampler(nn.Module):
         return outputs
 
 
-    def can_sample_on_device(self, sampling_metadata: SamplingMetadata) -> bool:
-        """True when `sample_on_device` serves the batch: every request samples one plain
-        sequence (greedy or unseeded random) and needs nothing from the host per token."""
-        return all(_is_plain(group, allow_random=True) for group in sampling_metadata.seq_groups)
-
     @staticmethod
     def samples_on_device(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
-        """Whether `sample_on_device` can serve a decoding request, from its parameters alone."""
+        """Whether `sample_on_device` can serve a decoding request: one plain sequence (greedy
+        or unseeded random) that needs nothing from the host per token."""
         return _plain_params(params, seq_datas, allow_random=True)
 
     def sample_on_device(self, logits: torch.Tensor,
                          sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
         """`[rows]` token ids and their logprobs, left on the device (no host sync).
 
-        For batches `can_sample_on_device` accepts: the multi-step runner feeds the tokens
+        For batches of requests `samples_on_device` accepts: the multi-step runner feeds the tokens
         straight into the next forward pass and reads them all back at the end.
         """
         groups = sampling_metadata.seq_groups
@@ -98,18 +94,19 @@ class Sampler(nn.Module):
 
 
 # --------------------------------------------------------------------------- greedy fast path
-def _is_plain(group: SequenceGroupToSample, allow_random: bool = False) -> bool:
-    """One sequence, greedy (or unseeded random), with nothing to process on the host: no
-    penalties, no min_tokens still pending, no logprobs asked for, no prompt logprobs."""
+def _is_plain(group: SequenceGroupToSample) -> bool:
+    """One greedy sequence with nothing to process on the host: no penalties, no min_tokens
+    still pending, no logprobs asked for, no prompt logprobs (the greedy fast path)."""
     if group.prompt_logprob_indices:
         return False
     if not group.do_sample:
         return True
     seq_datas = [group.seq_data[seq_id] for seq_id in group.seq_ids]
-    return _plain_params(group.sampling_params, seq_datas, allow_random)
+    return _plain_params(group.sampling_params, seq_datas, allow_random=False)
 
 
 def _plain_params(params: SamplingParams, seq_datas: list[SequenceData], allow_random: bool) -> bool:
+    """One sequence, greedy (or also unseeded random), nothing to process per token."""
     types = (SamplingType.GREEDY, SamplingType.RANDOM) if allow_random else (SamplingType.GREEDY,)
     return (params.sampling_type in types and params.logprobs is None
             and params.best_of == 1 and len(seq_datas) == 1
