@@ -1,4 +1,5 @@
-"""PyTorch references of the five PagedAttention ops: the spec every Triton kernel must match.
+"""PyTorch references of the five PagedAttention ops (and the greedy pick): the spec every Triton
+kernel must match.
 
 Plain, readable PyTorch (no triton import), so this module runs anywhere, macOS included, and
 is the `"torch"` attention backend on CPU. Each function has exactly the signature of its
@@ -173,3 +174,12 @@ def swap_blocks(
     mapping = block_mapping.cpu().tolist()
     for src_block, dst_block in mapping:
         dst_kv_cache[:, dst_block].copy_(src_kv_cache[:, src_block])
+
+
+def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's arg-max `[rows]` int64 and its logprob `[rows]` fp32: logit - logsumexp(row),
+    in fp32 whatever the logits' dtype (the spec of `sampling.greedy_sample`)."""
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
+    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
+    return tokens, chosen - torch.logsumexp(logits, dim=-1)

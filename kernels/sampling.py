@@ -9,7 +9,7 @@ the whole forward pass. This kernel reads each logit once and keeps three number
 (running max, its index, running sum of exponentials), the online-softmax trick of the
 attention kernels applied to the vocabulary.
 
-The PyTorch version (`greedy_sample_reference`) is the spec; the sampler uses it on the CPU.
+The PyTorch version (`reference.greedy_sample`) is the spec; the sampler uses it on the CPU.
 """
 
 from __future__ import annotations
@@ -61,11 +61,3 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if num_rows:
         _greedy_sample_kernel[(num_rows,)](logits, tokens, logprobs, vocab_size, logits.stride(0), BLOCK=_BLOCK)
     return tokens, logprobs
-
-
-def greedy_sample_reference(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The same in PyTorch: argmax, and logit - logsumexp(row) computed in fp32."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, chosen - torch.logsumexp(logits, dim=-1)

@@ -7,8 +7,12 @@ through transformers, and `DeviceConfig` asks torch for a GPU, only when they ar
 
 from __future__ import annotations
 
+import os
+import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from minivllm.bundled_models import resolve_model
 
@@ -19,6 +23,8 @@ _DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 _DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS = 512
 _SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _GiB = 1 << 30
+# How long to wait for the Hugging Face hub before saying it cannot be reached.
+_HUB_CHECK_TIMEOUT_S = 3.0
 
 
 @dataclass
@@ -43,6 +49,9 @@ class ModelConfig:
         if self.dtype not in _SUPPORTED_DTYPES:
             raise ValueError(f"dtype must be one of {_SUPPORTED_DTYPES}, got {self.dtype!r}.")
         if self.hf_config is None:
+            _check_model_source(self.model, self.revision, "config.json")
+            if self.tokenizer != self.model:
+                _check_model_source(self.tokenizer, self.revision, "tokenizer_config.json")
             from transformers import AutoConfig  # deferred: keeps this module torch-free
 
             self.hf_config = AutoConfig.from_pretrained(self.model, revision=self.revision)
@@ -72,17 +81,82 @@ def _derive_max_model_len(hf_config: Any) -> int:
     return int(getattr(hf_config, "max_position_embeddings", 2048))
 
 
+def _check_model_source(model: str, revision: str | None, required_file: str) -> None:
+    """Fail fast, with the reason, where transformers would fail late or obscurely.
+
+    A missing folder would reach transformers as a hub id ("Repo id must be in the form ...",
+    12 frames deep); a hub id with no network would be retried for ~25 s. A folder, a hub id
+    in the local cache, or a hub id with the hub reachable passes; transformers does the rest.
+    """
+    path = Path(model).expanduser()
+    if path.is_dir():
+        if required_file == "config.json" and not (path / required_file).is_file():
+            raise ValueError(f"model folder {model!r} has no config.json: give a Hugging Face checkpoint folder.")
+        return
+    if path.exists():
+        raise ValueError(f"model {model!r} is a file: give the checkpoint's folder.")
+    if _looks_like_a_path(model):
+        raise ValueError(f"model {model!r}: no such folder. Give a checkpoint folder, a Hugging Face hub id "
+                         "(such as 'Qwen/Qwen3-0.6B'), or nothing for the bundled tiny-shakespeare.")
+    import huggingface_hub  # deferred: comes with transformers
+
+    try:
+        cached = huggingface_hub.try_to_load_from_cache(model, required_file, revision=revision)
+    except ValueError as e:  # huggingface_hub's HFValidationError: not a valid repo id
+        raise ValueError(f"model {model!r} is neither a folder nor a valid hub id: {e}") from e
+    if isinstance(cached, str):
+        return
+    if _hub_offline():
+        raise ValueError(f"model {model!r} is not a folder and not in the Hugging Face cache, and "
+                         "HF_HUB_OFFLINE is set: download it first, or give a local folder.")
+    if not _hub_reachable(huggingface_hub.constants.ENDPOINT):
+        raise ValueError(f"model {model!r} is not a folder and not in the Hugging Face cache, and "
+                         f"{huggingface_hub.constants.ENDPOINT} cannot be reached: check the name and "
+                         "the network, or give a local folder.")
+
+
+def _looks_like_a_path(name: str) -> bool:
+    """A hub id is `name` or `org/name`; anything else with a slash is meant as a folder."""
+    return name.startswith(("/", ".", "~")) or "\\" in name or name.count("/") > 1 or name.endswith("/")
+
+
+def _hub_offline() -> bool:
+    import huggingface_hub
+
+    # The hub library reads HF_HUB_OFFLINE once, at import; it may have been set since.
+    return huggingface_hub.constants.HF_HUB_OFFLINE or any(
+        os.environ.get(var, "").upper() in ("1", "ON", "YES", "TRUE")
+        for var in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _hub_reachable(endpoint: str) -> bool:
+    """One TCP connect with a short timeout (a proxy, if set, is trusted to reach it)."""
+    if any(os.environ.get(var) for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy")):
+        return True
+    url = urlparse(endpoint)
+    try:
+        socket.create_connection((url.hostname, url.port or 443), timeout=_HUB_CHECK_TIMEOUT_S).close()
+    except OSError:
+        return False
+    return True
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: block size, how much memory to use, and prefix caching.
 
     `num_gpu_blocks` and `num_cpu_blocks` are filled in by the worker's profile run
     (or by the user, for a model-free simulation).
+
+    The first four positionals are vLLM 0.6.3's (`block_size, gpu_memory_utilization,
+    swap_space, cache_dtype`). `cache_dtype` takes only "auto" (the cache has the model's
+    dtype: no fp8 cache). vLLM's fifth, `is_attention_free`, is left out.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
+    cache_dtype: str = "auto"
     num_gpu_blocks_override: int | None = None
     enable_prefix_caching: bool = False
     num_gpu_blocks: int | None = None
@@ -97,6 +171,8 @@ class CacheConfig:
             )
         if self.swap_space < 0:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
+        if self.cache_dtype != "auto":
+            raise ValueError(f"cache_dtype must be 'auto' (the model's dtype), got {self.cache_dtype!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}."
@@ -201,7 +277,43 @@ class DeviceConfig:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.split(":")[0] not in ("cuda", "cpu"):
             raise ValueError(f"device must be 'auto', 'cuda' or 'cpu', got {self.device!r}.")
+        if self.device_type == "cuda":
+            _check_cuda_device(self.device)
 
     @property
     def device_type(self) -> str:
         return self.device.split(":")[0]
+
+
+def _check_cuda_device(device: str) -> None:
+    """`cuda` or `cuda:N` must name a GPU torch can use (else torch fails later, obscurely)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise ValueError(f"device={device!r} but torch sees no GPU (torch {torch.__version__}, {build}): "
+                         "use device='cpu' or 'auto'.")
+    index = device.partition(":")[2]
+    if index and not (index.isdigit() and int(index) < torch.cuda.device_count()):
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} GPU(s), "
+                         f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
+
+
+@dataclass
+class EngineConfig:
+    """All the configs of one engine, built once (by `EngineArgs.create_engine_config`) and
+    passed down whole: engine -> executor -> worker -> model runner. vLLM keeps the same
+    bundle in `vllm/config.py`.
+
+    `attention_backend`: "torch", "triton" or None (the device's default, see
+    `minivllm.attention.get_attn_backend`); attention, the fused layers and the greedy pick
+    all follow it. `enforce_eager`: never capture CUDA graphs.
+    """
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    device_config: DeviceConfig = field(default_factory=lambda: DeviceConfig("cpu"))
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    attention_backend: str | None = None
+    enforce_eager: bool = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from minivllm.sampling_params import SamplingParams
@@ -41,13 +41,26 @@ class SequenceStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
-# An ignored prompt reports "length", as in vLLM: it was too long to ever be scheduled.
+# An ignored request (a prompt longer than max_model_len, n above max_num_seqs, a swapped-out
+# request that can never fit back) reports "abort" with the group's `finish_message`. vLLM v0
+# says "length" there; but the request did not reach a length, it was never run to its end,
+# and "length" would hide that behind a normal ending.
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
     SequenceStatus.FINISHED_ABORTED: "abort",
-    SequenceStatus.FINISHED_IGNORED: "length",
+    SequenceStatus.FINISHED_IGNORED: "abort",
 }
+
+
+@dataclass
+class Logprob:
+    """vLLM's per-token logprob record: the logprob, its rank in the distribution (1 = most
+    likely) and the decoded text. `Sequence.append_token_id` accepts `{token_id: Logprob}`."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
 
 
 class SequenceStage(enum.Enum):
@@ -193,9 +206,20 @@ class Sequence:
 
     # --------------------------------------------------------------- updates
     def append_token_id(
-        self, token_id: int, logprobs: dict[int, float], rank: int | None = None
+        self, token_id: int, logprobs: dict[int, float] | dict[int, Logprob], rank: int | None = None
     ) -> None:
-        """Add a sampled token; `logprobs` maps token ids (the sampled one included) to logprobs."""
+        """Add a sampled token; `logprobs` maps token ids (the sampled one included) to logprobs.
+
+        Takes vLLM's `{token_id: Logprob}` too (its rank is used when `rank` is None); it is
+        stored as `{token_id: float}`, the form the rest of minivllm reads. Unlike vLLM, a
+        dict without the sampled token is accepted (its logprob counts as 0.0): a stand-in
+        model without probabilities can still append tokens.
+        """
+        sampled = logprobs.get(token_id)
+        if isinstance(sampled, Logprob) and rank is None:
+            rank = sampled.rank
+        if any(isinstance(v, Logprob) for v in logprobs.values()):
+            logprobs = {t: v.logprob if isinstance(v, Logprob) else v for t, v in logprobs.items()}
         self.output_logprobs.append(logprobs)
         self.output_ranks.append(rank)
         self.data.append_token_id(token_id, logprobs.get(token_id, 0.0))
@@ -252,14 +276,18 @@ class SequenceGroup:
     """One request: its sequences, its sampling parameters, arrival time and priority.
 
     Lower `priority` values are served first (vLLM's convention); ties go to earlier arrival.
+    The positional order is vLLM 0.6.3's `(request_id, seqs, arrival_time, sampling_params)`;
+    vLLM's LoRA / pooling / encoder arguments are left out, so `priority` is keyword-only
+    (in vLLM it comes after them). `arrival_time=None` means now (vLLM requires it).
     """
 
     def __init__(
         self,
         request_id: str,
         seqs: list[Sequence],
-        sampling_params: SamplingParams | None = None,
         arrival_time: float | None = None,
+        sampling_params: SamplingParams | None = None,
+        *,
         priority: int = 0,
     ) -> None:
         if not seqs:
@@ -365,7 +393,6 @@ class SequenceGroupMetadata:
         block_tables: seq_id -> list of physical block numbers.
         token_chunk_size: how many new tokens each sequence computes this step.
         do_sample: False for a prefill chunk that does not reach the end of the prompt.
-        computed_block_nums: prefix-cached blocks whose K/V need not be computed.
         num_lookahead_slots: slots reserved after the next token: a multi-step run may take
             `1 + num_lookahead_slots` decode steps for this group.
     """
@@ -377,7 +404,6 @@ class SequenceGroupMetadata:
     block_tables: dict[int, list[int]]
     token_chunk_size: int
     do_sample: bool = True
-    computed_block_nums: list[int] = field(default_factory=list)
     num_lookahead_slots: int = 0
 
 
@@ -407,6 +433,24 @@ class SequenceGroupOutput:
 
 
 @dataclass
+class SamplerOutput:
+    """One model step's samples for the whole batch: one `SequenceGroupOutput` per scheduled
+    group, in the batch's order. (vLLM v0 kept this class here, in `sequence.py`, before it
+    moved to the sampler's module; here it stays torch-free for the engine.)"""
+
+    outputs: list[SequenceGroupOutput]
+
+    def __getitem__(self, index: int) -> SequenceGroupOutput:
+        return self.outputs[index]
+
+    def __iter__(self) -> Iterator[SequenceGroupOutput]:
+        return iter(self.outputs)
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+
+@dataclass
 class ExecuteModelRequest:
     """What the engine asks the executor (and its workers) to do in one step.
 
@@ -425,6 +469,3 @@ class ExecuteModelRequest:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     finished_requests_ids: list[str] = field(default_factory=list)
     num_steps: int = 1
-    # Called with each step's outputs, in order, as soon as they reach the host (in a
-    # multi-step run, while the GPU computes the next step: vLLM's `async_callback`).
-    output_callback: Callable[[list[SequenceGroupOutput]], None] | None = None

@@ -14,9 +14,11 @@ explicitly, never through a global.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 
+import numpy as np
 import torch
 
 
@@ -108,6 +110,17 @@ class AttentionMetadata:
         )
 
 
+def slot_of(block_number, position, block_size: int):
+    """The cache slot of the token at `position`, whose block (the block table's entry
+    `position // block_size`) is `block_number`: row `block_number * block_size +
+    position % block_size` of the cache viewed as `[num_blocks * block_size, ...]`.
+
+    The one place this formula lives; it works on ints and on tensors alike (the batch
+    builder below, the multi-step runner's `advance_step` on the device).
+    """
+    return block_number * block_size + position % block_size
+
+
 def build_attn_metadata(
     block_tables: list[list[int]],
     context_lens: list[int],
@@ -128,7 +141,8 @@ def build_attn_metadata(
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise ValueError("block_tables, context_lens and query_lens need one entry per sequence.")
     if any(q != 1 for q in query_lens[num_prefills:]):
-        raise ValueError(f"decodes (sequences after the first {num_prefills}) have 1 new token.")
+        raise ValueError(f"prefills come first: the sequences after the first {num_prefills} are "
+                         "decodes, with 1 new token each.")
     slot_mapping = []
     for table, context_len, query_len in zip(block_tables, context_lens, query_lens):
         if len(table) * block_size < context_len + query_len:
@@ -136,27 +150,42 @@ def build_attn_metadata(
                 f"block table {table} holds {len(table) * block_size} tokens, "
                 f"fewer than {context_len + query_len}."
             )
-        for pos in range(context_len, context_len + query_len):
-            slot_mapping.append(table[pos // block_size] * block_size + pos % block_size)
+        slot_mapping.extend(slot_of(table[pos // block_size], pos, block_size)
+                            for pos in range(context_len, context_len + query_len))
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
-    query_start_loc = [0]
-    for q in query_lens:
-        query_start_loc.append(query_start_loc[-1] + q)
-    max_blocks = max((len(t) for t in block_tables), default=0)
-    # Rows are padded with 0; the kernels never read past a sequence's seq_len.
-    padded = [t + [0] * (max_blocks - len(t)) for t in block_tables]
-
-    def as_tensor(values, dtype):
-        return torch.tensor(values, dtype=dtype, device=device)
-
+    query_start_loc = list(itertools.accumulate(query_lens, initial=0))
+    device = torch.device(device)
     return AttentionMetadata(
         num_prefills=num_prefills,
         num_prefill_tokens=sum(query_lens[:num_prefills]),
         num_decode_tokens=len(query_lens) - num_prefills,
-        slot_mapping=as_tensor(slot_mapping, torch.int64),
-        seq_lens=as_tensor(seq_lens, torch.int32),
-        query_start_loc=as_tensor(query_start_loc, torch.int32),
-        block_tables=as_tensor(padded, torch.int32).reshape(len(block_tables), max_blocks),
+        slot_mapping=to_device(torch.tensor(slot_mapping, dtype=torch.int64), device),
+        seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+        query_start_loc=to_device(torch.tensor(query_start_loc, dtype=torch.int32), device),
+        block_tables=to_device(pad_block_tables(block_tables), device),
         max_query_len=max(query_lens, default=0),
         max_seq_len=max(seq_lens, default=0),
     )
+
+
+def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
+    """`[num_seqs, max_blocks]` int32, rows padded with block 0 (the kernels never read past a
+    sequence's seq_len).
+
+    Vectorized because it is the builder's biggest job: 256 decodes of 4k-token contexts hold
+    65k block numbers, and one numpy scatter of them all costs a fraction of a per-row loop
+    (`benchmarks/host_overhead.py` measures the builder inside an engine step).
+    """
+    lengths = np.array([len(t) for t in block_tables], dtype=np.int64)
+    max_blocks = int(lengths.max(initial=0))
+    padded = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
+    padded[np.arange(max_blocks) < lengths[:, None]] = np.fromiter(
+        itertools.chain.from_iterable(block_tables), dtype=np.int32, count=int(lengths.sum()))
+    return torch.from_numpy(padded)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`; through pinned memory on a GPU, so the copy is asynchronous."""
+    if device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

@@ -21,28 +21,46 @@ children share the parent's KV blocks by reference count until they write to the
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
+import numbers
 import time
 from collections.abc import Iterable
 from typing import Any
 
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
-from minivllm.core.snapshot import StepSnapshot, take_snapshot
-from minivllm.engine.arg_utils import EngineArgs, EngineConfig
+from minivllm.config import EngineConfig
+from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import Detokenizer
 from minivllm.engine.metrics import StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import RequestOutputKind, SamplingParams
-from minivllm.sequence import (ExecuteModelRequest, Sequence, SequenceGroup, SequenceGroupMetadata,
-                               SequenceGroupOutput, SequenceStatus)
+from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
+from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, Sequence, SequenceGroup,
+                               SequenceGroupMetadata, SequenceGroupOutput, SequenceStatus)
 
 logger = logging.getLogger(__name__)
 
 PromptInput = str | dict[str, Any]
+
+
+class StepObserver:
+    """Watches the engine from outside, one step at a time (course tooling, tracing).
+
+    Subclass it, override what you need and `engine.add_step_observer(observer)`. The engine
+    keeps no state for its observers: they read it through public queries (the scheduler's
+    queues, the block manager's tables) at these two moments.
+    """
+
+    def on_scheduled(self, engine: LLMEngine, scheduler_outputs: SchedulerOutputs) -> None:
+        """After `schedule()`, before the model runs: the batch and the blocks as decided."""
+
+    def on_step_end(self, engine: LLMEngine, scheduler_outputs: SchedulerOutputs,
+                    request_outputs: list[RequestOutput]) -> None:
+        """After the step's outputs are processed and finished requests' blocks freed."""
 
 
 class LLMEngine:
@@ -50,9 +68,9 @@ class LLMEngine:
 
     Build it with `LLMEngine.from_engine_args(EngineArgs(...))`. Attributes worth knowing:
     `model_config`, `cache_config` (its `num_gpu_blocks` is the pool size after profiling),
-    `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `record_snapshots`
-    (set True to keep a `StepSnapshot` per step in `snapshots`, for the visualizations; each
-    includes the block manager's full state, so keep the pool small when recording long runs).
+    `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `step_observers`
+    (`add_step_observer`: course tooling such as `minivllm.viz`'s snapshot recorder watches
+    the engine through them).
     """
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] = UniProcExecutor) -> None:
@@ -66,15 +84,7 @@ class LLMEngine:
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.seq_counter = itertools.count()
-        self.model_executor = executor_class(
-            self.model_config,
-            self.cache_config,
-            self.scheduler_config,
-            self.device_config,
-            engine_config.parallel_config,
-            attn_backend=engine_config.attention_backend,
-            enforce_eager=engine_config.enforce_eager,
-        )
+        self.model_executor = executor_class(engine_config)
         self._initialize_kv_caches()
         self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
         self.output_processor = SequenceGroupOutputProcessor(
@@ -84,8 +94,7 @@ class LLMEngine:
             self.seq_counter,
         )
         self.stat_loggers: dict[str, StatLoggerBase] = {}
-        self.record_snapshots = False
-        self.snapshots: list[StepSnapshot] = []
+        self.step_observers: list[StepObserver] = []
         self.step_counter = 0
         # Requests finished or aborted since the last step: workers drop their state.
         self._finished_requests_ids: list[str] = []
@@ -95,8 +104,13 @@ class LLMEngine:
         return cls(engine_args.create_engine_config())
 
     def _initialize_kv_caches(self) -> None:
+        """Profile, then size both pools; the engine's cache config records the counts (a new
+        config: the one the executor holds is never changed behind its back)."""
         num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
         self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
+                                                num_cpu_blocks=num_cpu_blocks)
+        self.engine_config = dataclasses.replace(self.engine_config, cache_config=self.cache_config)
         logger.info("KV cache: %d GPU blocks, %d CPU blocks of %d tokens",
                     num_gpu_blocks, num_cpu_blocks, self.cache_config.block_size)
 
@@ -113,9 +127,11 @@ class LLMEngine:
         priority: int = 0,
     ) -> None:
         """Queue a request. `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
-        "prompt"). Raises ValueError for an empty prompt, unknown token ids, a duplicate id,
-        or a priority without the priority policy. A prompt longer than `max_model_len` is
-        accepted and finishes at the next step with finish_reason "length" and a message.
+        "prompt"). Raises ValueError (an `InvalidParameterError` naming the field where there is
+        one) for an empty prompt, unknown token ids, sampling values the model cannot honour
+        (see `_finalize_params`), a duplicate id, or a priority without the priority policy;
+        nothing is queued then. A prompt longer than `max_model_len` is accepted and finishes
+        at the next step with finish_reason "abort" and a `finish_message` saying why.
         """
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}.")
@@ -125,10 +141,12 @@ class LLMEngine:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}.")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise InvalidParameterError("priority", f"priority must be an integer, got {priority!r}.")
         if priority != 0 and self.scheduler_config.policy != "priority":
-            raise ValueError(f"priority={priority} needs scheduling_policy='priority'.")
+            raise InvalidParameterError("priority", f"priority={priority} needs scheduling_policy='priority'.")
         prompt_text, prompt_token_ids = self._process_prompt(prompt)
-        params = self._finalize_params(params)
+        params = self._finalize_params(params, len(prompt_token_ids))
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
                          self.cache_config.block_size, self.eos_token_id)]
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -139,24 +157,50 @@ class LLMEngine:
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+            if text is not None and not isinstance(text, str):
+                raise InvalidParameterError("prompt", f"the prompt's text must be a string, got {text!r}.")
+            if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+                raise InvalidParameterError("prompt_token_ids", f"prompt_token_ids must be a list, got {token_ids!r}.")
+            token_ids = list(token_ids)
         else:
-            raise ValueError(f"prompt must be a string or a dict with 'prompt_token_ids', got {prompt!r}.")
+            raise InvalidParameterError(
+                "prompt", f"prompt must be a string or a dict with 'prompt_token_ids', got {prompt!r:.200}.")
         if not token_ids:
-            raise ValueError("the prompt is empty: give at least one token.")
-        bad = [t for t in token_ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size}), got {bad[:5]}.")
-        return text, token_ids
+            raise InvalidParameterError("prompt", "the prompt is empty: give at least one token.")
+        self._check_token_ids("prompt", token_ids)
+        return text, [int(t) for t in token_ids]
 
-    def _finalize_params(self, params: SamplingParams) -> SamplingParams:
-        """A private copy with the model's EOS among the stop ids (for min_tokens)."""
+    def _check_token_ids(self, name: str, token_ids: Iterable[object]) -> None:
+        """Every id must index the embedding table (and the logits): else a step would fail."""
+        bad = [t for t in token_ids
+               if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidParameterError(name, f"{name} ids must be integers in [0, {self.vocab_size}), got {bad[:5]}.")
+
+    def _finalize_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
+        """A private copy checked against this model, with the model's EOS among the stop ids.
+
+        `SamplingParams` checks what needs no model; here, what does: token ids and logprob
+        counts within the vocabulary, and `min_tokens` within the context (the stop checker
+        keeps a sequence going until min_tokens, past max_model_len if allowed to).
+        """
+        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > self.vocab_size:
+                raise InvalidParameterError(name, f"{name} must be at most the vocabulary size {self.vocab_size}, got {value}.")
+        max_model_len = self.scheduler_config.max_model_len
+        if params.min_tokens and num_prompt_tokens + params.min_tokens > max_model_len:
+            raise InvalidParameterError(
+                "min_tokens", f"min_tokens={params.min_tokens} does not fit after the {num_prompt_tokens}-token prompt "
+                f"in max_model_len={max_model_len}.")
         params = params.clone()
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.eos_token_id is not None:
             params.all_stop_token_ids.add(self.eos_token_id)
         if params.max_tokens is None:
-            params.max_tokens = self.scheduler_config.max_model_len
+            params.max_tokens = max_model_len
         return params
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
@@ -184,57 +228,75 @@ class LLMEngine:
 
     # ================================================================== a step
     def step(self) -> list[RequestOutput]:
-        """Run one scheduler + model step; outputs of the requests it advanced or finished."""
+        """One engine step: schedule -> execute -> process -> report.
+
+        Returns the outputs of the requests it advanced or finished. A multi-step run
+        (`num_scheduler_steps` > 1) hands back one `SamplerOutput` per model step, each as
+        soon as it reaches the host while the GPU already computes the next: processing it
+        here overlaps the GPU. A single-step run hands back one.
+        """
         seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
-        snapshot = None
-        if self.record_snapshots:
-            snapshot = take_snapshot(self.scheduler, scheduler_outputs, self.step_counter,
-                                     include_block_manager=True)
+        for observer in self.step_observers:
+            observer.on_scheduled(self, scheduler_outputs)
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
         if not scheduler_outputs.is_empty():
-            steps_applied: list[int] = []
-
-            def apply_step_outputs(outputs: list[SequenceGroupOutput]) -> None:
-                # Called by the worker as each step's samples reach the host: in a multi-step
-                # run, while the GPU already computes the next step (the host work overlaps).
-                self._apply_step(outputs, scheduler_outputs.scheduled_seq_groups, stats, first=not steps_applied)
-                steps_applied.append(1)
-
-            request = ExecuteModelRequest(
-                seq_group_metadata_list=seq_group_metadata_list,
-                blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
-                blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
-                blocks_to_copy=scheduler_outputs.blocks_to_copy,
-                finished_requests_ids=self._finished_requests_ids,
-                num_steps=self._num_steps(seq_group_metadata_list),
-                output_callback=apply_step_outputs,
-            )
-            self._finished_requests_ids = []
-            self.model_executor.execute_model(request)
+            request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
+            for step_index, sampler_output in enumerate(self.model_executor.execute_model(request)):
+                self._process_model_outputs(sampler_output, scheduler_outputs.scheduled_seq_groups,
+                                            stats, is_first_step=step_index == 0)
         now = stats.now = time.monotonic()
         request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
         self._fill_system_stats(stats)
         for stat_logger in self.stat_loggers.values():
             stat_logger.log(stats)
-        if snapshot is not None:
-            snapshot.finished.extend(o.request_id for o in request_outputs if o.finished)
-            snapshot.time = now
-            self.snapshots.append(snapshot)
+        for observer in self.step_observers:
+            observer.on_step_end(self, scheduler_outputs, request_outputs)
         self.step_counter += 1
         return request_outputs
 
-    def _num_steps(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> int:
-        """Steps to ask the worker for: a multi-step run when some decode reserved lookahead slots."""
-        return 1 + max((m.num_lookahead_slots for m in seq_group_metadata_list), default=0)
+    def _execute_model_request(self, seq_group_metadata_list: list[SequenceGroupMetadata],
+                               scheduler_outputs: SchedulerOutputs) -> ExecuteModelRequest:
+        request = ExecuteModelRequest(
+            seq_group_metadata_list=seq_group_metadata_list,
+            blocks_to_swap_in=scheduler_outputs.blocks_to_swap_in,
+            blocks_to_swap_out=scheduler_outputs.blocks_to_swap_out,
+            blocks_to_copy=scheduler_outputs.blocks_to_copy,
+            finished_requests_ids=self._finished_requests_ids,
+            # Steps the worker may run: more than one when every decode reserved lookahead slots.
+            num_steps=1 + max((m.num_lookahead_slots for m in seq_group_metadata_list), default=0),
+        )
+        self._finished_requests_ids = []
+        return request
 
-    def _apply_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
-                    stats: Stats, first: bool) -> None:
-        """One step's samples, in order: the first step of the batch, or a later one of a multi-step run."""
-        if first:
-            self._apply_first_step(outputs, scheduled_groups, time.monotonic(), stats)
-        else:
-            self._apply_later_step(outputs, scheduled_groups, stats)
+    def _process_model_outputs(self, sampler_output: SamplerOutput, scheduled_groups: list[ScheduledSequenceGroup],
+                               stats: Stats, is_first_step: bool) -> None:
+        """Apply one model step's samples to the scheduled groups, in batch order.
+
+        The first step computed each group's scheduled chunk (a prompt chunk, or the one
+        token of a decode); a later step of a multi-step run computed exactly the token fed
+        to it (the one sampled a step earlier). A group that stopped in an earlier step of
+        the run ignores the rest: those tokens were computed past its end, and a group out of
+        reserved slots gets no samples.
+        """
+        now = time.monotonic()
+        for scheduled, output in zip(scheduled_groups, sampler_output):
+            seq_group = scheduled.seq_group
+            if seq_group.is_finished() or not (is_first_step or output.samples):
+                continue
+            first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
+            num_computed = scheduled.token_chunk_size if is_first_step else 1
+            if is_first_step and seq_group.is_prefill():
+                stats.num_prompt_tokens_iter += num_computed
+            # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
+            seq_group.update_num_computed_tokens(num_computed)
+            if output.prompt_logprobs:
+                self._record_prompt_logprobs(seq_group, output, first_computed)
+            if output.samples:
+                self._update_metrics(seq_group, now, stats)
+                self.output_processor.process_outputs(seq_group, output.samples)
+                # Beam search proposes 2 x beam_width candidates but keeps beam_width.
+                stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
 
     def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:
         """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted)."""
@@ -246,36 +308,13 @@ class LLMEngine:
         request_outputs = [self._make_request_output(seq_group, now, stats) for seq_group in reported]
         return [output for output in request_outputs if output is not None]
 
-    def _apply_later_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
-                          stats: Stats) -> None:
-        """A later step of a multi-step run: each row computed the K/V of the token it was
-        fed (the one sampled a step earlier) and sampled the next. A request that stopped
-        in an earlier step ignores the rest (those tokens were computed past its end)."""
-        for scheduled, output in zip(scheduled_groups, outputs):
-            seq_group = scheduled.seq_group
-            if output.samples and not seq_group.is_finished():
-                seq_group.update_num_computed_tokens(1)
-                self.output_processor.process_outputs(seq_group, output.samples)
-                stats.num_generation_tokens_iter += 1
+    # ------------------------------------------------------------------ observers
+    def add_step_observer(self, observer: StepObserver) -> None:
+        """Call `observer` around every step (pictures, traces: see `StepObserver`)."""
+        self.step_observers.append(observer)
 
-    def _apply_first_step(self, outputs: list[SequenceGroupOutput], scheduled_groups: list[ScheduledSequenceGroup],
-                          now: float, stats: Stats) -> None:
-        """The (first) step: prefill chunks and decodes computed, one sample per running sequence."""
-        for scheduled, output in zip(scheduled_groups, outputs):
-            seq_group = scheduled.seq_group
-            is_prefill = seq_group.is_prefill()
-            first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
-            # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
-            seq_group.update_num_computed_tokens(scheduled.token_chunk_size)
-            if is_prefill:
-                stats.num_prompt_tokens_iter += scheduled.token_chunk_size
-            if output.prompt_logprobs:
-                self._record_prompt_logprobs(seq_group, output, first_computed)
-            if output.samples:
-                self._update_metrics(seq_group, now, stats)
-                self.output_processor.process_outputs(seq_group, output.samples)
-                # Beam search proposes 2 x beam_width candidates but keeps beam_width.
-                stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
+    def remove_step_observer(self, observer: StepObserver) -> None:
+        self.step_observers.remove(observer)
 
     def _record_prompt_logprobs(self, seq_group: SequenceGroup, output: SequenceGroupOutput, first_computed: int) -> None:
         """Store per-position prompt logprobs once (a recompute after preemption repeats them)."""

@@ -10,31 +10,17 @@ slice of the heads) and return the driver's result — with no change to the eng
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from minivllm.sequence import ExecuteModelRequest, SequenceGroupOutput
+from minivllm.config import EngineConfig
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 
 
 class ExecutorBase(ABC):
     """What the engine needs from the workers, however many there are and wherever they run."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        device_config: DeviceConfig,
-        parallel_config: ParallelConfig,
-        attn_backend: str | None = None,
-        enforce_eager: bool = False,
-    ) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.device_config = device_config
-        self.parallel_config = parallel_config
-        self.attn_backend = attn_backend
-        self.enforce_eager = enforce_eager
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
         self._init_executor()
 
     @abstractmethod
@@ -50,8 +36,12 @@ class ExecutorBase(ABC):
         """Allocate the KV caches on every worker (all with the same block counts)."""
 
     @abstractmethod
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
-        """Run one step (or a multi-step run): per step run, each scheduled group's samples."""
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+        """Run one step (or a multi-step run): one `SamplerOutput` per model step, in order.
+
+        A multi-step run may hand them out one at a time as they reach the host (a
+        generator), so the engine processes step s while the device computes step s + 1.
+        """
 
     def check_health(self) -> None:
         """Raise if a worker died (a single in-process worker cannot die on its own)."""

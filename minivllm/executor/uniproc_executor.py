@@ -5,8 +5,11 @@ Mirrors vLLM v0's `GPUExecutor` / `UniProcExecutor`.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from minivllm.executor.executor_base import ExecutorBase
-from minivllm.sequence import ExecuteModelRequest, SequenceGroupOutput
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
+from minivllm.worker.multi_step_worker import MultiStepWorker
 from minivllm.worker.worker import Worker
 
 
@@ -14,14 +17,10 @@ class UniProcExecutor(ExecutorBase):
     """Forwards every call to one in-process worker."""
 
     def _init_executor(self) -> None:
-        self.driver_worker = Worker(
-            self.model_config,
-            self.cache_config,
-            self.scheduler_config,
-            self.device_config,
-            attn_backend=self.attn_backend,
-            enforce_eager=self.enforce_eager,
-        )
+        # vLLM picks the worker class the same way: the multi-step one only when asked for.
+        multi_step = self.engine_config.scheduler_config.num_scheduler_steps > 1
+        worker_class = MultiStepWorker if multi_step else Worker
+        self.driver_worker = worker_class(self.engine_config)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 
@@ -31,5 +30,5 @@ class UniProcExecutor(ExecutorBase):
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
         self.driver_worker.initialize_cache(num_gpu_blocks, num_cpu_blocks)
 
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
         return self.driver_worker.execute_model(execute_model_req)

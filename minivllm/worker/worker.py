@@ -30,16 +30,17 @@ How many blocks fit (`determine_num_available_blocks`):
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
 
 import torch
 
-from minivllm.attention import get_attn_backend
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
-from minivllm.sequence import ExecuteModelRequest, SequenceGroupOutput
+from minivllm.config import EngineConfig
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
+from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -53,27 +54,20 @@ _GiB = 1 << 30
 class Worker:
     """Runs the model on one device and holds its KV cache."""
 
-    def __init__(
-        self,
-        model_config: ModelConfig,
-        cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        device_config: DeviceConfig,
-        attn_backend: str | None = None,
-        enforce_eager: bool = False,
-    ) -> None:
-        self.model_config = model_config
-        self.cache_config = cache_config
-        self.scheduler_config = scheduler_config
-        self.device_config = device_config
-        self.device = torch.device(device_config.device)
+    def __init__(self, engine_config: EngineConfig) -> None:
+        self.engine_config = engine_config
+        self.model_config = engine_config.model_config
+        self.cache_config = engine_config.cache_config
+        self.scheduler_config = engine_config.scheduler_config
+        self.device = torch.device(engine_config.device_config.device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" means the current GPU; CUDA calls such as set_device need its index.
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.attn_backend = get_attn_backend(attn_backend, self.device)
-        self.model_runner = ModelRunner(
-            model_config, cache_config, scheduler_config, self.device, self.attn_backend, enforce_eager
-        )
+        # Decode steps replay CUDA graphs on a GPU unless told to run eagerly (the mode lives
+        # in its own runner class; see cuda_graph_runner.py).
+        use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
+        runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
+        self.model_runner: ModelRunner = runner_class(engine_config, self.device)
         self.cache_engine: CacheEngine | None = None
 
     @property
@@ -141,22 +135,27 @@ class Worker:
         return self.scheduler_config.max_num_seqs * blocks_per_seq
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
-        self.cache_engine = CacheEngine(
-            self.cache_config, self.model_config, self.device, self.model_runner.dtype, self.attn_backend
-        )
+        """Allocate the two pools (the config stays as built: the counts are arguments)."""
+        cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
+                                           num_cpu_blocks=num_cpu_blocks)
+        self.cache_engine = CacheEngine(cache_config, self.model_config, self.device, self.model_runner.dtype,
+                                        self.model_runner.backend)
         self.model_runner.capture_model(self.cache_engine.gpu_cache)
 
     # ------------------------------------------------------------------ a step
-    @torch.inference_mode()
-    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[list[SequenceGroupOutput]]:
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
         """Apply the step's block moves, then run the model on the scheduled groups.
 
-        Returns one list of group outputs per step run (vLLM: a list of `SamplerOutput`):
-        one step, or up to `num_steps` when the batch can run multi-step.
+        Returns the step's outputs (vLLM: a list of `SamplerOutput`, one per step run; the
+        multi-step worker returns several).
         """
-        req = execute_model_req
+        self.apply_block_moves(execute_model_req)
+        return [self.model_runner.execute_model(execute_model_req.seq_group_metadata_list, self.kv_caches,
+                                                execute_model_req.finished_requests_ids)]
+
+    @torch.inference_mode()
+    def apply_block_moves(self, req: ExecuteModelRequest) -> None:
+        """Swap-out, swap-in, then copy-on-write copies, as the scheduler decided."""
         # Order matters: swap-out frees GPU blocks that swap-in or copy may then reuse in
         # the same step, so it must read them first.
         if req.blocks_to_swap_out:
@@ -166,13 +165,3 @@ class Worker:
         if req.blocks_to_copy:
             mapping = torch.tensor(req.blocks_to_copy, dtype=torch.long, device=self.device)
             self.cache_engine.copy(mapping)
-        runner = self.model_runner
-        if req.num_steps > 1 and runner.can_run_multi_step(req.seq_group_metadata_list):
-            return runner.execute_model_multi_step(
-                req.seq_group_metadata_list, self.kv_caches, req.num_steps, req.finished_requests_ids,
-                req.output_callback,
-            )
-        outputs = runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)
-        if req.output_callback is not None:
-            req.output_callback(outputs)
-        return [outputs]

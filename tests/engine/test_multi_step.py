@@ -21,15 +21,18 @@ from engine_test_checkpoints import assert_all_blocks_free, mixed_prompts
 def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
     path, _ = checkpoint_dirs[family]
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, **kwargs))
-    runner = engine.model_executor.driver_worker.model_runner
     engine.multi_step_runs = []
-    original = runner.execute_model_multi_step
+    worker = engine.model_executor.driver_worker
+    if not hasattr(worker, "multi_step_runner"):  # num_scheduler_steps=1: the plain worker
+        return engine
+    runner = worker.multi_step_runner
+    original = runner.execute_model
 
     def counted(metadata_list, kv_caches, num_steps, *args):
         engine.multi_step_runs.append((len(metadata_list), num_steps))
         return original(metadata_list, kv_caches, num_steps, *args)
 
-    runner.execute_model_multi_step = counted
+    runner.execute_model = counted
     return engine
 
 
@@ -173,9 +176,9 @@ def test_each_steps_outputs_reach_the_engine_while_the_next_step_is_queued(check
     engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
     runner = engine.model_executor.driver_worker.model_runner
     launched, seen = [], []
-    run_model, apply_step = runner._run_model, engine._apply_step
-    runner._run_model = lambda *args: launched.append(1) or run_model(*args)
-    engine._apply_step = lambda *args, **kwargs: seen.append(len(launched)) or apply_step(*args, **kwargs)
+    run_model, process_outputs = runner.run_model, engine.output_processor.process_outputs
+    runner.run_model = lambda *args: launched.append(1) or run_model(*args)
+    engine.output_processor.process_outputs = lambda *args: seen.append(len(launched)) or process_outputs(*args)
     engine.add_request("0", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=9))
     engine.step()  # the prefill: one forward, then its outputs
     assert seen == [1]

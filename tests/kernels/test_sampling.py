@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minivllm.kernels import sampling
+from minivllm.kernels import reference, sampling
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -23,7 +23,7 @@ def test_greedy_sample_matches_argmax_and_logsumexp(num_rows, vocab_size, dtype)
     assert torch.equal(tokens, exact.argmax(dim=-1))
     expected = exact.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(exact, dim=-1)
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5)
-    ref_tokens, ref_logprobs = sampling.greedy_sample_reference(logits)
+    ref_tokens, ref_logprobs = reference.greedy_sample(logits)
     assert torch.equal(tokens, ref_tokens)
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
 

@@ -1,8 +1,8 @@
 """The fused Triton ops (`minivllm.kernels.fused_ops`) against the PyTorch layers they replace.
 
 On the CPU the kernels run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1);
-on a GPU, natively. The PyTorch layer code (the spec, also what transformers computes) runs
-with fusion switched off. fp32 must agree to float rounding; bf16 to one rounding step at
+on a GPU, natively. The PyTorch layer code (`forward_native`: the spec, also what transformers
+computes) is what a layer built for the "torch" backend runs, the default here. fp32 must agree to float rounding; bf16 to one rounding step at
 most on a few elements (the fp32 sum of squares may be accumulated in a different order,
 and a one-ulp change before the weight can become two after it).
 """
@@ -15,19 +15,12 @@ import torch
 from minivllm.attention.metadata import build_attn_metadata
 from minivllm.kernels import fused_ops
 from minivllm.model_executor import get_model
-from minivllm.model_executor.layers import activation, fused, layernorm, rotary_embedding
 from minivllm.model_executor.layers.activation import SiluAndMul
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 DTYPES = [torch.float32, torch.bfloat16]
-
-
-@pytest.fixture(autouse=True)
-def pytorch_layers(monkeypatch):
-    """The layers below run their PyTorch code: they are the reference here."""
-    monkeypatch.setattr(fused, "ENABLED", False)
 
 
 def _close(actual, expected, dtype, few_differ: bool = True):
@@ -117,20 +110,25 @@ def test_bad_shapes_raise():
         fused_ops.rotary(torch.zeros(2, 3, 6), torch.zeros(2, dtype=torch.long), torch.zeros(8, 6))
 
 
+def test_the_backend_is_bound_once_at_construction():
+    norm = RMSNorm(8, backend="triton")
+    assert norm.backend == "triton" and norm._forward == norm.forward_triton
+    assert SiluAndMul()._forward == SiluAndMul().forward_native  # "torch" by default
+    with pytest.raises(ValueError, match="unknown backend"):
+        RMSNorm(8, backend="cuda")
+
+
 @pytest.mark.parametrize("family", ["llama3", "qwen3"])
 def test_whole_model_on_fused_ops_matches_transformers(make_checkpoint, family, monkeypatch):
-    """Every RMSNorm (q/k norms included), SiLU-and-mul and rotary of the model on the fused
-    kernels (on the CPU through the interpreter, so forced on here): transformers' logits."""
+    """Every RMSNorm (q/k norms included), SiLU-and-mul and rotary of a model built for the
+    "triton" backend runs its fused kernel (on the CPU through the interpreter): transformers'
+    logits all the same."""
     hf_model, model_config = make_checkpoint(family)
     calls = []
-
-    def always_fused(x):
-        calls.append(x.shape)
-        return fused_ops
-
-    for module in (layernorm, activation, rotary_embedding):
-        monkeypatch.setattr(module, "fused_ops", always_fused)
-    model = get_model(model_config, DEVICE, "float32", "torch")
+    for name in ("rms_norm", "silu_and_mul", "rotary"):
+        kernel = getattr(fused_ops, name)
+        monkeypatch.setattr(fused_ops, name, lambda *args, _kernel=kernel, **kw: calls.append(1) or _kernel(*args, **kw))
+    model = get_model(model_config, DEVICE, "float32", "triton")
     hf_model = hf_model.to(DEVICE)
     prompt = torch.tensor([(7 * i + 3) % hf_model.config.vocab_size for i in range(20)], device=DEVICE)
     metadata = build_attn_metadata([[0, 1]], [0], [len(prompt)], num_prefills=1, block_size=16, device=DEVICE)

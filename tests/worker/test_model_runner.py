@@ -4,11 +4,13 @@ slot = block_table[pos // block_size] * block_size + pos % block_size."""
 import pytest
 import torch
 
-from minivllm.config import CacheConfig, ModelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.worker.cache_engine import CacheEngine
+from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.worker import Worker
 
 BLOCK_SIZE = 4
 
@@ -16,7 +18,7 @@ BLOCK_SIZE = 4
 def make_runner(llama_dir, max_num_seqs=8, load=True) -> ModelRunner:
     model_config = ModelConfig(model=llama_dir[0])
     scheduler_config = SchedulerConfig(max_num_seqs=max_num_seqs, max_model_len=64, max_num_batched_tokens=64)
-    runner = ModelRunner(model_config, CacheConfig(block_size=BLOCK_SIZE), scheduler_config, "cpu")
+    runner = ModelRunner(EngineConfig(model_config, CacheConfig(block_size=BLOCK_SIZE), scheduler_config))
     if load:
         runner.load_model()
     return runner
@@ -70,8 +72,9 @@ def test_decodes_before_prefills_are_rejected_by_prepare(llama_dir):
         runner.prepare_model_input([decode, prefill])
 
 
-def test_execute_model_returns_outputs_in_the_callers_order(llama_dir):
-    """Give a decode first: the runner reorders for the model and restores the order."""
+def test_mixed_batch_gives_each_group_transformers_next_token(llama_dir):
+    """A prefill and a decode in one step (prefills first: the scheduler's order, which the
+    runner keeps; a misordered batch is rejected, see above): outputs in batch order."""
     runner = make_runner(llama_dir)
     model_config = runner.model_config
     cache_config = CacheConfig(block_size=BLOCK_SIZE)
@@ -83,14 +86,14 @@ def test_execute_model_returns_outputs_in_the_callers_order(llama_dir):
     first.seq_data[0].append_token_id(out.samples[0].output_token, 0.0)
     decode = SequenceGroupMetadata("first", False, first.seq_data, first.sampling_params, first.block_tables, 1)
     second = group("second", 1, [11, 12, 13], 0, [2], True, 3)
-    outputs = runner.execute_model([decode, second], kv_caches)
-    assert [o.samples[0].parent_seq_id for o in outputs] == [0, 1]
+    outputs = runner.execute_model([second, decode], kv_caches)
+    assert [o.samples[0].parent_seq_id for o in outputs] == [1, 0]
     hf_model = llama_dir[1]
     with torch.no_grad():
         expected_decode = hf_model(torch.tensor([[5, 6, 7, 8, 9, out.samples[0].output_token]])).logits[0, -1].argmax()
         expected_second = hf_model(torch.tensor([[11, 12, 13]])).logits[0, -1].argmax()
-    assert outputs[0].samples[0].output_token == int(expected_decode)
-    assert outputs[1].samples[0].output_token == int(expected_second)
+    assert outputs[1].samples[0].output_token == int(expected_decode)
+    assert outputs[0].samples[0].output_token == int(expected_second)
 
 
 def test_profile_run_needs_no_kv_cache(llama_dir):
@@ -98,9 +101,10 @@ def test_profile_run_needs_no_kv_cache(llama_dir):
 
 
 def test_cuda_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs(llama_dir):
-    runner = make_runner(llama_dir, max_num_seqs=40, load=False)
-    assert runner.graph_batch_sizes() == [1, 2, 4, 8, 16, 32, 40]
-    assert runner.enforce_eager  # no graphs on a CPU
+    scheduler_config = SchedulerConfig(max_num_seqs=40, max_model_len=64, max_num_batched_tokens=64)
+    config = EngineConfig(ModelConfig(model=llama_dir[0]), CacheConfig(block_size=BLOCK_SIZE), scheduler_config)
+    assert CUDAGraphModelRunner(config).graph_batch_sizes() == [1, 2, 4, 8, 16, 32, 40]
+    assert type(Worker(config).model_runner) is ModelRunner  # no graphs on a CPU
 
 
 @pytest.mark.gpu
@@ -111,7 +115,7 @@ def test_cuda_graph_decode_matches_eager(llama_dir):
     scheduler_config = SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64)
     cache_config = CacheConfig(block_size=BLOCK_SIZE)
     cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = 32, 0
-    runner = ModelRunner(model_config, cache_config, scheduler_config, "cuda")
+    runner = CUDAGraphModelRunner(EngineConfig(model_config, cache_config, scheduler_config, DeviceConfig("cuda")))
     runner.load_model()
     kv_caches = CacheEngine(cache_config, model_config, "cuda", runner.dtype).gpu_cache
     for layer in kv_caches:
@@ -121,6 +125,6 @@ def test_cuda_graph_decode_matches_eager(llama_dir):
         group(str(i), i, list(range(3, 3 + 6 + i)), 5 + i, [3 * i, 3 * i + 1, 3 * i + 2], False, 1) for i in range(3)
     ])
     with torch.inference_mode():  # as in execute_model: the graph's buffers are inference tensors
-        graph_out = runner._run_model(batch.input_ids, batch.positions, batch.attn_metadata, kv_caches).clone()
+        graph_out = runner.run_model(batch.input_ids, batch.positions, batch.attn_metadata, kv_caches).clone()
         eager_out = runner.model(batch.input_ids, batch.positions, kv_caches, batch.attn_metadata)
     torch.testing.assert_close(graph_out, eager_out)

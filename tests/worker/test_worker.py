@@ -2,7 +2,7 @@
 
 import torch
 
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from minivllm.sequence import ExecuteModelRequest
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.worker import CPU_KVCACHE_SPACE_ENV, Worker
@@ -13,7 +13,7 @@ GiB = 1 << 30
 def make_worker(llama_dir, **cache_kwargs) -> Worker:
     model_config = ModelConfig(model=llama_dir[0])
     scheduler_config = SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64)
-    worker = Worker(model_config, CacheConfig(block_size=4, **cache_kwargs), scheduler_config, DeviceConfig("cpu"))
+    worker = Worker(EngineConfig(model_config, CacheConfig(block_size=4, **cache_kwargs), scheduler_config))
     worker.init_device()
     worker.load_model()
     return worker
@@ -41,7 +41,7 @@ def test_override_wins(llama_dir):
 def test_execute_model_applies_swaps_and_copies_before_the_forward(llama_dir):
     worker = make_worker(llama_dir)
     worker.initialize_cache(num_gpu_blocks=6, num_cpu_blocks=4)
-    assert worker.cache_config.num_gpu_blocks == 6
+    assert worker.cache_engine.num_gpu_blocks == 6 and worker.cache_engine.num_cpu_blocks == 4
     gpu, cpu = worker.cache_engine.gpu_cache, worker.cache_engine.cpu_cache
     for layer in gpu:
         layer[:, 1] = 1.0

@@ -4,21 +4,24 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import nn
-
-from minivllm.model_executor.layers.fused import fused_ops
+from minivllm.model_executor.custom_op import CustomOp
 
 
-class SiluAndMul(nn.Module):
+class SiluAndMul(CustomOp):
     """x [..., 2 * d] -> silu(x[..., :d]) * x[..., d:]   [..., d]
 
     The gate and up projections are fused into one matmul (`gate_up_proj`) whose output
     holds the gate half then the up half; this splits and combines them.
     """
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        ops = fused_ops(x)
-        if ops is not None and x.dim() == 2 and x.stride(-1) == 1:
-            return ops.silu_and_mul(x)  # one kernel (see layers.fused)
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        """One kernel (`kernels/fused_ops.py`) for a 2-D input with unit stride."""
+        if x.dim() != 2 or x.stride(-1) != 1:
+            return self.forward_native(x)
+        from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
+
+        return fused_ops.silu_and_mul(x)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.model_executor.layers.fused import fused_ops
+from minivllm.model_executor.custom_op import CustomOp
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(CustomOp):
     """RMSNorm over the last dimension, with vLLM's fused residual add.
 
     `forward(x)` returns the normalized x. `forward(x, residual)` first adds the residual
@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
     does the add, so the add and the norm are one step (one kernel in vLLM).
     """
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
-        super().__init__()
+    def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "torch") -> None:
+        super().__init__(backend)
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
@@ -35,10 +35,7 @@ class RMSNorm(nn.Module):
         # and closely in bf16.
         return self.weight * x32.to(x.dtype)
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        ops = fused_ops(x)
-        if ops is not None and x.stride(-1) == 1 and (residual is None or (x.dim() == 2 and residual.is_contiguous())):
-            return ops.rms_norm(x, self.weight, self.eps, residual)  # one kernel (see layers.fused)
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
             return self._norm(x)
         residual = x + residual
@@ -46,3 +43,11 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
+
+    def forward_triton(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """One kernel for the add and the norm (`kernels/fused_ops.py`), for the layouts it reads."""
+        if x.stride(-1) != 1 or (residual is not None and not (x.dim() == 2 and residual.is_contiguous())):
+            return self.forward_native(x, residual)
+        from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
+
+        return fused_ops.rms_norm(x, self.weight, self.eps, residual)

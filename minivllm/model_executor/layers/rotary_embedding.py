@@ -16,9 +16,7 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
-
-from minivllm.model_executor.layers.fused import fused_ops
+from minivllm.model_executor.custom_op import CustomOp
 
 _DEFAULT_ROPE_THETA = 10000.0
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
@@ -74,15 +72,15 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
     return torch.where(in_between, blended, slowed)
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotate queries and keys by their positions.
 
     A cache of cos/sin for every position up to `max_position` is computed once (fp32), so
     a step only gathers rows by `positions`, whatever mix of prefills and decodes it holds.
     """
 
-    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict) -> None:
-        super().__init__()
+    def __init__(self, head_dim: int, max_position: int, rope_parameters: dict, backend: str = "torch") -> None:
+        super().__init__(backend)
         self.head_dim, self.max_position = head_dim, max_position
         self.rope_type = rope_parameters["rope_type"]
         inv_freq = compute_inv_freq(head_dim, rope_parameters)
@@ -92,20 +90,25 @@ class RotaryEmbedding(nn.Module):
         cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
-    def forward(self, positions: torch.Tensor, query: torch.Tensor,
-                key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [num_tokens]; query [num_tokens, num_heads, head_dim]; key
         [num_tokens, num_kv_heads, head_dim]. Returns the rotated query and key."""
-        ops = fused_ops(query)
-        if ops is not None and ops.rotary_supported(self.head_dim) and query.stride(-1) == key.stride(-1) == 1:
-            # One kernel per tensor (see layers.fused). fp32: the code below's result; bf16:
-            # it rounds once per output where the code below also rounds each product, so
-            # it may differ by one bf16 step (tests/model_executor/test_fused_ops.py).
-            return ops.rotary(query, positions, self.cos_sin_cache), ops.rotary(key, positions, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim/2]
         cos = cos.unsqueeze(1).to(query.dtype)  # broadcast over heads
         sin = sin.unsqueeze(1).to(query.dtype)
         return _rotate(query, cos, sin), _rotate(key, cos, sin)
+
+    def forward_triton(self, positions: torch.Tensor, query: torch.Tensor,
+                       key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One kernel per tensor (`kernels/fused_ops.py`). fp32: forward_native's result; bf16:
+        it rounds once per output where forward_native also rounds each product, so it may
+        differ by one bf16 step (tests/model_executor/test_fused_ops.py)."""
+        from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
+
+        if not fused_ops.rotary_supported(self.head_dim) or query.stride(-1) != 1 or key.stride(-1) != 1:
+            return self.forward_native(positions, query, key)
+        return fused_ops.rotary(query, positions, self.cos_sin_cache), fused_ops.rotary(key, positions, self.cos_sin_cache)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, rope_type={self.rope_type!r}"

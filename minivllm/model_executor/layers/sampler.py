@@ -24,25 +24,47 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.model_executor.layers.fused import fused_sampling
+from minivllm.kernels import reference
+from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
 from minivllm.sampling_params import SamplingParams, SamplingType
-from minivllm.sequence import SequenceData, SequenceGroupOutput, SequenceOutput
+from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupOutput, SequenceOutput
 
 # A beam-search step proposes twice the beam width, so that even if every beam_width best
 # candidates end in EOS, beam_width candidates can still continue (as in transformers).
 _BEAM_CANDIDATE_FACTOR = 2
 
 
-class Sampler(nn.Module):
-    """Turn selected logits rows into `SequenceGroupOutput`s (one per scheduled request)."""
+class GreedySample(CustomOp):
+    """`[rows, vocab]` logits -> each row's arg-max `[rows]` int64 and its logprob `[rows]` fp32,
+    logit - logsumexp(row), with no `[rows, vocab]` log-softmax written out."""
 
-    def forward(
-        self, logits: torch.Tensor, sampling_metadata: SamplingMetadata
-    ) -> list[SequenceGroupOutput]:
+    def forward_native(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.greedy_sample(logits)
+
+    def forward_triton(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from minivllm.kernels import sampling  # imports triton: only when this backend is chosen
+
+        return sampling.greedy_sample(logits)  # one pass over the logits, any float dtype
+
+
+class Sampler(nn.Module):
+    """Turn selected logits rows into one `SequenceGroupOutput` per scheduled request.
+
+    Args:
+        backend: "torch" or "triton", for the greedy pick (`GreedySample`); the same setting
+            as the model's attention.
+    """
+
+    def __init__(self, backend: str = "torch") -> None:
+        super().__init__()
+        self.greedy_sample = GreedySample(backend)
+
+    def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """
         Args:
-            logits: `[num_selected, vocab_size]` fp32, rows as in `sampling_metadata`.
+            logits: `[num_selected, vocab_size]`, rows as in `sampling_metadata` (fp32 from the
+                model runner; other float dtypes are upcast).
         Returns:
             one `SequenceGroupOutput` per entry of `sampling_metadata.seq_groups`.
         """
@@ -50,16 +72,17 @@ class Sampler(nn.Module):
         outputs = [SequenceGroupOutput(samples=[]) for _ in groups]
         for group, output in zip(groups, outputs):
             if group.prompt_logprob_indices:
-                output.prompt_logprobs, output.prompt_ranks = _prompt_logprobs(logits, group)
+                output.prompt_logprobs, output.prompt_ranks = _prompt_logprobs(logits.float(), group)
         sample_rows = [row for group in groups for row in group.sample_indices]
         if not sample_rows:
-            return outputs
-        if _all_plain_greedy(groups):
-            return _greedy_fast_path(logits, sample_rows, groups, outputs)
-        sample_logits = _process_logits(logits[sample_rows], groups)
+            return SamplerOutput(outputs)
+        if all(_is_plain_greedy(group) for group in groups):
+            return SamplerOutput(self._greedy(logits, sample_rows, groups, outputs))
+        # fp32 from here: a softmax in fp16 underflows, and 0 / 0 in the exponential race is NaN.
+        sample_logits = process_logits(logits[sample_rows].float(), groups)
         logprobs = torch.log_softmax(sample_logits, dim=-1)
         # One token per row for the whole batch at once (few kernel launches, one host sync).
-        row_tokens = _choose_per_row(sample_logits, groups)
+        row_tokens = choose_tokens(sample_logits, groups)
         row_token_logprobs = logprobs.gather(1, row_tokens.unsqueeze(1)).squeeze(1)
         chosen = list(zip(row_tokens.tolist(), row_token_logprobs.tolist()))
         row = 0
@@ -68,94 +91,53 @@ class Sampler(nn.Module):
                 rows = slice(row, row + len(group.sample_indices))
                 output.samples = _sample_group(group, sample_logits[rows], logprobs[rows], chosen[rows])
                 row += len(group.sample_indices)
+        return SamplerOutput(outputs)
+
+    def _greedy(self, logits: torch.Tensor, sample_rows: list[int], groups: list[SequenceGroupToSample],
+                outputs: list[SequenceGroupOutput]) -> list[SequenceGroupOutput]:
+        """Arg-max rows, and each chosen token's logprob as logit - logsumexp(row).
+
+        The general path materializes `[rows, vocab]` log-probabilities (and slices them per
+        row in Python); at 256 rows x 150k vocab that is 150 MB written and read back per
+        step, and hundreds of small tensor ops on the host. Here one pass over the logits and
+        one device-to-host copy give the same tokens and logprobs (the step's only host sync).
+        """
+        # With no prompt-logprob rows, the selected rows are exactly the sample rows, in order.
+        sample_logits = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
+        tokens, token_logprobs = self.greedy_sample(sample_logits)
+        token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
+        row = 0
+        for group, output in zip(groups, outputs):
+            if group.do_sample:
+                token = token_list[row]
+                output.samples = [SequenceOutput(group.seq_ids[0], token, {token: logprob_list[row]})]
+                row += 1
         return outputs
 
 
-    @staticmethod
-    def samples_on_device(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
-        """Whether `sample_on_device` can serve a decoding request: one plain sequence (greedy
-        or unseeded random) that needs nothing from the host per token."""
-        return _plain_params(params, seq_datas, allow_random=True)
-
-    def sample_on_device(self, logits: torch.Tensor,
-                         sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[rows]` token ids and their logprobs, left on the device (no host sync).
-
-        For batches of requests `samples_on_device` accepts: the multi-step runner feeds the tokens
-        straight into the next forward pass and reads them all back at the end.
-        """
-        groups = sampling_metadata.seq_groups
-        if all(g.sampling_params.sampling_type == SamplingType.GREEDY for g in groups):
-            return _greedy_tokens(logits)  # (any float dtype: the kernel accumulates in fp32)
-        sample_logits = _process_logits(logits.float(), groups)
-        tokens = _choose_per_row(sample_logits, groups)
-        token_logprobs = torch.log_softmax(sample_logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, token_logprobs
-
-
-# --------------------------------------------------------------------------- greedy fast path
-def _is_plain(group: SequenceGroupToSample) -> bool:
+def _is_plain_greedy(group: SequenceGroupToSample) -> bool:
     """One greedy sequence with nothing to process on the host: no penalties, no min_tokens
-    still pending, no logprobs asked for, no prompt logprobs (the greedy fast path)."""
+    still pending, no logprobs asked for, no prompt logprobs (`Sampler._greedy`)."""
     if group.prompt_logprob_indices:
         return False
     if not group.do_sample:
         return True
     seq_datas = [group.seq_data[seq_id] for seq_id in group.seq_ids]
-    return _plain_params(group.sampling_params, seq_datas, allow_random=False)
+    return (group.sampling_params.sampling_type == SamplingType.GREEDY
+            and needs_nothing_per_token(group.sampling_params, seq_datas))
 
 
-def _plain_params(params: SamplingParams, seq_datas: list[SequenceData], allow_random: bool) -> bool:
-    """One sequence, greedy (or also unseeded random), nothing to process per token."""
-    types = (SamplingType.GREEDY, SamplingType.RANDOM) if allow_random else (SamplingType.GREEDY,)
-    return (params.sampling_type in types and params.logprobs is None
-            and params.best_of == 1 and len(seq_datas) == 1
+def needs_nothing_per_token(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
+    """One sequence, no logprobs, no penalties, no pending min_tokens: its next token depends
+    on the logits alone (and the temperature / top-k / top-p, applied on the device)."""
+    return (params.logprobs is None and params.best_of == 1 and len(seq_datas) == 1
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
             and params.presence_penalty == 0.0
             and (params.min_tokens == 0 or seq_datas[0].get_output_len() >= params.min_tokens))
 
 
-def _all_plain_greedy(groups: list[SequenceGroupToSample]) -> bool:
-    return all(_is_plain(group) for group in groups)
-
-
-def _greedy_tokens(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Arg-max of each row and its logprob, logit - logsumexp(row), with no `[rows, vocab]`
-    log-softmax written out: one Triton pass over the logits on a GPU
-    (`minivllm.kernels.sampling`), PyTorch reductions on the CPU."""
-    kernels = fused_sampling(logits)
-    if kernels is not None:
-        return kernels.greedy_sample(logits)
-    logits = logits.float()  # (a no-op for the fp32 logits of the CPU)
-    tokens = logits.argmax(dim=-1)
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, chosen - torch.logsumexp(logits, dim=-1)
-
-
-def _greedy_fast_path(logits: torch.Tensor, sample_rows: list[int], groups: list[SequenceGroupToSample],
-                      outputs: list[SequenceGroupOutput]) -> list[SequenceGroupOutput]:
-    """Arg-max rows, and each chosen token's logprob as logit - logsumexp(row).
-
-    The general path materializes `[rows, vocab]` log-probabilities (and slices them per row
-    in Python); at 256 rows x 150k vocab that is 150 MB written and read back per step, and
-    hundreds of small tensor ops on the host. Here two reductions over the logits and one
-    device-to-host copy give the same tokens and logprobs (the only host sync of the step).
-    """
-    # With no prompt-logprob rows, the selected rows are exactly the sample rows, in order.
-    sample_logits = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-    tokens, token_logprobs = _greedy_tokens(sample_logits)
-    token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
-    row = 0
-    for group, output in zip(groups, outputs):
-        if group.do_sample:
-            token = token_list[row]
-            output.samples = [SequenceOutput(group.seq_ids[0], token, {token: logprob_list[row]})]
-            row += 1
-    return outputs
-
-
 # --------------------------------------------------------------------------- logits processing
-def _process_logits(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -> torch.Tensor:
+def process_logits(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -> torch.Tensor:
     """Steps 1-5 of the module docstring on `[num_sample_rows, vocab]` logits (in place)."""
     rows = [(group, seq_id) for group in groups if group.do_sample for seq_id in _row_seq_ids(group)]
     logits = apply_min_tokens(logits, rows)
@@ -261,7 +243,7 @@ def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- choosing tokens
-def _choose_per_row(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -> torch.Tensor:
+def choose_tokens(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -> torch.Tensor:
     """`[num_sample_rows]` token ids: arg-max for greedy rows, a random draw for the others.
 
     A random draw is argmax(p / E) with E ~ Exp(1) (the "exponential race", as in vLLM): it
@@ -280,7 +262,9 @@ def _choose_per_row(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -
         if group.generator is not None and num_rows:
             noise[row : row + num_rows].exponential_(generator=group.generator)
         row += num_rows
-    random_tokens = (probs / noise).argmax(dim=-1)
+    # exponential_() may return exactly 0; 0 / 0 would be NaN, and NaN wins an arg-max, so
+    # a token of probability 0 could be drawn. The smallest positive noise keeps it at 0.
+    random_tokens = (probs / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=-1)
     is_random = torch.tensor([t in _RANDOM_TYPES for t in types], device=logits.device)
     return torch.where(is_random, random_tokens, tokens)
 

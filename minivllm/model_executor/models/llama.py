@@ -70,8 +70,8 @@ class LlamaAttention(nn.Module):
                                 bias=getattr(config, "attention_bias", False))
         # Qwen3 normalizes each head's query and key: it keeps attention logits in range
         # without the q/k biases Qwen2 used.
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
         self.rotary_emb = rotary_emb  # one module shared by all layers: same positions, same angles
         self.attn = Attention(self.num_heads, self.head_dim, self.head_dim**-0.5,
                               self.num_kv_heads, backend=attn_backend)
@@ -94,14 +94,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, backend: str) -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
         self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
-        self.act_fn = SiluAndMul()
+        self.act_fn = SiluAndMul(backend)
         self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -119,9 +119,9 @@ class LlamaDecoderLayer(nn.Module):
                  qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, rotary_emb, attn_backend, qkv_bias, qk_norm)
-        self.mlp = LlamaMLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config, attn_backend)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata, residual: torch.Tensor | None):
@@ -142,11 +142,12 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config))
+        rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config),
+                                     attn_backend)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm)
             for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata) -> torch.Tensor:

@@ -1,0 +1,44 @@
+"""A layer written twice, one version chosen once: `CustomOp`.
+
+Mirrors `vllm/model_executor/custom_op.py`. The small ops of a decoder layer (RMSNorm,
+SiLU-and-mul, rotary embedding) and the sampler's greedy pick each have
+
+    forward_native   plain PyTorch: the readable spec, what runs on a CPU
+    forward_triton   one fused Triton kernel (`kernels/fused_ops.py`, `kernels/sampling.py`)
+
+and `forward` is bound to one of them when the layer is built, from the same backend
+setting as attention ("torch" or "triton", see `minivllm.attention.get_attn_backend`). No
+flag is read per call: a model built for the "torch" backend never touches Triton.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from minivllm.kernels import BACKENDS
+
+
+class CustomOp(nn.Module):
+    """Subclasses implement `forward_native` and, where a kernel exists, `forward_triton`."""
+
+    def __init__(self, backend: str = "torch") -> None:
+        super().__init__()
+        self.use_backend(backend)
+
+    def use_backend(self, backend: str) -> None:
+        """Bind `forward` to the backend's version. Called at construction; a benchmark may call
+        it again before CUDA graphs are captured, to measure what the kernel buys."""
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {BACKENDS}.")
+        self.backend = backend
+        self._forward = self.forward_triton if backend == "triton" else self.forward_native
+
+    def forward(self, *args, **kwargs):
+        return self._forward(*args, **kwargs)
+
+    def forward_native(self, *args, **kwargs):
+        raise NotImplementedError
+
+    def forward_triton(self, *args, **kwargs):
+        """The fused kernel; by default (no kernel written) the PyTorch version."""
+        return self.forward_native(*args, **kwargs)

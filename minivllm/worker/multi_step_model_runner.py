@@ -1,0 +1,117 @@
+"""Several decode steps per schedule, fed back on the device: `MultiStepModelRunner`.
+
+Mirrors `vllm/worker/multi_step_model_runner.py` (vLLM v0's multi-step scheduling). It wraps
+a plain `ModelRunner` (eager or CUDA-graph) and runs a decode batch's forward pass several
+times back to back. Between two steps nothing goes back to the host: `advance_step` turns
+each row's sampled token into the next step's input on the device (position + 1, sequence
+length + 1, the slot from the block table the scheduler already grew by its lookahead
+slots). Each step's tokens are copied to the host as soon as they exist and handed to the
+engine once the next step is queued, so the engine's output processing overlaps the GPU,
+and the scheduling and batch building around the GPU are paid once per run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+import torch
+
+from minivllm.attention import AttentionMetadata
+from minivllm.attention.metadata import slot_of, to_device
+from minivllm.model_executor.layers.device_sampler import DeviceSampler
+from minivllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput, SequenceOutput
+from minivllm.worker.model_runner import ModelRunner
+
+# A row out of reserved slots writes its K/V nowhere.
+_NO_SLOT = -1
+
+
+class MultiStepModelRunner:
+    """Runs up to `num_steps` decode steps of one batch with no host sync between them."""
+
+    def __init__(self, base: ModelRunner) -> None:
+        self.base = base
+        self.sampler = DeviceSampler(base.sampler)
+
+    def can_run(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> bool:
+        """Decodes only, each one plain sequence the device sampler can serve."""
+        return bool(seq_group_metadata_list) and all(
+            not m.is_prompt and self.sampler.can_sample(m.sampling_params, list(m.seq_data.values()))
+            for m in seq_group_metadata_list
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, seq_group_metadata_list: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor],
+                      num_steps: int, finished_requests_ids: list[str] | None = None) -> Iterator[SamplerOutput]:
+        """Yield one `SamplerOutput` per step, step s once step s + 1 is queued on the device.
+
+        Group i runs `1 + num_lookahead_slots` steps (the slots its blocks hold); in later
+        steps its row keeps computing but writes no K/V, and its output has no samples.
+        Requires `can_run`.
+        """
+        base = self.base
+        base.release_requests(finished_requests_ids or [])
+        model_input = base.prepare_model_input(seq_group_metadata_list)
+        steps_allowed = [1 + m.num_lookahead_slots for m in seq_group_metadata_list]
+        limits = to_device(torch.tensor(steps_allowed), base.device)
+        input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
+        pending = None  # the previous step's samples on their way to the host
+        for step in range(num_steps):
+            if step:
+                input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
+            hidden_states = base.run_model(input_ids, positions, md, kv_caches)
+            # A decode samples every row; the sampler upcasts what it needs to fp32.
+            logits = base.model.compute_logits(hidden_states, upcast=False)
+            # The sampled tokens, still on the device, are the next step's input ids.
+            input_ids, logprobs = self.sampler(logits, model_input.sampling_metadata)
+            if pending is not None:  # step - 1 is done once step is queued: hand it over
+                yield _step_output(pending, step - 1, seq_group_metadata_list, steps_allowed)
+            pending = _copy_to_host(input_ids, logprobs)
+        yield _step_output(pending, num_steps - 1, seq_group_metadata_list, steps_allowed)
+
+    def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                     active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """The next decode step's inputs, computed on the device (vLLM's `advance_step`).
+
+        sampled, positions, active: `[num_seqs]`. An active row feeds its sampled token at
+        the next position and writes its K/V to that position's slot. A row out of reserved
+        slots stays where it is and writes nothing (its later tokens are dropped).
+        """
+        block_size = self.base.block_size
+        moved = active.long()
+        positions = positions + moved
+        seq_lens = md.seq_lens + moved.to(md.seq_lens.dtype)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slots = slot_of(md.block_tables[rows, positions // block_size].long(), positions, block_size)
+        slot_mapping = torch.where(active, slots, _NO_SLOT)
+        md = dataclasses.replace(md, slot_mapping=slot_mapping, seq_lens=seq_lens, max_seq_len=md.max_seq_len + 1)
+        return sampled, positions, md
+
+
+def _step_output(pending, step: int, seq_group_metadata_list: list[SequenceGroupMetadata],
+                 steps_allowed: list[int]) -> SamplerOutput:
+    """One output per group: its sampled token, or none past its reserved slots."""
+    tokens, logprobs, ready = pending
+    if ready is not None:
+        ready.synchronize()  # this step's copy only, not the steps queued after it
+    outputs = []
+    for metadata, allowed, token, logprob in zip(seq_group_metadata_list, steps_allowed,
+                                                  tokens.tolist(), logprobs.tolist()):
+        [seq_id] = metadata.seq_data
+        samples = [SequenceOutput(seq_id, token, {token: logprob})] if step < allowed else []
+        outputs.append(SequenceGroupOutput(samples=samples))
+    return SamplerOutput(outputs)
+
+
+def _copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
+    """(tokens, logprobs, event): host copies started without waiting; wait on the event."""
+    if tokens.device.type != "cuda":
+        return tokens, logprobs, None
+    host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+    host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
+    host_tokens.copy_(tokens, non_blocking=True)
+    host_logprobs.copy_(logprobs, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    return host_tokens, host_logprobs, ready

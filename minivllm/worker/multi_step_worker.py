@@ -1,0 +1,36 @@
+"""The worker of multi-step scheduling: `MultiStepWorker`.
+
+Mirrors `vllm/worker/multi_step_worker.py`: a `Worker` whose decode batches may run several
+steps per schedule through a `MultiStepModelRunner` wrapped around its plain runner. The
+engine picks it (through the executor) when `num_scheduler_steps` > 1.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
+from minivllm.worker.multi_step_model_runner import MultiStepModelRunner
+from minivllm.worker.worker import Worker
+
+
+class MultiStepWorker(Worker):
+    """Runs `num_steps` decode steps when the batch allows it, else one step as `Worker` does."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.multi_step_runner = MultiStepModelRunner(self.model_runner)
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+        """One `SamplerOutput` per step run. A multi-step run yields each step's output once the
+        next step is queued on the device, so the caller processes it while the device computes.
+
+        Batches that need the host every token (logprobs, penalties, seeds, beams, n > 1,
+        prefills) run one step.
+        """
+        req = execute_model_req
+        if req.num_steps == 1 or not self.multi_step_runner.can_run(req.seq_group_metadata_list):
+            return super().execute_model(req)
+        self.apply_block_moves(req)
+        return self.multi_step_runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.num_steps,
+                                                    req.finished_requests_ids)
