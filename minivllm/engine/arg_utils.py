@@ -14,22 +14,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import typing
 from dataclasses import dataclass
 
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
-@dataclass
-class EngineConfig:
-    """All the configs of one engine (vLLM keeps the same bundle in `vllm/config.py`)."""
+def _arg(default, help: str, choices: tuple[str, ...] | None = None):
+    """A field whose `metadata` describes its command-line flag (help text, allowed values).
 
-    model_config: ModelConfig
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    device_config: DeviceConfig
-    parallel_config: ParallelConfig
-    attention_backend: str | None = None
-    enforce_eager: bool = False
+    A field whose default is None says in `help` what None means, "(default: ...)"."""
+    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclass
@@ -37,28 +33,36 @@ class EngineArgs:
     """Arguments for `LLMEngine` / `LLM`, with vLLM's names and defaults.
 
     model=None loads the bundled tiny-shakespeare model. `max_num_batched_tokens=None` picks
-    vLLM's default (max(max_model_len, 2048); 512 with chunked prefill).
+    vLLM's default (max(max_model_len, 2048); 512 with chunked prefill). Each field's
+    `metadata` holds its flag's help text and choices (`add_cli_args`).
     """
 
-    model: str | None = None
-    tokenizer: str | None = None
-    dtype: str = "auto"
-    device: str = "auto"
-    seed: int = 0
-    block_size: int = 16
-    gpu_memory_utilization: float = 0.9
-    num_gpu_blocks_override: int | None = None
-    swap_space: float = 4.0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int | None = None
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = False
-    enable_chunked_prefill: bool = False
-    preemption_mode: str | None = None
-    scheduling_policy: str = "fcfs"
-    num_scheduler_steps: int = 1
-    attention_backend: str | None = None
-    enforce_eager: bool = False
+    model: str | None = _arg(None, "local checkpoint folder or Hugging Face hub id "
+                                   "(default: the bundled tiny-shakespeare)")
+    tokenizer: str | None = _arg(None, "tokenizer folder or hub id (default: the model's)")
+    dtype: str = _arg("auto", "weights and activations dtype (auto: fp32 on CPU, the checkpoint's on GPU)",
+                      choices=("auto", "float32", "float16", "bfloat16"))
+    device: str = _arg("auto", "auto picks CUDA when a GPU is visible", choices=("auto", "cuda", "cpu"))
+    seed: int = _arg(0, "seed of the global RNG (requests without their own seed)")
+    block_size: int = _arg(16, "tokens per KV-cache block (a power of two)")
+    gpu_memory_utilization: float = _arg(0.9, "fraction of GPU memory for weights, activations and KV cache")
+    num_gpu_blocks_override: int | None = _arg(None, "use exactly this many KV blocks, skipping the "
+                                                     "memory profile (default: as many as fit)")
+    swap_space: float = _arg(4.0, "GiB of CPU memory for swapped-out KV blocks")
+    max_num_seqs: int = _arg(256, "most sequences in one step")
+    max_num_batched_tokens: int | None = _arg(None, "most tokens in one step (default: "
+                                                    "max(max_model_len, 2048); 512 with chunked prefill)")
+    max_model_len: int | None = _arg(None, "longest prompt + output (default: the model's context length)")
+    enable_prefix_caching: bool = _arg(False, "reuse KV blocks of identical prompt prefixes")
+    enable_chunked_prefill: bool = _arg(False, "split long prompts and mix them with decodes")
+    preemption_mode: str | None = _arg(None, "force recompute or swap (default: vLLM v0's rule, "
+                                             "recompute for one sequence, swap for several)",
+                                       choices=("recompute", "swap"))
+    scheduling_policy: str = _arg("fcfs", "fcfs, or priority (lower value first)", choices=("fcfs", "priority"))
+    num_scheduler_steps: int = _arg(1, "decode steps per schedule (multi-step scheduling; 8 is a good GPU value)")
+    attention_backend: str | None = _arg(None, "torch (PyTorch reference) or triton (default: "
+                                               "triton on a GPU, torch on a CPU)", choices=("torch", "triton"))
+    enforce_eager: bool = _arg(False, "never use CUDA graphs")
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -97,18 +101,22 @@ class EngineArgs:
     # ------------------------------------------------------------------ command line
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        """Add one `--flag` per field (`max_num_seqs` -> `--max-num-seqs`)."""
-        defaults = EngineArgs()
+        """Add one `--flag` per field (`max_num_seqs` -> `--max-num-seqs`), built from the
+        field's type, default and `metadata` (help, choices). Help shows every default."""
+        types = typing.get_type_hints(EngineArgs)
+        group = parser.add_argument_group("engine arguments")
         for field in dataclasses.fields(EngineArgs):
             flag = "--" + field.name.replace("_", "-")
-            default = getattr(defaults, field.name)
-            help_text = _HELP.get(field.name, "")
-            if field.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", help=help_text)
-            elif field.name in _CHOICES:
-                parser.add_argument(flag, default=default, choices=_CHOICES[field.name], help=help_text)
+            help_text = field.metadata["help"]
+            if field.default is not None:  # a None default is explained in the help text
+                help_text += " (default: %(default)s)"
+            arg_type = _cli_type(types[field.name])
+            if arg_type is bool:
+                group.add_argument(flag, action="store_true", help=help_text)
             else:
-                parser.add_argument(flag, type=_ARG_TYPES.get(field.name, str), default=default, help=help_text)
+                # None is a default, never a choice: the flag's value is always a real one.
+                group.add_argument(flag, type=arg_type, default=field.default,
+                                   choices=field.metadata.get("choices"), help=help_text)
         return parser
 
     @classmethod
@@ -116,42 +124,10 @@ class EngineArgs:
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-_ARG_TYPES = {
-    "seed": int,
-    "block_size": int,
-    "gpu_memory_utilization": float,
-    "num_gpu_blocks_override": int,
-    "swap_space": float,
-    "max_num_seqs": int,
-    "max_num_batched_tokens": int,
-    "max_model_len": int,
-    "num_scheduler_steps": int,
-}
-_CHOICES = {
-    "dtype": ["auto", "float32", "float16", "bfloat16"],
-    "device": ["auto", "cuda", "cpu"],
-    "preemption_mode": [None, "recompute", "swap"],
-    "scheduling_policy": ["fcfs", "priority"],
-    "attention_backend": [None, "torch", "triton"],
-}
-_HELP = {
-    "model": "local checkpoint folder or Hugging Face id (default: the bundled tiny-shakespeare)",
-    "tokenizer": "tokenizer folder or id (default: the model's)",
-    "dtype": "weights and activations dtype (auto: fp32 on CPU, the checkpoint's on GPU)",
-    "device": "auto picks CUDA when available",
-    "seed": "seed of the global RNG (requests without their own seed)",
-    "block_size": "tokens per KV-cache block",
-    "gpu_memory_utilization": "fraction of GPU memory for weights, activations and KV cache",
-    "num_gpu_blocks_override": "use exactly this many KV blocks (skips the memory profile)",
-    "swap_space": "GiB of CPU memory for swapped-out KV blocks",
-    "max_num_seqs": "most sequences in one step",
-    "max_num_batched_tokens": "most tokens in one step",
-    "max_model_len": "longest prompt + output (default: the model's context length)",
-    "enable_prefix_caching": "reuse KV blocks of identical prompt prefixes",
-    "enable_chunked_prefill": "split long prompts and mix them with decodes",
-    "preemption_mode": "force recompute or swap (default: vLLM v0's rule)",
-    "scheduling_policy": "fcfs, or priority (lower value first)",
-    "num_scheduler_steps": "decode steps per schedule (multi-step scheduling; 8 is a good GPU value)",
-    "attention_backend": "torch (PyTorch reference) or triton (default on GPU)",
-    "enforce_eager": "never use CUDA graphs",
-}
+def _cli_type(annotation) -> type:
+    """`int | None` -> int: the type a flag's text converts to (an optional field's None is
+    its default, never typed on the command line)."""
+    candidates = [t for t in typing.get_args(annotation) if t is not type(None)] or [annotation]
+    if len(candidates) != 1 or candidates[0] not in (str, int, float, bool):
+        raise TypeError(f"no command-line type for {annotation!r}")
+    return candidates[0]
