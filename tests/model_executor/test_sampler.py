@@ -219,3 +219,25 @@ def test_plain_greedy_batch_gives_the_general_paths_tokens_and_logprobs():
         assert sa.output_token == sb.output_token == int(logits[i].argmax())
         assert sa.logprobs[sa.output_token] == pytest.approx(float(reference[i].max()), abs=1e-5)
         assert sb.logprobs[sb.output_token] == pytest.approx(float(reference[i].max()), abs=1e-5)
+
+
+def test_a_zero_noise_draw_never_samples_a_token_of_probability_zero(monkeypatch):
+    """Bug found with vLLM 0.6's own sampler tests: the exponential race divides by noise that
+    `exponential_()` may draw as exactly 0 (on a GPU, in fp16, about 0.2 % of draws); 0 / 0 is
+    NaN and NaN wins the arg-max, so a token masked to -inf was drawn. The CPU's generator
+    rarely draws 0, so the test forces it for the impossible token."""
+    real_exponential = torch.Tensor.exponential_
+
+    def zero_for_token_0(self, *args, **kwargs):
+        real_exponential(self, *args, **kwargs)
+        self[..., 0] = 0.0
+        return self
+
+    monkeypatch.setattr(torch.Tensor, "exponential_", zero_for_token_0)
+    metadata_list = [decode_metadata(str(i), SamplingParams(temperature=1.0), [[1, 2, 3, 4]]) for i in range(8)]
+    for dtype in (torch.float16, torch.float32):
+        logits = torch.zeros(8, VOCAB, dtype=dtype)
+        logits[:, 0] = -float("inf")
+        logits[:, 2:] = -float("inf")  # two tokens: one impossible, one certain
+        outputs = run_sampler(metadata_list, logits)
+        assert {o.samples[0].output_token for o in outputs} == {1}, dtype
