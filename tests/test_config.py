@@ -86,10 +86,76 @@ def test_parallel_config_is_single_device():
         ParallelConfig(tensor_parallel_size=2)
 
 
-def test_device_config():
+def test_device_config(monkeypatch):
     import torch
 
     assert DeviceConfig().device == ("cuda" if torch.cuda.is_available() else "cpu")
-    assert DeviceConfig("cpu").device_type == "cpu" and DeviceConfig("cuda:1").device_type == "cuda"
+    assert DeviceConfig("cpu").device_type == "cpu"
     with pytest.raises(ValueError):
         DeviceConfig("tpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a machine with two GPUs
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert DeviceConfig("cuda:1").device_type == "cuda"
+    with pytest.raises(ValueError, match="2 GPU"):
+        DeviceConfig("cuda:2")
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for device in ("cuda", "cuda:0"):
+        with pytest.raises(ValueError, match="torch sees no GPU.*use device='cpu'"):
+            DeviceConfig(device)
+    assert DeviceConfig("auto").device == "cpu"
+
+
+# ------------------------------------------------------------ model sources
+# transformers would report a missing folder as "Repo id must be in the form ..." from deep
+# inside the hub client, and retry an unreachable hub for ~25 s: ModelConfig says why at once.
+@pytest.mark.parametrize("name", ["/no/such/checkpoint", "./no-such-folder", "~/no/such/folder", "a/b/c"])
+def test_a_missing_folder_is_named_as_one(name):
+    with pytest.raises(ValueError, match="no such folder"):
+        ModelConfig(name)
+
+
+def test_a_folder_without_config_json_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        ModelConfig(str(tmp_path))
+    (tmp_path / "weights.bin").write_bytes(b"")
+    with pytest.raises(ValueError, match="is a file"):
+        ModelConfig(str(tmp_path / "weights.bin"))
+
+
+def test_an_uncached_hub_id_fails_fast_offline(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path))  # an empty cache
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="not in the Hugging Face cache, and HF_HUB_OFFLINE is set"):
+        ModelConfig("nobody/no-such-model")
+    assert time.monotonic() - start < 2.0  # no retries
+
+
+def test_an_uncached_hub_id_with_the_hub_unreachable_fails_fast(monkeypatch, tmp_path):
+    import time
+
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_CACHE", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+    monkeypatch.setattr("huggingface_hub.constants.HF_HUB_OFFLINE", False)
+    for var in ("HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.delenv(var, raising=False)
+    # Port 9 on loopback: nothing listens, the connection is refused at once.
+    monkeypatch.setattr("huggingface_hub.constants.ENDPOINT", "http://127.0.0.1:9")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="cannot be reached"):
+        ModelConfig("nobody/no-such-model")
+    assert time.monotonic() - start < 5.0
+
+
+def test_an_invalid_hub_id_is_named(monkeypatch):
+    with pytest.raises(ValueError, match="neither a folder nor a valid hub id"):
+        ModelConfig("not a model")
