@@ -9,7 +9,7 @@ little arithmetic per byte, so its floor is a bandwidth one:
 The copy bandwidth is measured here (a 1 GiB device-to-device copy, bytes read + written,
 best of 3). We time, at batch 1 and batch 256, context 1024 (prompts of 1024 tokens, then
 decode), for CUDA graphs, eager, and CUDA graphs without the fused Triton elementwise ops
-(MINIVLLM_FUSED_OPS=0's code path, to show what fusion buys):
+(their `forward_native` PyTorch code, to show what fusion buys):
 
     forward       the model's decode forward alone: CUDA-graph replay timed with CUDA events
                   (graphs), or the eager forward (eager)
@@ -191,18 +191,30 @@ def profile_steps(llm, label: str, profile_dir: Path) -> None:
         f.write(f"\n######## {label}: cProfile of engine.step(), {PROFILE_STEPS} steps\n{stream.getvalue()}\n")
 
 
+def use_pytorch_elementwise_ops(engine) -> None:
+    """Rebind every fused layer (RMSNorm, SiLU-and-mul, rotary, the greedy pick) to its PyTorch
+    `forward_native`, then capture the decode graphs again with them."""
+    from minivllm.model_executor.custom_op import CustomOp
+
+    worker = engine.model_executor.driver_worker
+    runner = worker.model_runner
+    for module in [*runner.model.modules(), *runner.sampler.modules()]:
+        if isinstance(module, CustomOp):
+            module.use_backend("torch")
+    runner.capture_model(worker.kv_caches)
+
+
 def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Path | None) -> dict:
     """mode: "graphs", "eager" (enforce_eager), "graphs-unfused" (CUDA graphs, but the
     PyTorch RMSNorm / SiLU / rotary instead of the fused Triton ops: before/after fusion), or
     "graphs-8step" (num_scheduler_steps=8: engine_step_ms is then one step() / 8, the engine
     time per token)."""
-    from minivllm.model_executor.layers import fused
-
     enforce_eager = mode == "eager"
-    fused.ENABLED = mode != "graphs-unfused"
     tokens_per_step = MULTI_STEP if mode == "graphs-8step" else 1
     llm = make_llm(ckpt, device, enforce_eager, max(BATCH_SIZES), tokens_per_step)
     engine = llm.llm_engine
+    if mode == "graphs-unfused":
+        use_pytorch_elementwise_ops(engine)
     model = engine.model_executor.driver_worker.model_runner.model
     hf_config = engine.model_config.hf_config
     weights = weight_bytes(model)

@@ -32,8 +32,23 @@ PROMPT_LEN, MAX_TOKENS, MEASURE_STEPS = 512, 400, 15
 STAND_IN_VOCAB = 16
 
 
+class StandInModel(torch.nn.Module):
+    """The model's interface with no work behind it: zero hidden states, zero logits."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+
+    def forward(self, input_ids, positions, kv_caches, attn_metadata):
+        return torch.zeros(input_ids.shape[0], self.hidden_size)
+
+    def compute_logits(self, hidden_states, upcast=True):
+        return torch.zeros(hidden_states.shape[0], STAND_IN_VOCAB)
+
+
 def make_engine(batch: int, num_scheduler_steps: int):
-    """The bundled model's engine on the CPU, its forward pass and LM head replaced by zeros."""
+    """The bundled model's engine on the CPU, its model replaced by a stand-in (the runner's
+    public `model` attribute: the runner calls `model(...)` and `model.compute_logits(...)`)."""
     from minivllm import EngineArgs, LLMEngine
 
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -42,9 +57,7 @@ def make_engine(batch: int, num_scheduler_steps: int):
         num_scheduler_steps=num_scheduler_steps,
     ))
     runner = engine.model_executor.driver_worker.model_runner
-    hidden_size = runner.model_config.hf_config.hidden_size
-    runner._run_model = lambda input_ids, positions, attn_metadata, kv_caches: torch.zeros(input_ids.shape[0], hidden_size)
-    runner.model.compute_logits = lambda hidden_states, upcast=True: torch.zeros(hidden_states.shape[0], STAND_IN_VOCAB)
+    runner.model = StandInModel(engine.model_config.hf_config.hidden_size)
     return engine
 
 
