@@ -1,13 +1,17 @@
 """How to sample one request: vLLM's `SamplingParams`, with its names and defaults.
 
 Pure Python (no torch), so the scheduler and the notebooks can use it without a model.
-Every invalid value raises `ValueError` naming the parameter and the reason.
+Every invalid value raises `InvalidParameterError` (a `ValueError`) naming the parameter and
+the reason: wrong types (a bool or a string for a number), NaN and infinities, and integers
+outside what torch can hold are refused here, so nothing bad reaches a step.
 """
 
 from __future__ import annotations
 
 import copy
 import enum
+import math
+import numbers
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is treated as greedy (as in vLLM): dividing logits by a
@@ -45,7 +49,7 @@ class SamplingParams:
         >>> SamplingParams(n=2, best_of=1)
         Traceback (most recent call last):
         ...
-        ValueError: best_of must be greater than or equal to n, got n=2 and best_of=1.
+        minivllm.sampling_params.InvalidParameterError: best_of must be greater than or equal to n, got n=2 and best_of=1.
     """
 
     n: int = 1
@@ -79,15 +83,10 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.best_of is None:
             self.best_of = self.n
-        if self.stop is None:
-            self.stop = []
-        elif isinstance(self.stop, str):
-            self.stop = [self.stop]
-        else:
-            self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids or [])
-        self.all_stop_token_ids = set(self.stop_token_ids)
+        self.stop = _as_list("stop", self.stop)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
         self._verify_args()
+        self.all_stop_token_ids = set(self.stop_token_ids)
         if self.use_beam_search:
             self._verify_beam_search()
         elif self.temperature < _SAMPLING_EPS:
@@ -97,61 +96,62 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ checks
     def _verify_args(self) -> None:
-        _check_int("n", self.n, minimum=1)
-        _check_int("best_of", self.best_of, minimum=1)
+        """Types first, then ranges: every value that reaches the engine is one torch can hold."""
+        self._verify_types()
         if self.best_of < self.n:
-            raise ValueError(
-                f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}."
-            )
-        for name in ("presence_penalty", "frequency_penalty"):
+            raise InvalidParameterError(
+                "best_of", f"best_of must be greater than or equal to n, got n={self.n} and best_of={self.best_of}.")
+        for name, low, high in _FLOAT_RANGES:
             value = getattr(self, name)
-            if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name} must be in [-2, 2], got {value}.")
-        if not 0.0 < self.repetition_penalty <= 2.0:
-            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}.")
-        if self.temperature < 0.0:
-            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
-        if not isinstance(self.top_k, int) or self.top_k < -1 or self.top_k == 0:
-            raise ValueError(f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
-        if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, minimum=1)
-        _check_int("min_tokens", self.min_tokens, minimum=0)
+            if not low <= value <= high:
+                raise InvalidParameterError(name, f"{name} must be in [{low}, {high}], got {value}.")
+        if self.repetition_penalty == 0.0:
+            raise InvalidParameterError("repetition_penalty", "repetition_penalty must be in (0, 2], got 0.0.")
+        if self.top_p == 0.0:
+            raise InvalidParameterError("top_p", "top_p must be in (0, 1], got 0.0.")
+        if self.top_k < -1 or self.top_k == 0:
+            raise InvalidParameterError("top_k", f"top_k must be -1 (disable), or at least 1, got {self.top_k}.")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(
-                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}."
-            )
-        if self.logprobs is not None:
-            _check_int("logprobs", self.logprobs, minimum=0)
-        if self.prompt_logprobs is not None:
-            _check_int("prompt_logprobs", self.prompt_logprobs, minimum=0)
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
-        if any(not isinstance(s, str) or s == "" for s in self.stop):
-            raise ValueError(f"stop must contain only non-empty strings, got {self.stop!r}.")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}.")
+            raise InvalidParameterError(
+                "min_tokens",
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, got {self.min_tokens}.")
+        if any(s == "" for s in self.stop):
+            raise InvalidParameterError("stop", f"stop must contain only non-empty strings, got {self.stop!r}.")
         if self.stop and not self.detokenize:
-            raise ValueError("stop strings are only supported when detokenize is True.")
+            raise InvalidParameterError("stop", "stop strings are only supported when detokenize is True.")
+
+    def _verify_types(self) -> None:
+        """Each field has the type its annotation says, and each integer fits where it goes."""
+        for name, minimum, maximum, optional in _INT_FIELDS:
+            value = getattr(self, name)
+            if not (optional and value is None):
+                setattr(self, name, _check_int(name, value, minimum, maximum))
+        for name, _, _ in _FLOAT_RANGES:
+            setattr(self, name, _check_float(name, getattr(self, name)))
+        for name in _BOOL_FIELDS:
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidParameterError(name, f"{name} must be a bool, got {getattr(self, name)!r}.")
+        if not (isinstance(self.early_stopping, bool) or self.early_stopping == "never"):
+            raise InvalidParameterError(
+                "early_stopping", f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}.")
+        if any(not isinstance(s, str) for s in self.stop):
+            raise InvalidParameterError("stop", f"stop must be a string or a list of strings, got {self.stop!r}.")
+        self.stop_token_ids = [_check_int("stop_token_ids", t, 0, _INT64_MAX) for t in self.stop_token_ids]
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise InvalidParameterError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
 
     def _verify_beam_search(self) -> None:
         if self.best_of == 1:
-            raise ValueError(f"best_of must be greater than 1 when using beam search, got {self.best_of}.")
+            raise InvalidParameterError(
+                "best_of", f"best_of must be greater than 1 when using beam search, got {self.best_of}.")
         if self.temperature > _SAMPLING_EPS:
-            raise ValueError("temperature must be 0 when using beam search.")
+            raise InvalidParameterError("temperature", "temperature must be 0 when using beam search.")
         if self.top_p < 1.0 - _SAMPLING_EPS or self.top_k != -1 or self.min_p > _SAMPLING_EPS:
-            raise ValueError("top_p, top_k and min_p must be disabled when using beam search.")
-        if self.early_stopping not in (True, False, "never"):
-            raise ValueError(
-                f"early_stopping must be True, False, or 'never', got {self.early_stopping!r}."
-            )
+            raise InvalidParameterError("top_p", "top_p, top_k and min_p must be disabled when using beam search.")
 
     def _verify_greedy(self) -> None:
         if self.best_of > 1:
-            raise ValueError(f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
+            raise InvalidParameterError("best_of", f"best_of must be 1 when using greedy sampling, got {self.best_of}.")
 
     # --------------------------------------------------------------- queries
     @property
@@ -168,8 +168,68 @@ class SamplingParams:
         return copy.deepcopy(self)
 
 
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(f"{name} must be an integer, got {value!r}.")
-    if value < minimum:
-        raise ValueError(f"{name} must be at least {minimum}, got {value}.")
+class InvalidParameterError(ValueError):
+    """A `ValueError` that names the parameter at fault (`param`), so that a server can say which
+    field of the request to fix (vLLM's `VLLMValidationError` plays this part)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def _as_list(name: str, value: object) -> list:
+    """`stop` may be one string; both list fields may be None (empty) or any list or tuple."""
+    if value is None:
+        return []
+    if isinstance(value, str) and name == "stop":
+        return [value]
+    if not isinstance(value, (list, tuple)):
+        raise InvalidParameterError(name, f"{name} must be a list, got {value!r}.")
+    return list(value)
+
+
+def _check_int(name: str, value: object, minimum: int, maximum: int) -> int:
+    """`value` as a plain int in [minimum, maximum]; a bool is not an integer here."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise InvalidParameterError(name, f"{name} must be an integer, got {value!r}.")
+    if not minimum <= value <= maximum:
+        raise InvalidParameterError(name, f"{name} must be in [{minimum}, {maximum}], got {value}.")
+    return int(value)
+
+
+def _check_float(name: str, value: object) -> float:
+    """`value` as a finite float: NaN passes every comparison test, so it is refused by name."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise InvalidParameterError(name, f"{name} must be a number, got {value!r}.")
+    if not math.isfinite(value):
+        raise InvalidParameterError(name, f"{name} must be a finite number, got {value}.")
+    return float(value)
+
+
+# Integers end up in torch tensors (int64) or seed a torch.Generator (which takes any 64-bit
+# value, signed or not); beyond these bounds they would overflow inside a step.
+_INT64_MAX = 2**63 - 1
+_INT_FIELDS = (  # (name, minimum, maximum, may be None)
+    ("n", 1, _INT64_MAX, False),
+    ("best_of", 1, _INT64_MAX, False),
+    ("top_k", -1, _INT64_MAX, False),
+    ("seed", -(2**63), 2**64 - 1, True),
+    ("max_tokens", 1, _INT64_MAX, True),
+    ("min_tokens", 0, _INT64_MAX, False),
+    ("logprobs", 0, _INT64_MAX, True),
+    ("prompt_logprobs", 0, _INT64_MAX, True),
+)
+# A beam's score is cumulative_logprob / length ** length_penalty: within +-MAX_LENGTH_PENALTY
+# the power stays a finite, non-zero float for any length below 2**64 (2**(64*10) < 2**1023).
+MAX_LENGTH_PENALTY = 10.0
+_FLOAT_RANGES = (  # (name, low, high), both inclusive; a few exclusions follow in _verify_args
+    ("presence_penalty", -2.0, 2.0),
+    ("frequency_penalty", -2.0, 2.0),
+    ("repetition_penalty", 0.0, 2.0),
+    ("temperature", 0.0, float("inf")),
+    ("top_p", 0.0, 1.0),
+    ("min_p", 0.0, 1.0),
+    ("length_penalty", -MAX_LENGTH_PENALTY, MAX_LENGTH_PENALTY),
+)
+_BOOL_FIELDS = ("use_beam_search", "include_stop_str_in_output", "ignore_eos", "detokenize",
+                "skip_special_tokens", "spaces_between_special_tokens")

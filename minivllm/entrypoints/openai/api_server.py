@@ -12,8 +12,20 @@ Any OpenAI client works against it:
     client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=16)
 
 Errors always come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`:
-400 for a value the request may not have, 404 for an unknown model or route, 422 for
-malformed JSON or a wrong type. A request never brings the server down.
+400 for a bad request (malformed JSON, a missing field, a wrong type, a value out of range;
+`param` names the field, as in vLLM), 401 without the API key, 404 for an unknown model or
+route, 413 for a body over the size limit, 500 with only a request id for a failure on our
+side (the details go to the log). A request never brings the server down.
+
+Safe to share (`build_app`'s keyword arguments, `minivllm serve`'s flags):
+    * `api_key`: every route but /health needs `Authorization: Bearer <key>` (vLLM checks
+      the /v1 routes; here /tokenize, /metrics and /docs too).
+    * `allowed_hosts`: the `Host` header must name the server (Starlette's
+      TrustedHostMiddleware), so a web page cannot reach a loopback server through DNS
+      rebinding. Default: the loopback names.
+    * `allowed_origins`: no CORS headers unless given, so browsers keep other sites' pages
+      from reading the answers.
+    * `max_body_bytes`, `max_prompts_per_request`: one request cannot hold everybody up.
 """
 
 from __future__ import annotations
@@ -21,19 +33,27 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
+import secrets
 import threading
 import time
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from minivllm.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -49,19 +69,34 @@ from minivllm.entrypoints.openai.protocol import (
 )
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from minivllm.entrypoints.openai.serving_engine import OpenAIError
+from minivllm.entrypoints.openai.serving_engine import OpenAIError, internal_error
 
 logger = logging.getLogger(__name__)
 
 # How long `ServerThread.start` waits for uvicorn to bind before giving up.
 _SERVER_START_TIMEOUT_S = 30.0
+# Host header values of a server bound to loopback (a DNS-rebinding page sends its own name).
+LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1", "[::1]")
+API_KEY_ENV = "MINIVLLM_API_KEY"
+# Routes anyone may call even with an API key set: liveness probes carry no credentials.
+_OPEN_PATHS = ("/health",)
 
 
-def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None = None) -> FastAPI:
+def build_app(
+    engine: AsyncLLMEngine,
+    served_model_name: str | list[str] | None = None,
+    *,
+    api_key: str | None = None,
+    allowed_hosts: Sequence[str] | None = LOOPBACK_HOSTS,
+    allowed_origins: Sequence[str] = (),
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+) -> FastAPI:
     """A FastAPI app serving `engine`; registers a Prometheus stat logger on the engine.
 
     `served_model_name`: the name(s) clients put in `"model"` (default: the checkpoint folder's
-    name, or the hub id).
+    name, or the hub id). `allowed_hosts=None` accepts any Host header (a server bound to a
+    public address, behind its own name). The other arguments: see the module docstring.
     """
     names = _served_model_names(engine, served_model_name)
     registry = CollectorRegistry()
@@ -81,8 +116,18 @@ def build_app(engine: AsyncLLMEngine, served_model_name: str | list[str] | None 
     app.state.engine = engine
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
-    _add_openai_routes(app, OpenAIServingCompletion(engine, names), OpenAIServingChat(engine, names))
+    completion = OpenAIServingCompletion(engine, names, max_prompts_per_request)
+    _add_openai_routes(app, completion, OpenAIServingChat(engine, names))
     _add_server_routes(app, engine, stat_logger)
+    # The last one added runs first: Host, then CORS (its preflight carries no key), then the key.
+    app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
+    if api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
+    if allowed_hosts is not None:
+        app.add_middleware(TrustedHostMiddleware, allowed_hosts=list(allowed_hosts))
     return app
 
 
@@ -106,10 +151,10 @@ def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: 
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:
+        # `root` is the served name, never the checkpoint's path on this machine.
         max_model_len = completion.max_model_len
-        root = completion.engine.model_config.model
-        cards = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in completion.served_model_names]
-        return ModelList(data=cards)
+        names = completion.served_model_names
+        return ModelList(data=[ModelCard(id=name, root=names[0], max_model_len=max_model_len) for name in names])
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -164,23 +209,35 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ValueError)
     async def value_error(_, exc: ValueError):  # e.g. the engine refusing a request
-        return _error_response(400, str(exc), "invalid_request_error")
+        return _error_response(400, str(exc), "invalid_request_error", param=getattr(exc, "param", None))
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_, exc: RequestValidationError):
-        # Only locations and messages: echoing the input back could carry undecodable bytes.
+        # 400 as in vLLM (FastAPI's default is 422). Only locations and messages: echoing the
+        # input back could carry undecodable bytes.
         details = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
         param = _first_field(exc.errors())
-        return _error_response(422, f"Invalid request: {details}", "invalid_request_error", param=param)
+        return _error_response(400, f"Invalid request: {details}", "invalid_request_error", param=param)
 
     @app.exception_handler(EngineStepError)
     async def engine_error(_, exc: EngineStepError):  # the engine failed, not the request
-        return _error_response(500, str(exc), "server_error")
+        return _internal_error_response(exc)
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(_, exc: Exception):  # a bug of ours: log it, tell only an id
+        return _internal_error_response(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_, exc: StarletteHTTPException):  # unknown route (404), wrong method (405), ...
         error_type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
         return _error_response(exc.status_code, str(exc.detail), error_type)
+
+
+def _internal_error_response(exc: BaseException) -> JSONResponse:
+    request_id = f"err-{uuid.uuid4().hex[:12]}"
+    logger.error("request %s failed", request_id, exc_info=exc)
+    error = internal_error(request_id)
+    return JSONResponse(error.to_response().model_dump(), status_code=error.status_code)
 
 
 def _first_field(errors) -> str | None:
@@ -190,6 +247,67 @@ def _first_field(errors) -> str | None:
         if fields:
             return fields[0]
     return None
+
+
+# ---------------------------------------------------------------- middleware
+class ApiKeyMiddleware:
+    """Every HTTP route but `_OPEN_PATHS` needs `Authorization: Bearer <api_key>` (else 401).
+
+    Plain ASGI rather than `@app.middleware("http")`: it leaves the request's `receive` alone,
+    which the routes watch to notice a client that hangs up.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in _OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        given = dict(scope["headers"]).get(b"authorization", b"")
+        if secrets.compare_digest(given, self.expected):  # constant time: no timing oracle
+            await self.app(scope, receive, send)
+            return
+        response = _error_response(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
+                                   "authentication_error", code="invalid_api_key")
+        await response(scope, receive, send)
+
+
+class BodySizeLimitMiddleware:
+    """Refuse a request body over `max_body_bytes` with a 413, before it is all in memory:
+    by its Content-Length header, or, for a chunked body, as soon as the bytes read pass it."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await self._too_large()(scope, receive, send)
+            return
+        received = 0
+
+        async def counting_receive():
+            nonlocal received
+            message = await receive()
+            received += len(message.get("body", b""))
+            if received > self.max_body_bytes:
+                # Raised inside the route's body parsing, which passes FastAPI's HTTPException on.
+                raise HTTPException(413, self._message())
+            return message
+
+        await self.app(scope, counting_receive, send)
+
+    def _message(self) -> str:
+        return f"The request body is larger than {self.max_body_bytes} bytes."
+
+    def _too_large(self) -> JSONResponse:
+        return _error_response(413, self._message(), "invalid_request_error")
 
 
 # --------------------------------------------------------------- running it
@@ -240,10 +358,32 @@ class ServerThread:
 def run_server(args: argparse.Namespace) -> None:
     """`minivllm serve`: build the engine from the command line and serve until Ctrl-C."""
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(engine, args.served_model_name)
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if not api_key and not _is_loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
+    app = build_app(
+        engine,
+        args.served_model_name,
+        api_key=api_key,
+        allowed_hosts=_allowed_hosts(args),
+        allowed_origins=args.allowed_origins,
+        max_body_bytes=args.max_request_body_bytes,
+        max_prompts_per_request=args.max_prompts_per_request,
+    )
     logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     engine.shutdown()
+
+
+def _is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+def _allowed_hosts(args: argparse.Namespace) -> list[str] | None:
+    """--allowed-hosts if given; else the loopback names when bound to loopback; else any."""
+    if args.allowed_hosts:
+        return None if "*" in args.allowed_hosts else list(args.allowed_hosts)
+    return [*LOOPBACK_HOSTS, args.host] if _is_loopback(args.host) else None
 
 
 if __name__ == "__main__":

@@ -12,13 +12,31 @@ import argparse
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: exposing a server to the network is a deliberate choice
 DEFAULT_PORT = 8000
+# 4 MiB: a full context of token ids as JSON for any model here, with room to spare.
+DEFAULT_MAX_BODY_BYTES = 4 * 2**20
+DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the server's and the engine's arguments to `parser` (and return it)."""
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default=DEFAULT_HOST, help="address to bind (default: %(default)s)")
+    group.add_argument("--host", default=DEFAULT_HOST,
+                       help="address to bind (default: %(default)s, loopback: only this machine can connect; "
+                            "0.0.0.0 exposes the server to the network, so set --api-key too)")
     group.add_argument("--port", type=int, default=DEFAULT_PORT, help="port to bind (default: %(default)s)")
+    group.add_argument("--api-key", default=None,
+                       help="require `Authorization: Bearer <key>` on every route but /health "
+                            "(default: the MINIVLLM_API_KEY environment variable; unset: no key)")
+    group.add_argument("--allowed-hosts", nargs="+", default=None,
+                       help="Host header values to accept, against DNS rebinding (default: the loopback names "
+                            "when bound to loopback, else any; '*' accepts any)")
+    group.add_argument("--allowed-origins", nargs="+", default=[],
+                       help="origins allowed to read answers in a browser via CORS (default: none, "
+                            "no CORS headers are sent)")
+    group.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help="larger request bodies get a 413 (default: %(default)s)")
+    group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+                       help="most prompts one /v1/completions request may carry (default: %(default)s)")
     group.add_argument(
         "--served-model-name",
         nargs="+",

@@ -16,9 +16,13 @@ notebooks) never share or clash on metric names.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from minivllm.engine.metrics import Stats
+
+# No `..._created` sample (a creation timestamp) beside every counter and histogram: vLLM's
+# metrics have none, and in a notebook they only clutter the page. (A process-wide switch.)
+disable_created_metrics()
 
 # Bucket edges in seconds. vLLM's start at a millisecond for fast GPUs; a CPU run of the
 # bundled model lands in the tens-to-hundreds of milliseconds, so both ends are covered.

@@ -4,9 +4,10 @@ Mirrors `vllm/entrypoints/openai/protocol.py` (v0, ~0.6): OpenAI's fields with O
 defaults, plus vLLM's sampling extras (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`,
 `min_tokens`, `stop_token_ids`, `use_beam_search`, `priority`, ...).
 
-Two kinds of bad request, two status codes:
-    * a field of the wrong type (pydantic)                -> 422, before any handler runs;
-    * a well-typed value out of range (`SamplingParams`)  -> 400, from `to_sampling_params`.
+A bad request is a 400 naming the field (`error.param`), as in vLLM, whichever layer finds it:
+    * a missing field or one of the wrong type (pydantic) -> before any handler runs;
+    * a well-typed value out of range (`SamplingParams`)  -> from `to_sampling_params`;
+    * a value this model cannot honour (`LLMEngine.add_request`: token ids, logprobs, ...).
 Ranges are therefore checked in ONE place, `SamplingParams`, exactly as the engine checks them.
 """
 
@@ -18,11 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from minivllm.sampling_params import SamplingParams
-
-# torch seeds its generators with a 64-bit integer; a bigger seed would fail inside a step.
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
+from minivllm.sampling_params import InvalidParameterError, SamplingParams
 
 def _check_utf8(text: str) -> str:
     """JSON escapes can smuggle lone surrogates ("\\udc80") that no tokenizer can encode."""
@@ -41,7 +38,7 @@ def random_uuid() -> str:
 
 
 class OpenAIBaseModel(BaseModel):
-    # Strict types: "max_tokens": "16" or "stream": "yes" is a 422, as with OpenAI. Python's
+    # Strict types: "max_tokens": "16" or "stream": "yes" is refused, as with OpenAI. Python's
     # JSON parser accepts NaN and Infinity, which no sampling parameter may be. Unknown fields
     # are ignored so that newer clients keep working.
     model_config = ConfigDict(strict=True, allow_inf_nan=False, extra="ignore")
@@ -75,7 +72,9 @@ class UsageInfo(OpenAIBaseModel):
 class SamplingRequestMixin(OpenAIBaseModel):
     """Fields shared by completion and chat requests, and their mapping to `SamplingParams`."""
 
-    model: str | None = None
+    # Required, as in OpenAI's API and vLLM's server: a request for another model than the
+    # one served must not quietly get this one's answer.
+    model: str
     n: int = 1
     best_of: int | None = None
     temperature: float = 1.0
@@ -104,14 +103,12 @@ class SamplingRequestMixin(OpenAIBaseModel):
     def check_supported(self) -> None:
         """Reject requests that are well-formed but that minivllm cannot honour (-> 400)."""
         if self.logit_bias:
-            raise ValueError("logit_bias is not supported by minivllm.")
+            raise InvalidParameterError("logit_bias", "logit_bias is not supported by minivllm.")
         if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options can only be set when stream is true.")
-        if self.seed is not None and not _INT64_MIN <= self.seed <= _INT64_MAX:
-            raise ValueError(f"seed must fit in a signed 64-bit integer, got {self.seed}.")
+            raise InvalidParameterError("stream_options", "stream_options can only be set when stream is true.")
         if self.stream and (self.use_beam_search or (self.best_of or self.n) > self.n):
             # Beams are re-ranked until the very end, so there is no stable prefix to stream.
-            raise ValueError("streaming is not supported with use_beam_search or best_of > n.")
+            raise InvalidParameterError("stream", "streaming is not supported with use_beam_search or best_of > n.")
 
     # Each request type names its own max-tokens and logprobs fields.
     @property
@@ -170,9 +167,9 @@ class CompletionRequest(SamplingRequestMixin):
     def check_supported(self) -> None:
         super().check_supported()
         if self.suffix:
-            raise ValueError("suffix is not supported by minivllm.")
+            raise InvalidParameterError("suffix", "suffix is not supported by minivllm.")
         if self.echo and self.logprobs is not None:
-            raise ValueError("echo together with logprobs is not supported by minivllm.")
+            raise InvalidParameterError("echo", "echo together with logprobs is not supported by minivllm.")
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -250,11 +247,11 @@ class ChatCompletionRequest(SamplingRequestMixin):
     def check_supported(self) -> None:
         super().check_supported()
         if self.tools:
-            raise ValueError("tools are not supported by minivllm.")
+            raise InvalidParameterError("tools", "tools are not supported by minivllm.")
         if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("only response_format type 'text' is supported by minivllm.")
+            raise InvalidParameterError("response_format", "only response_format type 'text' is supported by minivllm.")
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true.")
+            raise InvalidParameterError("top_logprobs", "top_logprobs requires logprobs to be true.")
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -55,7 +55,7 @@ class OpenAIServingChat(OpenAIServing):
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:
             text = await self.run_in_tokenizer_thread(
-                self.tokenizer.apply_chat_template,
+                "apply_chat_template",
                 conversation,
                 chat_template=template,
                 add_generation_prompt=add_generation_prompt,
@@ -74,9 +74,9 @@ class OpenAIServingChat(OpenAIServing):
         params = self.build_sampling_params(request, len(prompt_ids))
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority)
-        model = request.model or self.served_model_names[0]
+        model = request.model
         if request.stream:
-            return self.sse_stream(self._events(request, request_id, model, len(prompt_ids), streams), streams)
+            return self.sse_stream(request_id, self._events(request, request_id, model, len(prompt_ids), streams), streams)
         (final,) = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, len(prompt_ids), final)
 

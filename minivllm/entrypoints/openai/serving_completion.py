@@ -50,9 +50,9 @@ class OpenAIServingCompletion(OpenAIServing):
         params = [self.build_sampling_params(request, len(ids)) for ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, prompts, params, request.priority)
-        model = request.model or self.served_model_names[0]
+        model = request.model
         if request.stream:
-            return self.sse_stream(self._events(request, request_id, model, prompts, streams), streams)
+            return self.sse_stream(request_id, self._events(request, request_id, model, prompts, streams), streams)
         finals = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, prompts, finals)
 
@@ -63,6 +63,9 @@ class OpenAIServingCompletion(OpenAIServing):
         # An empty text would still tokenize to a lone BOS; refuse it as the engine does.
         if not prompt or any(len(p) == 0 for p in prompt):
             raise OpenAIError("The prompt is empty.", param="prompt")
+        if len(prompt) > self.max_prompts_per_request:
+            raise OpenAIError(
+                f"A request may carry at most {self.max_prompts_per_request} prompts, got {len(prompt)}.", param="prompt")
         prompts = [await self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
         for token_ids in prompts:
             self.check_token_ids(token_ids)

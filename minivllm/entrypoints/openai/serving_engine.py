@@ -12,8 +12,8 @@ import contextlib
 import copy
 import functools
 import json
-import math
-import sys
+import logging
+import threading
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,10 +24,15 @@ from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, Sampl
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
 
+logger = logging.getLogger(__name__)
+
 # vLLM's default cap on returned alternatives per token (`max_logprobs`); OpenAI allows 20.
 MAX_LOGPROBS = 20
 # JSON has no -inf; like vLLM, report an impossible token with a very negative number.
 _MIN_REPORTED_LOGPROB = -9999.0
+# Threads that tokenize prompts (each with its own tokenizer copy). More than one, so that a
+# megabyte prompt being tokenized does not hold up every other request's short one.
+NUM_TOKENIZER_THREADS = 4
 
 
 class OpenAIError(Exception):
@@ -39,12 +44,22 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.message, self.status_code, self.param, self.code = message, status_code, param, code
 
+    @classmethod
+    def from_value_error(cls, error: ValueError) -> "OpenAIError":
+        """A 400 for a value the request may not have, naming the field when the error does."""
+        return cls(str(error), param=getattr(error, "param", None))
+
     def to_response(self) -> ErrorResponse:
         if self.status_code >= 500:
             error_type = "server_error"
         else:
             error_type = "not_found_error" if self.status_code == 404 else "invalid_request_error"
         return ErrorResponse(error=ErrorInfo(message=self.message, type=error_type, param=self.param, code=self.code))
+
+
+def internal_error(request_id: str) -> OpenAIError:
+    """What a client hears about a failure on our side: no exception text, no paths."""
+    return OpenAIError(f"Internal server error (request id {request_id}); the details are in the server log.", 500)
 
 
 def sse_event(payload: Any) -> str:
@@ -59,29 +74,45 @@ SSE_DONE = "data: [DONE]\n\n"
 class OpenAIServing:
     """The parts of request handling that do not depend on the endpoint."""
 
-    def __init__(self, engine: AsyncLLMEngine, served_model_names: list[str]) -> None:
+    def __init__(
+        self, engine: AsyncLLMEngine, served_model_names: list[str], max_prompts_per_request: int = 64
+    ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        # One request may carry a batch of prompts; without a cap, one client could queue
+        # thousands ahead of everybody else's requests.
+        self.max_prompts_per_request = max_prompts_per_request
         self.max_model_len = engine.model_config.max_model_len
         self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
         # A private copy: the step thread detokenizes with the engine's tokenizer at the same
         # time as the server tokenizes new prompts.
         self.tokenizer = copy.deepcopy(engine.get_tokenizer())
-        # Tokenizing a long prompt takes a while (seconds for megabytes of text); in its own
-        # thread it never stalls the event loop, which streams everybody else's tokens.
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="minivllm-tokenize")
+        # Tokenizing a long prompt takes a while (seconds for megabytes of text); in a pool of
+        # threads it never stalls the event loop, which streams everybody else's tokens, nor
+        # the other prompts. Each thread gets its own copy: a fast tokenizer is not meant to be
+        # shared between threads.
+        self._tokenizer_threads = ThreadPoolExecutor(NUM_TOKENIZER_THREADS, thread_name_prefix="minivllm-tokenize")
+        self._thread_tokenizers = threading.local()
 
     # ------------------------------------------------------------ validation
     def check_model(self, model: str | None) -> None:
+        """An unknown model is a 404, as in vLLM (None: a route where `model` is optional)."""
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
-        return await self.run_in_tokenizer_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+        return await self.run_in_tokenizer_thread("encode", text, add_special_tokens=add_special_tokens)
 
-    async def run_in_tokenizer_thread(self, fn, *args, **kwargs):
-        call = functools.partial(fn, *args, **kwargs)
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, call)
+    async def run_in_tokenizer_thread(self, method: str, *args, **kwargs):
+        """`tokenizer.<method>(*args, **kwargs)` on a tokenizer thread's own copy."""
+        call = functools.partial(self._call_thread_tokenizer, method, *args, **kwargs)
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, call)
+
+    def _call_thread_tokenizer(self, method: str, *args, **kwargs):
+        tokenizer = getattr(self._thread_tokenizers, "tokenizer", None)
+        if tokenizer is None:
+            tokenizer = self._thread_tokenizers.tokenizer = copy.deepcopy(self.tokenizer)
+        return getattr(tokenizer, method)(*args, **kwargs)
 
     def check_token_ids(self, token_ids: list[int], param: str = "prompt") -> None:
         # An id outside the embedding table would fail inside a step, taking the batch with it.
@@ -95,17 +126,16 @@ class OpenAIServing:
         try:
             request.check_supported()
         except ValueError as e:
-            raise OpenAIError(str(e)) from e
+            raise OpenAIError.from_value_error(e) from e
         if num_prompt_tokens == 0:
             raise OpenAIError("The prompt is empty.", param="prompt")
         self._check_context_length(num_prompt_tokens, request.requested_max_tokens)
         self._check_fan_out(request)
-        self._check_length_penalty(request.length_penalty)
         try:
             # Default max_tokens: whatever still fits in the context after the prompt.
             return request.to_sampling_params(default_max_tokens=self.max_model_len - num_prompt_tokens)
         except ValueError as e:
-            raise OpenAIError(str(e)) from e
+            raise OpenAIError.from_value_error(e) from e
 
     def _check_context_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         requested = num_prompt_tokens + max(max_tokens or 1, 1)
@@ -129,16 +159,6 @@ class OpenAIServing:
         if logprobs is not None and logprobs > MAX_LOGPROBS:
             raise OpenAIError(f"logprobs must be at most {MAX_LOGPROBS}, got {logprobs}.", param="logprobs")
 
-    def _check_length_penalty(self, length_penalty: float) -> None:
-        # A beam's score divides by seq_len ** length_penalty, which must stay a finite,
-        # non-zero float for every length up to max_model_len.
-        if abs(length_penalty) * math.log(self.max_model_len) >= math.log(sys.float_info.max):
-            raise OpenAIError(
-                f"length_penalty={length_penalty} is too large: {self.max_model_len} ** length_penalty "
-                "is not a finite float.",
-                param="length_penalty",
-            )
-
     # --------------------------------------------------------------- engine
     async def add_requests(
         self, request_id: str, prompts_token_ids: list[list[int]], params: list[SamplingParams], priority: int
@@ -152,26 +172,30 @@ class OpenAIServing:
         except BaseException as e:
             await self.engine.abort([stream.request_id for stream in streams])
             if isinstance(e, ValueError):
-                raise OpenAIError(str(e)) from e
+                raise OpenAIError.from_value_error(e) from e
             raise
         return streams
 
     async def abort_unfinished(self, streams: Sequence[AsyncStream]) -> None:
         await self.engine.abort([s.request_id for s in streams if not s.finished])
 
-    async def sse_stream(self, events: AsyncIterator[str], streams: Sequence[AsyncStream]) -> AsyncIterator[str]:
+    async def sse_stream(
+        self, request_id: str, events: AsyncIterator[str], streams: Sequence[AsyncStream]
+    ) -> AsyncIterator[str]:
         """What every Server-Sent-Events response shares around its own `events`.
 
-        An error mid-stream is reported in-band (the 200 headers are already sent, like vLLM);
-        whatever the client left unfinished is aborted, so a hang-up frees its blocks; the
+        An error mid-stream is reported in-band (the 200 headers are already sent, like vLLM),
+        as a generic message with the request id: the details go to the server log only.
+        Whatever the client left unfinished is aborted, so a hang-up frees its blocks; the
         stream ends with `data: [DONE]`.
         """
         try:
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
-        except Exception as e:
-            yield sse_event(OpenAIError(f"{type(e).__name__}: {e}", 500).to_response())
+        except Exception:
+            logger.exception("request %s failed while streaming", request_id)
+            yield sse_event(internal_error(request_id).to_response())
         finally:
             # The client hung up (this generator was cancelled or closed): free the blocks.
             await self.abort_unfinished(streams)

@@ -71,7 +71,7 @@ def test_64_streams_with_early_disconnects(server, engine, assert_all_blocks_fre
 
 def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(server, assert_all_blocks_free):
     before = read_metrics(server.url)
-    long_request = {"prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": True}
+    long_request = {"model": "tiny-shakespeare", "prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(server.url + "/v1/completions", json=long_request, timeout=0.5)  # hang up after 0.5 s
     assert_all_blocks_free()
