@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 from minivllm.sequence import RequestMetrics, Sequence, SequenceGroup, SequenceStatus
 
+# Finished before a stop condition or a length: `finish_message` says why.
+_EARLY_ENDINGS = (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED)
 # One entry per position: {token_id: Logprob} holding the chosen token and the top-N.
 SampleLogprobs = list[dict[int, "Logprob"]]
 # The first prompt token has no logprob (nothing precedes it), hence the None.
@@ -48,8 +50,11 @@ class CompletionOutput:
         token_ids: the generated token ids.
         cumulative_logprob: sum of the chosen tokens' logprobs (None unless requested or beam).
         logprobs: per generated token, the top-N alternatives (None unless `logprobs` was set).
-        finish_reason: None while running, else "stop", "length" or "abort".
+        finish_reason: None while running, else "stop", "length" or "abort" (ended early: see
+            `finish_message`).
         stop_reason: the stop string or stop token id that ended it (None for EOS or length).
+        finish_message: why the engine ended it early ("abort": a prompt that can never fit,
+            lack of swap space, a failure inside a step), None otherwise.
     """
 
     index: int
@@ -59,6 +64,7 @@ class CompletionOutput:
     logprobs: SampleLogprobs | None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    finish_message: str | None = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -111,6 +117,7 @@ class RequestOutput:
                 logprobs=_sample_logprobs(seq, decode_token) if want_logprobs else None,
                 finish_reason=SequenceStatus.get_finished_reason(seq.status),
                 stop_reason=seq.stop_reason,
+                finish_message=seq_group.finish_message if seq.status in _EARLY_ENDINGS else None,
             )
             for index, seq in enumerate(seqs)
         ]

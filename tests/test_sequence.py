@@ -23,7 +23,7 @@ def test_finished_statuses_are_those_after_swapped():
 
 @pytest.mark.parametrize("status, reason", [
     (SequenceStatus.FINISHED_STOPPED, "stop"), (SequenceStatus.FINISHED_LENGTH_CAPPED, "length"),
-    (SequenceStatus.FINISHED_ABORTED, "abort"), (SequenceStatus.FINISHED_IGNORED, "length"),
+    (SequenceStatus.FINISHED_ABORTED, "abort"), (SequenceStatus.FINISHED_IGNORED, "abort"),
     (SequenceStatus.RUNNING, None), (SequenceStatus.WAITING, None)])
 def test_finish_reasons_follow_openai_names(status, reason):
     assert SequenceStatus.get_finished_reason(status) == reason

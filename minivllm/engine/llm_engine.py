@@ -150,7 +150,7 @@ class LLMEngine:
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
                          self.cache_config.block_size, self.eos_token_id)]
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        seq_group = SequenceGroup(request_id, seqs, params, arrival_time, priority)
+        seq_group = SequenceGroup(request_id, seqs, arrival_time, params, priority=priority)
         self.scheduler.add_seq_group(seq_group)
 
     def _process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:

@@ -65,12 +65,21 @@ class LLM:
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
                 self.llm_engine.add_request(request_id, prompt, params)
                 request_ids.append(request_id)
-        except ValueError:
-            # One bad prompt rejects the whole call: take back the ones already queued.
+        except BaseException:
+            # One bad prompt (ValueError, TypeError, ... or Ctrl-C) rejects the whole call: take
+            # back the ones already queued, or the next generate() would run them silently.
             self.llm_engine.abort_request(request_ids)
             raise
-        finished = self._run_engine(len(request_ids), use_tqdm)
+        try:
+            finished = self._run_engine(len(request_ids), use_tqdm)
+        except BaseException:
+            # Whatever stopped the loop, no request of this call may outlive it holding blocks.
+            self.llm_engine.abort_request([r for r in request_ids if self._is_unfinished(r)])
+            raise
         return [finished[request_id] for request_id in request_ids]
+
+    def _is_unfinished(self, request_id: str) -> bool:
+        return any(g.request_id == request_id for g in self.llm_engine._unfinished_groups())
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:

@@ -168,7 +168,7 @@ def test_alloc_never_is_ignored_with_a_reason_and_the_queue_moves_on():
     _, outputs = step(scheduler)
     assert outputs.ignored_seq_groups == [huge]
     assert huge.first_seq.status == SequenceStatus.FINISHED_IGNORED
-    assert SequenceStatus.get_finished_reason(huge.first_seq.status) == "length"
+    assert SequenceStatus.get_finished_reason(huge.first_seq.status) == "abort"
     assert "NEVER" in huge.finish_message and "5 KV-cache blocks" in huge.finish_message
     assert scheduled_ids(outputs) == ["ok"]
 

@@ -158,7 +158,8 @@ def test_bad_input_is_rejected_clearly_and_the_engine_keeps_serving(engine, capl
         engine.abort_request("no-such-request")
     assert "no-such-request" in caplog.text
     outputs = run(engine)
-    assert outputs["too-long"].finished and outputs["too-long"].outputs[0].finish_reason == "length"
+    assert outputs["too-long"].finished and outputs["too-long"].outputs[0].finish_reason == "abort"
+    assert "max_model_len" in outputs["too-long"].outputs[0].finish_message
     assert outputs["too-long"].outputs[0].token_ids == []
     assert len(outputs["good"].outputs[0].token_ids) == 4
     assert_all_blocks_free(engine)
