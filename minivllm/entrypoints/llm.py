@@ -40,30 +40,68 @@ class LLM:
 
     def generate(
         self,
-        prompts: PromptInput | Sequence[PromptInput],
+        prompts: PromptInput | Sequence[PromptInput] | None = None,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
+        priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished outputs in the prompts' order.
 
         Args:
-            prompts: a string, `{"prompt_token_ids": [...]}`, or a list of either.
+            prompts: a string, `{"prompt": text}`, `{"prompt_token_ids": [...]}`, or a list of them.
             sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
+            prompt_token_ids: vLLM's older keyword form, token ids instead of `prompts`: one
+                list of ids, or a list of them (give one of the two; vLLM lets text win).
             use_tqdm: show a progress bar with prompt and generation throughput.
+            priority: one per prompt, with `scheduling_policy="priority"` (lower runs first).
         """
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
+        prompts = _as_prompt_list(prompts, prompt_token_ids)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = self._params_per_prompt(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: give one per prompt.")
+        return self._generate(prompts, params_list, priorities, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate replies to conversations, rendered with the tokenizer's chat template.
+
+        vLLM's `LLM.chat`: `messages` is one conversation (`[{"role": "user", "content":
+        "..."}]`) or a list of them; each becomes one prompt, `chat_template` (a Jinja string)
+        replacing the tokenizer's. As the OpenAI server does, the rendered text is tokenized
+        without adding special tokens: the template writes BOS itself.
+        """
+        if not messages:
+            raise ValueError("messages is empty: give a conversation, a list of {'role', 'content'} dicts.")
+        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
+        tokenizer = self.get_tokenizer()
+        prompts = []
+        for conversation in conversations:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False)
+            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _generate(self, prompts: list[PromptInput], params_list: list[SamplingParams], priorities: list[int],
+                  use_tqdm: bool) -> list[RequestOutput]:
         request_ids = []
         try:
-            for prompt, params in zip(prompts, params_list):
+            for prompt, params, priority in zip(prompts, params_list, priorities):
                 request_id = str(next(self.request_counter))
                 # Only finished outputs are kept: spare the engine a RequestOutput per step.
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, params)
+                self.llm_engine.add_request(request_id, prompt, params, priority=priority)
                 request_ids.append(request_id)
         except BaseException:
             # One bad prompt (ValueError, TypeError, ... or Ctrl-C) rejects the whole call: take
@@ -117,3 +155,17 @@ class LLM:
         if bar is not None:
             bar.close()
         return finished
+
+
+def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptInput]:
+    """Every form vLLM's `generate` takes, as a list of what `LLMEngine.add_request` takes."""
+    if (prompts is None) == (prompt_token_ids is None):
+        raise ValueError("give prompts or prompt_token_ids (one of the two).")
+    if prompt_token_ids is not None:
+        ids = list(prompt_token_ids)
+        lists = ids if ids and not isinstance(ids[0], int) else [ids]  # one prompt, or several
+        return [{"prompt_token_ids": list(token_ids)} for token_ids in lists]
+    prompts = [prompts] if isinstance(prompts, (str, dict)) else list(prompts)
+    # vLLM's TextPrompt, {"prompt": text}, is plain text to the engine.
+    return [p["prompt"] if isinstance(p, dict) and "prompt_token_ids" not in p and "prompt" in p else p
+            for p in prompts]

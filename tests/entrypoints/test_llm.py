@@ -74,3 +74,67 @@ def test_top_level_exports_are_lazy():
     code = "import sys, minivllm; assert 'torch' not in sys.modules; minivllm.LLM; assert 'torch' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
     assert set(minivllm.__all__) >= {"LLM", "LLMEngine", "EngineArgs", "RequestOutput", "CompletionOutput", "SamplingParams"}
+
+
+# ----------------------------------------------------------------------------- vLLM's keyword forms
+
+def test_generate_takes_prompt_token_ids_and_text_prompt_dicts(llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    [from_text] = llm.generate("abc", params, use_tqdm=False)
+    ids = from_text.prompt_token_ids
+    [one] = llm.generate(prompt_token_ids=ids, sampling_params=params, use_tqdm=False)
+    two = llm.generate(sampling_params=params, prompt_token_ids=[ids, ids[:2]], use_tqdm=False)
+    [as_dict] = llm.generate({"prompt": "abc"}, params, use_tqdm=False)
+    assert one.outputs[0].token_ids == two[0].outputs[0].token_ids == from_text.outputs[0].token_ids
+    assert two[1].prompt_token_ids == ids[:2]
+    assert as_dict.prompt == "abc" and as_dict.outputs[0].token_ids == from_text.outputs[0].token_ids
+    with pytest.raises(ValueError, match="one of the two"):
+        llm.generate("abc", params, prompt_token_ids=ids, use_tqdm=False)
+    with pytest.raises(ValueError, match="one of the two"):
+        llm.generate(sampling_params=params, use_tqdm=False)
+
+
+def test_generate_takes_one_priority_per_prompt(tiny_llama):
+    llm = LLM(tiny_llama[0], device="cpu", scheduling_policy="priority")
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    outputs = llm.generate(["a", "b"], params, priority=[1, 0], use_tqdm=False)
+    assert [o.prompt for o in outputs] == ["a", "b"] and all(o.finished for o in outputs)
+    with pytest.raises(ValueError, match="one per prompt"):
+        llm.generate(["a", "b"], params, priority=[0], use_tqdm=False)
+
+
+# ----------------------------------------------------------------------------- chat
+
+MESSAGES = [{"role": "system", "content": "Speak as a king."}, {"role": "user", "content": "Who goes there?"}]
+
+
+@pytest.fixture(scope="module")
+def bundled_llm():
+    return LLM(device="cpu", num_gpu_blocks_override=64)
+
+
+def test_chat_renders_the_tokenizers_chat_template_like_transformers(bundled_llm):
+    tokenizer = bundled_llm.get_tokenizer()
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    [reply] = bundled_llm.chat(MESSAGES, params, use_tqdm=False)
+    # transformers' own rendering and tokenization of the conversation (the template writes BOS).
+    expected_ids = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert reply.prompt_token_ids == list(expected_ids)
+    assert reply.prompt == tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+    [same] = bundled_llm.generate(prompt_token_ids=list(expected_ids), sampling_params=params, use_tqdm=False)
+    assert reply.outputs[0].token_ids == same.outputs[0].token_ids
+
+
+def test_chat_takes_a_batch_a_template_and_no_generation_prompt(bundled_llm):
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    other = [{"role": "user", "content": "Good morrow."}]
+    replies = bundled_llm.chat([MESSAGES, other], params, use_tqdm=False)
+    [alone] = bundled_llm.chat(other, params, use_tqdm=False)
+    assert len(replies) == 2 and replies[1].outputs[0].token_ids == alone.outputs[0].token_ids
+    template = "{% for m in messages %}{{ m['content'] }}\n{% endfor %}"
+    [custom] = bundled_llm.chat(other, params, chat_template=template, use_tqdm=False)
+    assert custom.prompt == "Good morrow.\n"
+    [open_prompt] = bundled_llm.chat(other, params, add_generation_prompt=False, use_tqdm=False)
+    assert not open_prompt.prompt.endswith("ASSISTANT:")
+    with pytest.raises(ValueError, match="empty"):
+        bundled_llm.chat([], params, use_tqdm=False)
