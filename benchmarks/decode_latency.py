@@ -137,7 +137,7 @@ def _eager_forward(llm, batch: int):
     engine = llm.llm_engine
     worker = engine.model_executor.driver_worker
     runner = worker.model_runner
-    seq_group_metadata_list, _ = engine.scheduler.schedule()
+    seq_group_metadata_list, _, _ = engine.scheduler.schedule()
     model_input = runner.prepare_model_input(seq_group_metadata_list)
     return lambda: runner.model(model_input.input_ids, model_input.positions, worker.kv_caches,
                                 model_input.attn_metadata)

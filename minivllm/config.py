@@ -32,11 +32,16 @@ class ModelConfig:
     """Which checkpoint to load and how.
 
     `model=None` or `"tiny-shakespeare"` means the model bundled with minivllm; any other
-    string is a local directory or a Hugging Face hub id.
+    string is a local directory or a Hugging Face hub id. `hf_config` given (a
+    transformers config built in code) means no checkpoint config is read: with
+    `skip_tokenizer_init` (vLLM's name: prompts are token ids, outputs carry token ids and
+    no text) an engine needs nothing from disk but its weights, and a stand-in executor
+    (the simulator's) not even those.
     """
 
     model: str | None = None
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
     dtype: str = "auto"
     seed: int = 0
     max_model_len: int | None = None

@@ -15,7 +15,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from minivllm.sequence import RequestMetrics, Sequence, SequenceGroup, SequenceStatus
+# Logprob lives in sequence.py, as in vLLM; outputs re-export it.
+from minivllm.sequence import Logprob, RequestMetrics, Sequence, SequenceGroup, SequenceStatus
 
 # Finished before a stop condition or a length: `finish_message` says why.
 _EARLY_ENDINGS = (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED)
@@ -23,21 +24,6 @@ _EARLY_ENDINGS = (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNOR
 SampleLogprobs = list[dict[int, "Logprob"]]
 # The first prompt token has no logprob (nothing precedes it), hence the None.
 PromptLogprobs = list[dict[int, "Logprob"] | None]
-
-
-@dataclass
-class Logprob:
-    """The log-probability of one token at one position.
-
-    Attributes:
-        logprob: natural-log probability under the distribution the token was sampled from.
-        rank: 1 for the most likely token, 2 for the next, ... (None when unknown).
-        decoded_token: the token's text, when the request detokenizes.
-    """
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
 
 
 @dataclass

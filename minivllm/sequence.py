@@ -55,8 +55,15 @@ _FINISH_REASONS = {
 
 @dataclass
 class Logprob:
-    """vLLM's per-token logprob record: the logprob, its rank in the distribution (1 = most
-    likely) and the decoded text. `Sequence.append_token_id` accepts `{token_id: Logprob}`."""
+    """The log-probability of one token at one position (vLLM's `Logprob`, in vLLM's place).
+
+    Attributes:
+        logprob: natural-log probability under the distribution the token was sampled from.
+        rank: 1 for the most likely token, 2 for the next, ... (None when unknown).
+        decoded_token: the token's text, when the request detokenizes.
+
+    `RequestOutput`s carry them; `Sequence.append_token_id` accepts `{token_id: Logprob}`.
+    """
 
     logprob: float
     rank: int | None = None
@@ -292,6 +299,9 @@ class SequenceGroup:
     ) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence.")
+        if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
+            raise ValueError(f"arrival_time must be a number, got {arrival_time!r} (vLLM's order: "
+                             "request_id, seqs, arrival_time, sampling_params).")
         self.request_id = request_id
         self.seqs = list(seqs)
         self.sampling_params = sampling_params or SamplingParams()

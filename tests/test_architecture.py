@@ -6,12 +6,15 @@ no minivllm module is imported to find its imports. The rules:
 1. `minivllm/core/**` and `minivllm/sequence.py` import no torch, directly or through other
    minivllm modules, so the scheduler and block manager run in a notebook with no model.
 2. The import graph is a DAG (no cycles).
-3. Layers import only downward, by the table `MAY_IMPORT` below.
+3. Layers import only downward, by the table `MAY_IMPORT` of `minivllm/viz/layers.py`.
 4. No top-level package named `kernels` is importable (transformers probes for one).
 5. `minivllm.kernels` is the top-level `kernels/` folder.
 
+6. The runtime (`core/`, `engine/`) imports nothing from the course tooling (`viz/`: the
+   pictures, the snapshots, the simulator), not even deferred or for type checking.
+
 Adding a new top-level module or sub-package? Give it a layer in `LAYERS` of
-`minivllm/viz/archmap.py` and a row of `MAY_IMPORT` here if it is a new layer.
+`minivllm/viz/layers.py` and a row of `MAY_IMPORT` there if it is a new layer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from collections import deque
 from pathlib import Path
 
 from minivllm.viz import archmap
+from minivllm.viz.layers import MAY_IMPORT
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE_ROOT = REPO / "minivllm"
@@ -32,36 +36,9 @@ PACKAGE_ROOT = REPO / "minivllm"
 # Outside packages that are torch or pull it in when imported.
 TORCH_DEPENDENT = ("torch", "triton", "transformers", "accelerate", "safetensors.torch")
 
-# Each layer and the layers it may import (itself included). Read it bottom up: foundation
-# (sequence, sampling_params, config, outputs, bundled_models, viz.style) is usable by all;
-# the compute stack is kernels < attention < model_executor < worker < executor < engine <
-# entrypoints, each importing any layer below it; the scheduler (core) sits beside that stack
-# and knows nothing of it; viz may read core and the simulator, and nothing but notebooks
-# (and the user) imports viz.
-_STACK = ("kernels", "attention", "model_executor", "worker", "executor")
-MAY_IMPORT: dict[str, set[str]] = {
-    "foundation": {"foundation"},
-    "kernels": {"foundation", "kernels"},
-    "attention": {"foundation", *_STACK[:2]},
-    "model_executor": {"foundation", *_STACK[:3]},
-    "worker": {"foundation", *_STACK[:4]},
-    "executor": {"foundation", *_STACK[:5]},
-    "core": {"foundation", "core"},
-    "sim": {"foundation", "core", "sim"},
-    "transformers_utils": {"foundation", "transformers_utils"},
-    "engine": {"foundation", *_STACK, "core", "transformers_utils", "engine"},
-    "entrypoints": {"foundation", *_STACK, "core", "transformers_utils", "engine", "sim",
-                    "entrypoints"},
-    "viz": {"foundation", "core", "sim", "viz"},
-    # The root __init__ re-exports the public API (LLM, SamplingParams, ...), never viz: a
-    # plain `import minivllm` must not pull in matplotlib.
-    "package": {"foundation", *_STACK, "core", "transformers_utils", "engine", "sim",
-                "entrypoints", "package"},
-}
-
 _HOW_TO_ADD = (
-    "give each a layer in LAYERS of minivllm/viz/archmap.py (and, for a new layer, a row in "
-    "MAY_IMPORT of tests/test_architecture.py and a place in archmap.ROWS)"
+    "give each a layer in LAYERS of minivllm/viz/layers.py (and, for a new layer, a row in "
+    "its MAY_IMPORT and a place in its ROWS)"
 )
 
 
@@ -237,6 +214,23 @@ def test_layers_import_only_downward():
                 f"{src} may import only {sorted(MAY_IMPORT[src])}"
             )
     assert not violations, "upward imports:\n" + "\n".join(violations)
+
+
+# --- rule 6: the runtime knows nothing of the course tooling ---------------------------------
+
+
+def test_core_and_engine_import_nothing_from_the_course_tooling():
+    """Snapshots, pictures and the simulator observe the engine from outside (`StepObserver`,
+    public queries); the runtime must never reach back into them."""
+    modules = _modules()
+    runtime = [m for m in modules if m.split(".")[:2] in (["minivllm", "core"], ["minivllm", "engine"])]
+    assert "minivllm.core.scheduler" in runtime and "minivllm.engine.llm_engine" in runtime
+    offending = [
+        f"{_where(e.importer, e.lineno)} imports {e.imported}"
+        for e in archmap.scan_imports(PACKAGE_ROOT)
+        if e.importer in runtime and (e.imported == "minivllm.viz" or e.imported.startswith("minivllm.viz."))
+    ]
+    assert not offending, "the runtime imports course tooling:\n" + "\n".join(offending)
 
 
 # --- rules 4 and 5: the kernels folder --------------------------------------------------------

@@ -51,10 +51,17 @@ def test_cache_config_defaults_and_swap_bytes():
 
 @pytest.mark.parametrize("kwargs", [dict(block_size=0), dict(block_size=12), dict(gpu_memory_utilization=0.0),
                                     dict(gpu_memory_utilization=1.5), dict(swap_space=-1),
-                                    dict(num_gpu_blocks_override=0)])
+                                    dict(num_gpu_blocks_override=0), dict(cache_dtype="fp8")])
 def test_cache_config_rejects_invalid_values(kwargs):
     with pytest.raises(ValueError):
         CacheConfig(**kwargs)
+
+
+def test_cache_config_takes_vllms_positional_order():
+    # vLLM 0.6.3: CacheConfig(block_size, gpu_memory_utilization, swap_space, cache_dtype, ...)
+    config = CacheConfig(8, 0.5, 1.0, "auto", 12)
+    assert (config.block_size, config.gpu_memory_utilization, config.swap_space) == (8, 0.5, 1.0)
+    assert (config.cache_dtype, config.num_gpu_blocks_override) == ("auto", 12)
 
 
 # ----------------------------------------------------------------- scheduler

@@ -7,7 +7,7 @@ import math
 import pytest
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import Sequence, SequenceGroup, SequenceStage, SequenceStatus
+from minivllm.sequence import Logprob, Sequence, SequenceGroup, SequenceStage, SequenceStatus
 
 
 def make_seq(seq_id: int = 0, prompt=(1, 2, 3), block_size: int = 4) -> Sequence:
@@ -130,7 +130,7 @@ def test_group_needs_a_sequence_and_unique_ids():
 
 def test_max_num_running_seqs_budgets_best_of_during_prefill():
     params = SamplingParams(n=2, best_of=3, temperature=0.8)
-    group = SequenceGroup("r", [make_seq(0)], params)
+    group = SequenceGroup("r", [make_seq(0)], 0.0, params)
     assert group.get_max_num_running_seqs() == 3  # the prompt forks into best_of samples
     group.update_num_computed_tokens(3)
     group.first_seq.append_token_id(5, {})
@@ -143,3 +143,21 @@ def test_group_computed_tokens_move_together():
     group.update_num_computed_tokens(2)
     assert [s.get_num_computed_tokens() for s in group.get_seqs()] == [2, 2]
     assert group.get_num_uncomputed_tokens() == 2 and group.is_prefill()
+
+
+# ------------------------------------------------------------ vLLM 0.6.3's signatures
+def test_append_token_id_takes_vllms_logprob_dicts():
+    seq = make_seq(0)
+    seq.append_token_id(8, {8: Logprob(-0.5, rank=2), 9: Logprob(-1.5, rank=1)})
+    assert seq.get_cumulative_logprob() == -0.5
+    assert seq.output_logprobs[-1] == {8: -0.5, 9: -1.5} and seq.output_ranks[-1] == 2
+    seq.append_token_id(9, {9: Logprob(-0.25)}, rank=1)  # an explicit rank wins
+    assert seq.get_cumulative_logprob() == -0.75 and seq.output_ranks[-1] == 1
+
+
+def test_sequence_group_takes_vllms_positional_order():
+    params = SamplingParams(n=2)
+    group = SequenceGroup("r", [make_seq(0)], 3.0, params, priority=1)
+    assert (group.arrival_time, group.sampling_params, group.priority) == (3.0, params, 1)
+    with pytest.raises(ValueError, match="arrival_time must be a number"):
+        SequenceGroup("r", [make_seq(1)], params)  # minivllm's old order

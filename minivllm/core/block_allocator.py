@@ -18,6 +18,7 @@ so `len(free list) + referenced + len(evictor) == num_blocks` at all times.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import deque
 from dataclasses import dataclass
 
@@ -61,6 +62,20 @@ class PhysicalTokenBlock:
             f"PhysicalTokenBlock({self.device.name}, block_number={self.block_number}, "
             f"ref_count={self.ref_count}, cached={self.block_hash is not None})"
         )
+
+
+@dataclass(frozen=True)
+class BlockInfo:
+    """A read-only view of one block, for tools that observe the pool (pictures, tests).
+
+    `cached`: registered in the prefix cache (a later request with the same prefix reuses it).
+    """
+
+    block_number: int
+    ref_count: int
+    block_hash: int | None
+    token_ids: tuple[int, ...]
+    cached: bool
 
 
 class OutOfBlocksError(RuntimeError):
@@ -147,15 +162,29 @@ class BlockAllocator:
         return block
 
     def register(self, block: PhysicalTokenBlock, block_hash: int, token_ids: tuple[int, ...],
-                 num_hashed_tokens: int) -> bool:
-        """Record the content of a full, computed block. Returns False (and leaves the block
-        unregistered) when another block already caches that content."""
+                 num_hashed_tokens: int) -> None:
+        """Record the content of a full, computed block. It stays unregistered (not reusable)
+        when another block already caches that content."""
         block.block_hash, block.token_ids = block_hash, token_ids
         block.num_hashed_tokens = num_hashed_tokens
-        if not self.enable_caching or block_hash in self.cached_blocks:
-            return False
-        self.cached_blocks[block_hash] = block
-        return True
+        if self.enable_caching and block_hash not in self.cached_blocks:
+            self.cached_blocks[block_hash] = block
 
     def is_cached(self, block: PhysicalTokenBlock) -> bool:
         return block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block
+
+    # ----------------------------------------------------------------- queries
+    # For observers (snapshots, tests): each costs what it returns, never the pool size.
+    def get_block_info(self, block_number: int) -> BlockInfo:
+        block = self.blocks[block_number]
+        return BlockInfo(block.block_number, block.ref_count, block.block_hash, block.token_ids,
+                         self.is_cached(block))
+
+    def get_free_block_ids(self, limit: int | None = None) -> list[int]:
+        """The free list in hand-out order (next first); at most `limit` of them."""
+        return list(itertools.islice(self.free_block_ids, limit))
+
+    def get_evictable_block_ids(self) -> list[int]:
+        """Cached blocks no table holds, in eviction order (next victim first)."""
+        order = sorted(self.evictor.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
+        return [b.block_number for b in order]

@@ -25,8 +25,6 @@ Pure Python, no torch: a notebook drives it with `Sequence` objects and no model
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 
 from minivllm.core.block_allocator import (
     BlockAllocator,
@@ -36,8 +34,7 @@ from minivllm.core.block_allocator import (
 )
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
-__all__ = ["AllocStatus", "BlockSpaceManager", "BlockSnapshot", "BlockManagerSnapshot",
-           "OutOfBlocksError", "hash_block_tokens"]
+__all__ = ["AllocStatus", "BlockSpaceManager", "OutOfBlocksError", "hash_block_tokens"]
 
 BlockTable = list[PhysicalTokenBlock]
 
@@ -66,42 +63,17 @@ def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...])
     return hash((parent_block_hash, token_ids))
 
 
-@dataclass
-class BlockSnapshot:
-    """One physical block as a picture shows it."""
-
-    block_number: int
-    ref_count: int
-    token_ids: tuple[int, ...]  # tokens it holds (as seen by its first holder, or cached)
-    block_hash: int | None
-    cached: bool  # registered in the prefix cache
-
-
-@dataclass
-class BlockManagerSnapshot:
-    """Plain-data copy of the manager's state, for `minivllm.viz.blocks` and tests.
-
-    Block tables map seq_id -> physical block numbers; `cached_gpu_block_ids` lists the
-    unreferenced cached blocks in eviction order (next victim first).
-    """
-
-    block_size: int
-    num_gpu_blocks: int
-    num_cpu_blocks: int
-    watermark_blocks: int
-    gpu_block_tables: dict[int, list[int]]
-    cpu_block_tables: dict[int, list[int]]
-    seq_token_ids: dict[int, list[int]]
-    gpu_blocks: list[BlockSnapshot]
-    cpu_blocks: list[BlockSnapshot]
-    free_gpu_block_ids: list[int]
-    free_cpu_block_ids: list[int]
-    cached_gpu_block_ids: list[int] = field(default_factory=list)
-    prefix_cache_hit_rate: float = 0.0
-
-
 class BlockSpaceManager:
     """Manages the mapping between logical and physical token blocks (vLLM v0 API).
+
+    Where it deliberately differs from vLLM v0's `BlockSpaceManagerV1`:
+    - the free list is FIFO (`BlockAllocator`), so freed blocks are not reused at once;
+    - `fork` refuses a child that already has blocks, and every misuse (a sequence without
+      blocks, a `Sequence` whose `block_size` is not the manager's) raises `ValueError` with
+      the reason, where vLLM asserts or raises `KeyError`; a pool too small raises
+      `OutOfBlocksError` and changes nothing;
+    - the manager's `block_size` is the only one that counts blocks: `Sequence.n_blocks`
+      (sized with the sequence's own block size) is never used.
 
     Args:
         block_size: tokens per block.
@@ -129,9 +101,8 @@ class BlockSpaceManager:
         self.enable_caching = enable_caching
         self.gpu_allocator = BlockAllocator(Device.GPU, block_size, num_gpu_blocks, enable_caching)
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks, False)
-        # seq_id -> its block table (all GPU or all CPU), and the Sequence (to read tokens).
+        # seq_id -> its block table (all GPU or all CPU).
         self.block_tables: dict[int, BlockTable] = {}
-        self._seqs: dict[int, Sequence] = {}
         self._num_cached_tokens: dict[int, int] = {}
         # A logical clock for LRU: deterministic, unlike wall time.
         self._clock = 0
@@ -146,7 +117,7 @@ class BlockSpaceManager:
         sequences it will fork into are not reserved here; like vLLM v0, `can_append_slots`
         checks them step by step (one free block per running sequence).
         """
-        num_required = self._waiting_seq(seq_group).n_blocks
+        num_required = self.get_num_required_blocks(self._waiting_seq(seq_group))
         if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
         if self.gpu_allocator.get_num_free_blocks() - num_required >= self.watermark_blocks:
@@ -165,21 +136,32 @@ class BlockSpaceManager:
             raise ValueError("the waiting sequences of a group must share their tokens.")
         if any(s.seq_id in self.block_tables for s in seqs):
             raise ValueError(f"request {seq_group.request_id} already has blocks.")
-        if seq.n_blocks > self.gpu_allocator.get_num_free_blocks():
-            raise OutOfBlocksError(f"request {seq_group.request_id} needs {seq.n_blocks} blocks, "
+        num_blocks = self.get_num_required_blocks(seq)
+        if num_blocks > self.gpu_allocator.get_num_free_blocks():
+            raise OutOfBlocksError(f"request {seq_group.request_id} needs {num_blocks} blocks, "
                                    f"{self.gpu_allocator.get_num_free_blocks()} are free.")
         now = self._tick()
         block_table = self._reuse_cached_prefix(seq, len(seqs), now)
         self._count_cache_lookups(seq, num_hits=len(block_table))
         num_cached_tokens = len(block_table) * self.block_size
-        while len(block_table) < seq.n_blocks:
+        while len(block_table) < num_blocks:
             block = self.gpu_allocator.allocate(now)
             block.ref_count = len(seqs)
             block_table.append(block)
         for s in seqs:
             self.block_tables[s.seq_id] = list(block_table)
-            self._seqs[s.seq_id] = s
             self._num_cached_tokens[s.seq_id] = num_cached_tokens
+
+    def get_num_required_blocks(self, seq: Sequence) -> int:
+        """Blocks that hold every token of `seq`, counted with the manager's block size.
+
+        Raises ValueError for a `Sequence` built with another block size: its own count
+        (`Sequence.n_blocks`) would disagree with the slots `append_slots` hands out.
+        """
+        if seq.block_size != self.block_size:
+            raise ValueError(f"sequence {seq.seq_id} was built with block_size={seq.block_size}, "
+                             f"but the block manager's is {self.block_size}.")
+        return -(-seq.get_len() // self.block_size)
 
     def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:
         seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
@@ -204,7 +186,6 @@ class BlockSpaceManager:
         """
         block_table = self._get_table(seq)
         now = self._tick()
-        self._register_computed_blocks(seq, min(seq.get_num_computed_tokens(), seq.get_len() - 1))
         num_blocks = -(-(seq.get_len() + num_lookahead_slots) // self.block_size)
         while len(block_table) < num_blocks:  # the last block is full: start a new one
             block_table.append(self.gpu_allocator.allocate(now))
@@ -231,19 +212,15 @@ class BlockSpaceManager:
         for block in parent_table:
             self._allocator(block).incref(block, 1, now)
         self.block_tables[child_seq.seq_id] = list(parent_table)
-        self._seqs[child_seq.seq_id] = child_seq
         self._num_cached_tokens[child_seq.seq_id] = self._num_cached_tokens[parent_seq.seq_id]
 
     def free(self, seq: Sequence) -> None:
         """Release every block of `seq` (a no-op for a sequence without blocks)."""
         if seq.seq_id not in self.block_tables:
             return
-        # Its computed full blocks become cached first, so a later request can reuse them.
-        self._register_computed_blocks(seq, seq.get_num_computed_tokens())
         now = self._tick()
         for block in self.block_tables.pop(seq.seq_id):
             self._allocator(block).free(block, now)
-        del self._seqs[seq.seq_id]
         del self._num_cached_tokens[seq.seq_id]
 
     # ================================================================ swapping
@@ -327,24 +304,16 @@ class BlockSpaceManager:
             return 0
         return len(self._find_cached_prefix(seq)) * self.block_size
 
-    def get_computed_block_ids(self, seq: Sequence) -> list[int]:
-        """Block numbers of the prefix reused from the cache (their K/V need no compute)."""
-        num_blocks = self.get_num_cached_tokens(seq) // self.block_size
-        return [block.block_number for block in self._get_table(seq)[:num_blocks]]
-
-    def get_common_computed_block_ids(self, seqs: Iterable[Sequence]) -> list[int]:
-        """The cached prefix shared by all `seqs` (vLLM's name; for `computed_block_nums`)."""
-        tables = [self.get_computed_block_ids(seq) for seq in seqs]
-        return min(tables, key=len) if tables else []
-
     def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int = 0) -> None:
         """Register the group's full blocks whose K/V is computed in the prefix cache.
 
-        A block counts as computed once `seq.get_num_computed_tokens() + token_chunk_size`
-        covers it. Pass the scheduled chunk size when calling right after scheduling (vLLM
-        v0 does: the step will have run before the next schedule); pass 0 after the engine
-        has updated `num_computed_tokens`. `append_slots` and `free` also register what
-        `num_computed_tokens` covers, so calling this is an optimisation, not a duty.
+        The only way a block enters the prefix cache. The scheduler calls it once per
+        scheduled group, right after scheduling it, with the step's chunk (vLLM v0's place):
+        a block counts as computed once `seq.get_num_computed_tokens() + token_chunk_size`
+        covers it, since the step runs before anything else reads the cache. Pass 0 when
+        `num_computed_tokens` is already up to date (a notebook driving the manager by hand).
+        Tokens a multi-step run computes beyond the chunk are registered at the group's next
+        schedule; a group that finishes inside such a run leaves its last blocks unregistered.
         """
         if not self.enable_caching:
             return
@@ -418,46 +387,19 @@ class BlockSpaceManager:
     def get_block_table(self, seq: Sequence) -> list[int]:
         return [block.block_number for block in self._get_table(seq)]
 
+    def has_blocks(self, seq: Sequence) -> bool:
+        return seq.seq_id in self.block_tables
+
+    def is_swapped_out(self, seq: Sequence) -> bool:
+        """True when the blocks of `seq` sit in the CPU pool (ValueError if it has none)."""
+        table = self._get_table(seq)
+        return bool(table) and table[0].device is Device.CPU
+
     def get_num_free_gpu_blocks(self) -> int:
         return self.gpu_allocator.get_num_free_blocks()
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.get_num_free_blocks()
-
-    def snapshot(self) -> BlockManagerSnapshot:
-        """A plain-data copy of the state (block tables, ref counts, free and cached lists)."""
-        gpu_tables, cpu_tables = {}, {}
-        for seq_id, table in self.block_tables.items():
-            on_gpu = bool(table) and table[0].device is Device.GPU
-            (gpu_tables if on_gpu or not table else cpu_tables)[seq_id] = [b.block_number for b in table]
-        evictor = sorted(self.gpu_allocator.evictor.values(),
-                         key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
-        return BlockManagerSnapshot(
-            block_size=self.block_size,
-            num_gpu_blocks=self.num_total_gpu_blocks,
-            num_cpu_blocks=self.num_total_cpu_blocks,
-            watermark_blocks=self.watermark_blocks,
-            gpu_block_tables=gpu_tables,
-            cpu_block_tables=cpu_tables,
-            seq_token_ids={seq_id: seq.get_token_ids() for seq_id, seq in self._seqs.items()},
-            gpu_blocks=self._snapshot_pool(self.gpu_allocator),
-            cpu_blocks=self._snapshot_pool(self.cpu_allocator),
-            free_gpu_block_ids=list(self.gpu_allocator.free_block_ids),
-            free_cpu_block_ids=list(self.cpu_allocator.free_block_ids),
-            cached_gpu_block_ids=[b.block_number for b in evictor],
-            prefix_cache_hit_rate=self.get_prefix_cache_hit_rate(),
-        )
-
-    def _snapshot_pool(self, allocator: BlockAllocator) -> list[BlockSnapshot]:
-        contents: dict[int, tuple[int, ...]] = {}
-        for seq_id, table in self.block_tables.items():  # a block's tokens, seen by a holder
-            token_ids = self._seqs[seq_id].get_token_ids()
-            for i, block in enumerate(table):
-                if block.device is allocator.device:
-                    size = self.block_size
-                    contents.setdefault(block.block_number, tuple(token_ids[i * size:(i + 1) * size]))
-        return [BlockSnapshot(b.block_number, b.ref_count, contents.get(b.block_number, b.token_ids),
-                              b.block_hash, allocator.is_cached(b)) for b in allocator.blocks]
 
     # ================================================================= helpers
     def _tick(self) -> int:

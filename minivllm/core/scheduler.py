@@ -104,8 +104,8 @@ class SchedulingBudget:
 
     token_budget: int
     max_num_seqs: int
-    _tokens: dict[str, int] = field(default_factory=dict)
-    _seqs: dict[str, int] = field(default_factory=dict)
+    _token_request_ids: set[str] = field(default_factory=set)
+    _seq_request_ids: set[str] = field(default_factory=set)
     num_batched_tokens: int = 0
     num_curr_seqs: int = 0
 
@@ -116,20 +116,27 @@ class SchedulingBudget:
     def remaining_token_budget(self) -> int:
         return self.token_budget - self.num_batched_tokens
 
-    def add_num_batched_tokens(self, request_id: str, num_tokens: int) -> None:
-        if request_id not in self._tokens:
-            self._tokens[request_id] = num_tokens
-            self.num_batched_tokens += num_tokens
+    def add_num_batched_tokens(self, request_id: str, num_batched_tokens: int) -> None:
+        if request_id not in self._token_request_ids:
+            self._token_request_ids.add(request_id)
+            self.num_batched_tokens += num_batched_tokens
 
-    def add_num_seqs(self, request_id: str, num_seqs: int) -> None:
-        if request_id not in self._seqs:
-            self._seqs[request_id] = num_seqs
-            self.num_curr_seqs += num_seqs
+    def subtract_num_batched_tokens(self, request_id: str, num_batched_tokens: int) -> None:
+        """Give a counted request's tokens back (a no-op if it was not counted)."""
+        if request_id in self._token_request_ids:
+            self._token_request_ids.remove(request_id)
+            self.num_batched_tokens -= num_batched_tokens
 
-    def subtract(self, request_id: str) -> None:
-        """Forget a request (it was preempted): its tokens and sequences are free again."""
-        self.num_batched_tokens -= self._tokens.pop(request_id, 0)
-        self.num_curr_seqs -= self._seqs.pop(request_id, 0)
+    def add_num_seqs(self, request_id: str, num_curr_seqs: int) -> None:
+        if request_id not in self._seq_request_ids:
+            self._seq_request_ids.add(request_id)
+            self.num_curr_seqs += num_curr_seqs
+
+    def subtract_num_seqs(self, request_id: str, num_curr_seqs: int) -> None:
+        """Give a counted request's sequences back (a no-op if it was not counted)."""
+        if request_id in self._seq_request_ids:
+            self._seq_request_ids.remove(request_id)
+            self.num_curr_seqs -= num_curr_seqs
 
 
 @dataclass
@@ -147,11 +154,14 @@ class ScheduledSequenceGroup:
 class SchedulerOutputs:
     """The decision of one `schedule()` call.
 
-    `scheduled_seq_groups` lists prefills first, then decodes (the order the worker
-    flattens the batch in). Block mappings are (src, dst) block-number pairs the worker
-    applies before running the model. `ignored_seq_groups` holds groups finished without
-    running: FINISHED_IGNORED (too long, can never fit) and FINISHED_ABORTED (no CPU swap
-    space); each has `finish_message`. `preempted` counts this step's preemptions.
+    `scheduled_seq_groups` lists prefills first, then decodes: the batch's order, which
+    the scheduler alone decides (the worker flattens the batch in it). Block mappings are
+    (src, dst) block-number pairs the worker applies before running the model.
+    `ignored_seq_groups` holds groups finished without running: FINISHED_IGNORED (too long,
+    can never fit) and FINISHED_ABORTED (no CPU swap space); each has `finish_message`.
+    `preempted` counts this step's preemptions (which groups: see the queues, e.g. a running
+    group now in `waiting` was preempted by recompute). vLLM's `running_queue_size` and
+    `num_lookahead_slots` are left out (per group in `ScheduledSequenceGroup` here).
     """
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
@@ -162,11 +172,6 @@ class SchedulerOutputs:
     blocks_to_copy: BlockMapping
     ignored_seq_groups: list[SequenceGroup]
     preempted: int
-    running_queue_size: int = 0
-    # Request ids, for pictures and metrics (not in vLLM's SchedulerOutputs).
-    preempted_by_recompute: list[str] = field(default_factory=list)
-    preempted_by_swap: list[str] = field(default_factory=list)
-    swapped_in: list[str] = field(default_factory=list)
 
     def is_empty(self) -> bool:
         return not (self.scheduled_seq_groups or self.blocks_to_swap_in
@@ -202,14 +207,31 @@ class _StepState:
 class Scheduler:
     """Decides each step's batch (vLLM v0 API).
 
-    Args:
+    Args (vLLM 0.6.3's order):
         scheduler_config: budgets and policies.
         cache_config: block size, pool sizes (`num_gpu_blocks` must be set) and prefix caching.
-        clock: time source for request metrics; a simulator passes its step counter.
+        lora_config: must be None (minivllm has no LoRA).
+        pipeline_parallel_size: must be 1 (one device).
+        output_proc_callback: must be None: vLLM's asynchronous output processing hands
+            outputs over through it; here the engine processes them itself.
+        clock: (keyword-only, not in vLLM) time source for request metrics.
+
+    `schedule()` returns vLLM's three values; the third, `allow_async_output_proc`, is
+    always False here. Unsupported arguments raise ValueError (vLLM asserts).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 lora_config: object | None = None, pipeline_parallel_size: int = 1,
+                 output_proc_callback: Callable | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if lora_config is not None:
+            raise ValueError("minivllm has no LoRA: lora_config must be None.")
+        if pipeline_parallel_size != 1:
+            raise ValueError(f"minivllm runs on one device: pipeline_parallel_size must be 1, "
+                             f"got {pipeline_parallel_size}.")
+        if output_proc_callback is not None:
+            raise ValueError("output_proc_callback must be None: the engine processes outputs "
+                             "itself (no asynchronous output processing).")
         if cache_config.num_gpu_blocks is None:
             raise ValueError("cache_config.num_gpu_blocks must be set (the worker's profile "
                              "run fills it in; a simulation sets it by hand).")
@@ -270,8 +292,9 @@ class Scheduler:
         self.running = remaining
 
     # ===================================================================== schedule
-    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs]:
-        """Pick this step's batch; returns the worker's per-group metadata and the decision."""
+    def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs, bool]:
+        """Pick this step's batch: the worker's per-group metadata, the decision, and vLLM's
+        `allow_async_output_proc` (always False: no asynchronous output processing)."""
         if self.scheduler_config.enable_chunked_prefill:
             outputs = self._schedule_chunked_prefill()
         else:
@@ -286,7 +309,7 @@ class Scheduler:
             metadata.append(self._make_metadata(scheduled))
             # The step runs before the next schedule: its full blocks may be cached now.
             self.block_manager.mark_blocks_as_computed(seq_group, scheduled.token_chunk_size)
-        return metadata, outputs
+        return metadata, outputs, False
 
     def _schedule_default(self) -> SchedulerOutputs:
         state = self._start_step()
@@ -336,11 +359,6 @@ class Scheduler:
             blocks_to_copy=state.blocks_to_copy,
             ignored_seq_groups=state.ignored,
             preempted=state.num_preempted,
-            running_queue_size=len(self.running),
-            preempted_by_recompute=[g.request_id for g in state.preempted_by_recompute],
-            preempted_by_swap=[g.request_id for g in state.preempted_by_swap],
-            swapped_in=[s.seq_group.request_id
-                        for s in state.swapped_in_prefills + state.swapped_in_decodes],
         )
 
     # ------------------------------------------------------------------ waiting
@@ -349,16 +367,18 @@ class Scheduler:
         budget = state.budget
         while self.waiting:
             seq_group = self.waiting[0]
-            reason = self._why_never_admissible(seq_group, state)
+            alloc_status = self.block_manager.can_allocate(seq_group)
+            reason = self._why_never_admissible(seq_group, state, alloc_status)
             if reason is not None:
                 self.waiting.popleft()
                 self._finish_group(seq_group, SequenceStatus.FINISHED_IGNORED, reason)
                 state.ignored.append(seq_group)
                 continue
-            if self.block_manager.can_allocate(seq_group) != AllocStatus.OK:
+            if alloc_status != AllocStatus.OK:
                 break  # LATER: wait until running requests free blocks
             seq = self._waiting_seq(seq_group)
-            num_cached_tokens = self._get_num_cached_tokens(seq)
+            # Never the whole prompt: the block manager leaves the last token to compute.
+            num_cached_tokens = self.block_manager.get_num_cached_tokens(seq)
             num_new_tokens = self._chunk(seq.get_len() - num_cached_tokens, 1, budget,
                                          enable_chunking)
             num_new_seqs = seq_group.get_max_num_running_seqs()
@@ -374,8 +394,10 @@ class Scheduler:
             budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             budget.add_num_seqs(seq_group.request_id, num_new_seqs)
 
-    def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState) -> str | None:
-        """The reason this waiting group can never be scheduled, or None if it may be."""
+    def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState,
+                              alloc_status: AllocStatus) -> str | None:
+        """The reason this waiting group can never be scheduled, or None if it may be.
+        `alloc_status`: the block manager's `can_allocate` answer for it, asked once."""
         seq = self._waiting_seq(seq_group)
         num_tokens = seq.get_len()
         if num_tokens > self.prompt_limit:
@@ -387,10 +409,9 @@ class Scheduler:
         if num_seqs > self.scheduler_config.max_num_seqs:
             return (f"request needs {num_seqs} sequences (n / best_of) but max_num_seqs is "
                     f"{self.scheduler_config.max_num_seqs}.")
-        status = self.block_manager.can_allocate(seq_group)
-        if status == AllocStatus.NEVER or (status == AllocStatus.LATER and self._gpu_idle(state)):
+        if alloc_status == AllocStatus.NEVER or (alloc_status == AllocStatus.LATER and self._gpu_idle(state)):
             bm = self.block_manager
-            return (f"prompt of {num_tokens} tokens needs {seq.n_blocks} KV-cache blocks; the "
+            return (f"prompt of {num_tokens} tokens needs {bm.get_num_required_blocks(seq)} KV-cache blocks; the "
                     f"GPU pool has {bm.num_total_gpu_blocks} blocks with {bm.watermark_blocks} "
                     f"kept free (watermark), so it can never fit (AllocStatus.NEVER).")
         return None
@@ -401,10 +422,6 @@ class Scheduler:
             raise RuntimeError(f"request {seq_group.request_id} is waiting with {len(seqs)} "
                                "sequences; a waiting group has exactly one prompt sequence.")
         return seqs[0]
-
-    def _get_num_cached_tokens(self, seq: Sequence) -> int:
-        # Keep at least the last token to compute: the prefill must produce logits.
-        return min(self.block_manager.get_num_cached_tokens(seq), seq.get_len() - 1)
 
     # ------------------------------------------------------------------ running
     def _schedule_running(self, state: _StepState, enable_chunking: bool) -> None:
@@ -455,7 +472,7 @@ class Scheduler:
         be preempted."""
         while not self._can_append_slots(seq_group, num_lookahead_slots):
             victim = self.running.pop() if self.running else seq_group
-            state.budget.subtract(victim.request_id)
+            self._uncount(victim, state.budget)
             self._preempt(victim, state)
             if victim is seq_group:
                 return False
@@ -526,16 +543,15 @@ class Scheduler:
             state.swapped_in_decodes.append(ScheduledSequenceGroup(seq_group, 1))
 
     # --------------------------------------------------------------- preemption
-    def _schedule_priority_preemption(self, state: _StepState, enable_chunking: bool) -> int:
+    def _schedule_priority_preemption(self, state: _StepState, enable_chunking: bool) -> None:
         """Preempt (by recompute) running groups of lower priority than the waiting head
-        until the head fits. Returns how many were preempted."""
+        until the head fits."""
         if not self.waiting:
-            return 0
+            return
         head = self.waiting[0]
-        if self._why_never_admissible(head, state) is not None:
-            return 0  # preempting others would not help it
+        if self._why_never_admissible(head, state, self.block_manager.can_allocate(head)) is not None:
+            return  # preempting others would not help it
         self.running = deque(sorted(self.running, key=self._policy_key))
-        num_preempted = 0
         while self.running and self._policy_key(self.running[-1]) > self._policy_key(head):
             if self._fits_now(head, state.budget, enable_chunking):
                 break
@@ -543,17 +559,21 @@ class Scheduler:
             if victim.num_seqs(status=SequenceStatus.RUNNING) != 1:
                 break  # several sequences cannot be recomputed; stop here
             self.running.pop()
-            state.budget.subtract(victim.request_id)
+            self._uncount(victim, state.budget)
             self._preempt_by_recompute(victim, state)
-            num_preempted += 1
-        return num_preempted
+
+    @staticmethod
+    def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
+        """A running group about to be preempted frees its share of the budget. Only its
+        sequences were counted (at the start of the step); it had no tokens scheduled yet."""
+        budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
 
     def _fits_now(self, seq_group: SequenceGroup, budget: SchedulingBudget,
                   enable_chunking: bool) -> bool:
         if self.block_manager.can_allocate(seq_group) != AllocStatus.OK:
             return False
         seq = self._waiting_seq(seq_group)
-        num_new_tokens = 1 if enable_chunking else seq.get_len() - self._get_num_cached_tokens(seq)
+        num_new_tokens = 1 if enable_chunking else seq.get_len() - self.block_manager.get_num_cached_tokens(seq)
         return budget.can_schedule(num_new_tokens=num_new_tokens,
                                    num_new_seqs=seq_group.get_max_num_running_seqs())
 
@@ -652,12 +672,10 @@ class Scheduler:
         seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
         is_prompt = self._is_prefill(seq_group)
         do_sample = True
-        computed_block_nums: list[int] = []
         if is_prompt:
             seq = seqs[0]
             # A chunk that stops short of the end of the prompt produces no token.
             do_sample = seq.get_num_computed_tokens() + scheduled.token_chunk_size >= seq.get_len()
-            computed_block_nums = self.block_manager.get_common_computed_block_ids(seqs)
         return SequenceGroupMetadata(
             request_id=seq_group.request_id,
             is_prompt=is_prompt,
@@ -666,6 +684,5 @@ class Scheduler:
             block_tables={seq.seq_id: self.block_manager.get_block_table(seq) for seq in seqs},
             token_chunk_size=scheduled.token_chunk_size,
             do_sample=do_sample,
-            computed_block_nums=computed_block_nums,
             num_lookahead_slots=scheduled.num_lookahead_slots,
         )

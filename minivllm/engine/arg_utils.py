@@ -40,6 +40,8 @@ class EngineArgs:
     model: str | None = _arg(None, "local checkpoint folder or Hugging Face hub id "
                                    "(default: the bundled tiny-shakespeare)")
     tokenizer: str | None = _arg(None, "tokenizer folder or hub id (default: the model's)")
+    skip_tokenizer_init: bool = _arg(False, "load no tokenizer: prompts are token ids, outputs "
+                                            "carry token ids and empty text")
     dtype: str = _arg("auto", "weights and activations dtype (auto: fp32 on CPU, the checkpoint's on GPU)",
                       choices=("auto", "float32", "float16", "bfloat16"))
     device: str = _arg("auto", "auto picks CUDA when a GPU is visible", choices=("auto", "cuda", "cpu"))
@@ -68,6 +70,7 @@ class EngineArgs:
         model_config = ModelConfig(
             model=self.model,
             tokenizer=self.tokenizer,
+            skip_tokenizer_init=self.skip_tokenizer_init,
             dtype=self.dtype,
             seed=self.seed,
             max_model_len=self.max_model_len,

@@ -79,7 +79,8 @@ class LLMEngine:
         self.cache_config = engine_config.cache_config
         self.scheduler_config = engine_config.scheduler_config
         self.device_config = engine_config.device_config
-        self.tokenizer = _load_tokenizer(self.model_config.tokenizer)
+        # skip_tokenizer_init (vLLM's): no tokenizer; prompts are token ids, outputs have no text.
+        self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
         self.detokenizer = Detokenizer(self.tokenizer)
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
@@ -154,6 +155,8 @@ class LLMEngine:
         self.scheduler.add_seq_group(seq_group)
 
     def _process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str) and self.tokenizer is None:
+            raise InvalidParameterError("prompt", "skip_tokenizer_init is set: give {'prompt_token_ids': [...]}, not text.")
         if isinstance(prompt, str):
             text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
         elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
@@ -196,6 +199,10 @@ class LLMEngine:
                 "min_tokens", f"min_tokens={params.min_tokens} does not fit after the {num_prompt_tokens}-token prompt "
                 f"in max_model_len={max_model_len}.")
         params = params.clone()
+        if self.tokenizer is None:  # skip_tokenizer_init: token ids out, no text to stop on
+            if params.stop:
+                raise InvalidParameterError("stop", "stop strings need a tokenizer (skip_tokenizer_init is set).")
+            params.detokenize = False
         params.all_stop_token_ids = set(params.stop_token_ids)
         if not params.ignore_eos and self.eos_token_id is not None:
             params.all_stop_token_ids.add(self.eos_token_id)
@@ -235,7 +242,7 @@ class LLMEngine:
         soon as it reaches the host while the GPU already computes the next: processing it
         here overlaps the GPU. A single-step run hands back one.
         """
-        seq_group_metadata_list, scheduler_outputs = self.scheduler.schedule()
+        seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
         for observer in self.step_observers:
             observer.on_scheduled(self, scheduler_outputs)
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
@@ -338,7 +345,7 @@ class LLMEngine:
             self._on_request_finished(seq_group, now, stats)
         elif seq_group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
             return None
-        return RequestOutput.from_seq_group(seq_group, self.detokenizer.decode_token, self.eos_token_id)
+        return RequestOutput.from_seq_group(seq_group, None if self.tokenizer is None else self.detokenizer.decode_token, self.eos_token_id)
 
     # ------------------------------------------------------------------ metrics
     def add_logger(self, logger_name: str, stat_logger: StatLoggerBase) -> None:
@@ -398,7 +405,7 @@ def _load_tokenizer(name: str):
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         return tokenizer.eos_token_id
     eos = getattr(hf_config, "eos_token_id", None)
     return eos[0] if isinstance(eos, list) and eos else eos

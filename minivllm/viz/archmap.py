@@ -12,6 +12,9 @@ Two halves:
    kernels at the bottom; every box names the minivllm file and the vLLM (v0) file it mirrors
    (`VLLM_PATHS`).
 
+The rules themselves (layers, who may import whom, the vLLM counterparts) are plain data in
+`minivllm.viz.layers`, read by this map and by `tests/test_architecture.py`.
+
     >>> graph = import_graph()
     >>> "minivllm.sampling_params" in graph["minivllm.sequence"]
     True
@@ -26,144 +29,18 @@ from pathlib import Path
 from matplotlib.colors import to_rgb
 from matplotlib.patches import FancyBboxPatch
 
-from minivllm.viz.style import COLORS, request_color
-
-PACKAGE = "minivllm"
-KERNELS_PACKAGE = "minivllm.kernels"
-
-# ---------------------------------------------------------------------------------------------
-# Layers, from the top of the stack down. A module belongs to the layer of its longest matching
-# prefix ("minivllm.viz.style" is foundation, the rest of "minivllm.viz" is viz). `ROWS` places
-# layers that do not depend on each other side by side (the scheduler beside the executor).
-# A new top-level module or sub-package must be added here (tests/test_architecture.py says so).
-LAYERS: dict[str, tuple[str, ...]] = {
-    "package": ("minivllm",),  # the root __init__ only: `from minivllm import LLM`
-    "entrypoints": ("minivllm.entrypoints", "minivllm.__main__"),
-    "engine": ("minivllm.engine",),
-    "viz": ("minivllm.viz",),
-    "core": ("minivllm.core",),
-    "sim": ("minivllm.sim",),
-    "transformers_utils": ("minivllm.transformers_utils",),
-    "executor": ("minivllm.executor",),
-    "worker": ("minivllm.worker",),
-    "model_executor": ("minivllm.model_executor",),
-    "attention": ("minivllm.attention",),
-    "kernels": ("minivllm.kernels",),
-    "foundation": (
-        "minivllm.sequence",
-        "minivllm.sampling_params",
-        "minivllm.config",
-        "minivllm.outputs",
-        "minivllm.bundled_models",
-        "minivllm.utils",
-        "minivllm.logger",
-        "minivllm.envs",
-        "minivllm.viz.style",
-    ),
-}
-ROWS: tuple[tuple[str, ...], ...] = (
-    ("package", "entrypoints"),
-    ("engine", "viz"),
-    ("core", "sim", "transformers_utils", "executor"),
-    ("worker",),
-    ("model_executor",),
-    ("attention",),
-    ("kernels",),
-    ("foundation",),
+from minivllm.viz.layers import (  # noqa: F401  (re-exported: notebooks read them from here)
+    KERNELS_PACKAGE,
+    LAYERS,
+    MAY_IMPORT,
+    PACKAGE,
+    ROWS,
+    VLLM_PATHS,
+    _longest_prefix,
+    layer_of,
+    vllm_path,
 )
-
-# The vLLM (v0, ~0.6) file each minivllm module mirrors; paths are relative to vLLM's repo
-# root. The block manager follows v0's `BlockSpaceManagerV1` (later releases dropped it).
-# Modules with no counterpart (the simulator, the visualizations) are simply absent.
-VLLM_PATHS: dict[str, str] = {
-    "minivllm": "vllm/__init__.py",
-    "minivllm.__main__": "vllm/scripts.py",
-    "minivllm.sequence": "vllm/sequence.py",
-    "minivllm.sampling_params": "vllm/sampling_params.py",
-    "minivllm.config": "vllm/config.py",
-    "minivllm.outputs": "vllm/outputs.py",
-    "minivllm.utils": "vllm/utils.py",
-    "minivllm.logger": "vllm/logger.py",
-    "minivllm.envs": "vllm/envs.py",
-    "minivllm.core": "vllm/core/",
-    "minivllm.core.scheduler": "vllm/core/scheduler.py",
-    "minivllm.core.block_manager": "vllm/core/block_manager_v1.py",
-    "minivllm.core.interfaces": "vllm/core/interfaces.py",
-    "minivllm.core.block_allocator": "vllm/block.py",
-    "minivllm.core.evictor": "vllm/core/evictor_v1.py",
-    "minivllm.core.block": "vllm/core/block/",
-    "minivllm.core.block.block_table": "vllm/core/block/block_table.py",
-    "minivllm.core.block.naive_block": "vllm/core/block/naive_block.py",
-    "minivllm.core.block.prefix_caching_block": "vllm/core/block/prefix_caching_block.py",
-    "minivllm.core.block.cpu_gpu_block_allocator": "vllm/core/block/cpu_gpu_block_allocator.py",
-    "minivllm.engine": "vllm/engine/",
-    "minivllm.engine.llm_engine": "vllm/engine/llm_engine.py",
-    "minivllm.engine.async_llm_engine": "vllm/engine/async_llm_engine.py",
-    "minivllm.engine.arg_utils": "vllm/engine/arg_utils.py",
-    "minivllm.engine.metrics": "vllm/engine/metrics.py",
-    "minivllm.engine.output_processor": "vllm/engine/output_processor/single_step.py",
-    "minivllm.transformers_utils": "vllm/transformers_utils/",
-    "minivllm.transformers_utils.tokenizer": "vllm/transformers_utils/tokenizer.py",
-    "minivllm.transformers_utils.detokenizer": "vllm/transformers_utils/detokenizer.py",
-    "minivllm.engine.detokenizer": "vllm/transformers_utils/detokenizer.py",
-    "minivllm.executor": "vllm/executor/",
-    "minivllm.executor.executor_base": "vllm/executor/executor_base.py",
-    "minivllm.executor.gpu_executor": "vllm/executor/gpu_executor.py",
-    "minivllm.executor.uniproc_executor": "vllm/executor/gpu_executor.py",
-    "minivllm.worker": "vllm/worker/",
-    "minivllm.worker.worker": "vllm/worker/worker.py",
-    "minivllm.worker.worker_base": "vllm/worker/worker_base.py",
-    "minivllm.worker.cache_engine": "vllm/worker/cache_engine.py",
-    "minivllm.worker.model_runner": "vllm/worker/model_runner.py",
-    "minivllm.model_executor": "vllm/model_executor/",
-    "minivllm.model_executor.sampling_metadata": "vllm/model_executor/sampling_metadata.py",
-    "minivllm.model_executor.model_loader": "vllm/model_executor/model_loader/loader.py",
-    "minivllm.model_executor.weight_utils": "vllm/model_executor/model_loader/weight_utils.py",
-    "minivllm.model_executor.layers.layernorm": "vllm/model_executor/layers/layernorm.py",
-    "minivllm.model_executor.layers.rotary_embedding": (
-        "vllm/model_executor/layers/rotary_embedding.py"
-    ),
-    "minivllm.model_executor.layers.activation": "vllm/model_executor/layers/activation.py",
-    "minivllm.model_executor.layers.linear": "vllm/model_executor/layers/linear.py",
-    "minivllm.model_executor.layers.sampler": "vllm/model_executor/layers/sampler.py",
-    "minivllm.model_executor.layers.logits_processor": (
-        "vllm/model_executor/layers/logits_processor.py"
-    ),
-    "minivllm.model_executor.layers.vocab_parallel_embedding": (
-        "vllm/model_executor/layers/vocab_parallel_embedding.py"
-    ),
-    "minivllm.model_executor.models": "vllm/model_executor/models/registry.py",
-    "minivllm.model_executor.models.llama": "vllm/model_executor/models/llama.py",
-    "minivllm.model_executor.models.qwen2": "vllm/model_executor/models/qwen2.py",
-    "minivllm.model_executor.models.qwen3": "vllm/model_executor/models/qwen3.py",
-    "minivllm.model_executor.models.mistral": "vllm/model_executor/models/llama.py",
-    "minivllm.attention": "vllm/attention/",
-    "minivllm.attention.layer": "vllm/attention/layer.py",
-    "minivllm.attention.selector": "vllm/attention/selector.py",
-    "minivllm.attention.metadata": "vllm/attention/backends/abstract.py",
-    "minivllm.attention.backends": "vllm/attention/backends/",
-    "minivllm.attention.backends.abstract": "vllm/attention/backends/abstract.py",
-    "minivllm.kernels": "vllm/_custom_ops.py + csrc/",
-    "minivllm.kernels.reference": "tests/kernels/ (ref_* functions)",
-    "minivllm.kernels.paged_attention": "csrc/attention/paged_attention_v{1,2}.cu",
-    "minivllm.kernels.prefill_attention": "vllm/attention/ops/prefix_prefill.py",
-    "minivllm.kernels.reshape_and_cache": "csrc/cache_kernels.cu",
-    "minivllm.kernels.cache_ops": "csrc/cache_kernels.cu",
-    "minivllm.entrypoints": "vllm/entrypoints/",
-    "minivllm.entrypoints.llm": "vllm/entrypoints/llm.py",
-    "minivllm.entrypoints.cli": "vllm/scripts.py",
-    "minivllm.entrypoints.openai": "vllm/entrypoints/openai/",
-    "minivllm.entrypoints.openai.api_server": "vllm/entrypoints/openai/api_server.py",
-    "minivllm.entrypoints.openai.cli_args": "vllm/entrypoints/openai/cli_args.py",
-    "minivllm.entrypoints.openai.protocol": "vllm/entrypoints/openai/protocol.py",
-    "minivllm.entrypoints.openai.serving_engine": "vllm/entrypoints/openai/serving_engine.py",
-    "minivllm.entrypoints.openai.metrics": "vllm/engine/metrics.py",
-    "minivllm.entrypoints.openai.serving_chat": "vllm/entrypoints/openai/serving_chat.py",
-    "minivllm.entrypoints.openai.serving_completion": (
-        "vllm/entrypoints/openai/serving_completion.py"
-    ),
-}
-
+from minivllm.viz.style import COLORS, request_color
 
 # ---------------------------------------------------------------------------------------------
 # Reading the graph.
@@ -318,29 +195,6 @@ def _is_type_checking(test: ast.expr) -> bool:
     """`if TYPE_CHECKING:` or `if typing.TYPE_CHECKING:`."""
     name = test.attr if isinstance(test, ast.Attribute) else getattr(test, "id", None)
     return name == "TYPE_CHECKING"
-
-
-def layer_of(module: str) -> str | None:
-    """The layer of `module` by its longest matching prefix in `LAYERS`; None if unlisted."""
-    match = _longest_prefix(module)
-    return match[0] if match else None
-
-
-def _longest_prefix(module: str) -> tuple[str, str] | None:
-    """(layer, prefix) of the longest `LAYERS` prefix that `module` is or lies under."""
-    matches = [
-        (layer, prefix)
-        for layer, prefixes in LAYERS.items()
-        for prefix in prefixes
-        # The root prefix "minivllm" names the root __init__ only, or it would match everything.
-        if module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
-    ]
-    return max(matches, key=lambda match: len(match[1])) if matches else None
-
-
-def vllm_path(module: str) -> str | None:
-    """The vLLM file (or folder) that `module` mirrors, or None if it has no counterpart."""
-    return VLLM_PATHS.get(module)
 
 
 def source_path(module: str, package: bool = False) -> str:

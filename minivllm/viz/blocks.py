@@ -1,4 +1,4 @@
-"""Pictures of the paged KV cache, drawn from `BlockSpaceManager.snapshot()`.
+"""Pictures of the paged KV cache, drawn from `snapshot_block_manager(...)` (`minivllm.viz.snapshot`).
 
 Every function is pure: it takes a `BlockManagerSnapshot` (or a list of them) and a
 matplotlib `Axes`, draws, and returns nothing. The main picture is the one from vLLM's
@@ -23,7 +23,7 @@ from collections.abc import Callable, Collection, Mapping, Sequence
 
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
-from minivllm.core.block_manager import BlockManagerSnapshot, BlockSnapshot
+from minivllm.viz.snapshot import BlockManagerSnapshot, BlockSnapshot
 from minivllm.viz.style import COLORS, request_color
 
 __all__ = ["block_state", "draw_block_pool", "draw_block_tables", "draw_block_usage",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from matplotlib.patches import Patch, Rectangle
 
-from minivllm.core.snapshot import StepSnapshot
+from minivllm.viz.snapshot import StepSnapshot
 from minivllm.viz.style import COLORS
 
 # Grid cells: what one batch slot does in one step.

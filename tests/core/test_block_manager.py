@@ -28,16 +28,21 @@ def make_group(prompt: list[int] | int, n_seqs: int = 1, block_size: int = BLOCK
 
 
 def run_prefill(bm: BlockSpaceManager, group: SequenceGroup) -> None:
-    """allocate + pretend the model computed the whole prompt (as the engine would)."""
+    """allocate + pretend the model computed the whole prompt (as the engine would); the
+    scheduler registers the computed full blocks in the prefix cache (a no-op without it)."""
     bm.allocate(group)
     group.set_status(SequenceStatus.RUNNING)
     for seq in group.get_seqs():
         seq.data.num_computed_tokens = seq.get_len()
+    bm.mark_blocks_as_computed(group)
 
 
 def decode(bm: BlockSpaceManager, seq: Sequence, token: int = 7) -> list[tuple[int, int]]:
     seq.append_token_id(token, {token: 0.0})
     cows = bm.append_slots(seq)
+    # Register what earlier steps computed (the scheduler's mark_blocks_as_computed), then
+    # this step computes the appended token.
+    bm.mark_blocks_as_computed(SequenceGroup(f"decode-{seq.seq_id}", [seq], 0.0))
     seq.data.num_computed_tokens = seq.get_len()
     return cows
 
@@ -354,7 +359,7 @@ def test_identical_prompt_reuses_full_blocks_but_not_the_last_token_block():
     t1, t2 = bm.get_block_table(first.first_seq), bm.get_block_table(second.first_seq)
     assert t2[:2] == t1[:2] and t2[2] != t1[2]
     assert [bm.gpu_allocator.blocks[b].ref_count for b in t2] == [2, 2, 1]
-    assert bm.get_computed_block_ids(second.first_seq) == t1[:2]
+    assert bm.get_num_cached_tokens(second.first_seq) == 8  # allocate reused t1[:2]
     assert bm.get_prefix_cache_hit_rate() == pytest.approx(2 / 4)  # 0/2 then 2/2
 
 
@@ -393,8 +398,8 @@ def test_freed_cached_blocks_stay_until_evicted_and_count_as_free():
     first = make_group(list(range(9)))
     run_prefill(bm, first)
     bm.free(first.first_seq)
-    snap = bm.snapshot()
-    assert len(snap.cached_gpu_block_ids) == 2 and len(snap.free_gpu_block_ids) == 2
+    cached, free = bm.gpu_allocator.get_evictable_block_ids(), bm.gpu_allocator.get_free_block_ids()
+    assert len(cached) == 2 and len(free) == 2
     assert bm.get_num_free_gpu_blocks() == 4  # evictable blocks can be handed out
     assert bm.get_num_cached_tokens(make_group(list(range(9))).first_seq) == 8
 
@@ -407,7 +412,7 @@ def test_eviction_is_lru_then_deepest_block_first():
     old_table, new_table = bm.get_block_table(old.first_seq), bm.get_block_table(new.first_seq)
     bm.free(old.first_seq)  # freed first: least recently used
     bm.free(new.first_seq)
-    assert bm.snapshot().cached_gpu_block_ids == [old_table[1], old_table[0], new_table[1], new_table[0]]
+    assert bm.gpu_allocator.get_evictable_block_ids() == [old_table[1], old_table[0], new_table[1], new_table[0]]
     run_prefill(bm, make_group([3] * 13))  # 4 blocks: 2 from the free list, then 2 evictions
     assert bm.get_num_cached_tokens(make_group([1] * 9).first_seq) == 0
     assert bm.get_num_cached_tokens(make_group([2] * 9).first_seq) == 8
@@ -456,7 +461,7 @@ def test_same_content_twice_leaves_the_second_block_unregistered():
     assert bm.gpu_allocator.is_cached(bm.gpu_allocator.blocks[first_a])
     assert not bm.gpu_allocator.is_cached(bm.gpu_allocator.blocks[first_b])
     bm.free(b.first_seq)
-    assert first_b in bm.snapshot().free_gpu_block_ids  # not kept: it duplicates a cached block
+    assert first_b in bm.gpu_allocator.get_free_block_ids()  # not kept: it duplicates a cached block
 
 
 def test_appends_never_write_into_a_cached_block():
@@ -488,17 +493,35 @@ def test_swap_in_reuses_blocks_still_cached_on_gpu():
     assert len(back) == 1 and bm.get_block_table(group.first_seq)[:2] == table[:2]
 
 
-def test_snapshot_is_plain_data_of_the_state():
+# ------------------------------------------------------------------ block size
+def test_the_managers_block_size_counts_the_blocks():
+    """A 7-token prompt needs 2 blocks of 4; a Sequence built with another block size (16:
+    one block) must not be sized by its own count (vLLM 0.6 sized it so, then append_slots
+    used the manager's size). One owner: the manager; a disagreeing Sequence is refused."""
+    bm = BlockSpaceManager(BLOCK_SIZE, 8, 0, watermark=0.0)
+    group = make_group(7)
+    assert bm.get_num_required_blocks(group.first_seq) == 2
+    bm.allocate(group)
+    assert len(bm.get_block_table(group.first_seq)) == 2
+    other = make_group(7, block_size=16)
+    with pytest.raises(ValueError, match="block_size=16"):
+        bm.can_allocate(other)
+    with pytest.raises(ValueError, match="block_size=16"):
+        bm.allocate(other)
+    assert bm.get_num_free_gpu_blocks() == 8 - 2  # nothing allocated for the refused one
+
+
+def test_queries_for_observers():
     bm = cached_manager()
     group = make_group([1, 2, 3, 4, 5])
     run_prefill(bm, group)
-    bm.mark_blocks_as_computed(group)
-    snap = bm.snapshot()
-    seq_id = group.first_seq.seq_id
-    table = snap.gpu_block_tables[seq_id]
-    assert table == bm.get_block_table(group.first_seq)
-    assert snap.gpu_blocks[table[0]].token_ids == (1, 2, 3, 4) and snap.gpu_blocks[table[0]].cached
-    assert snap.gpu_blocks[table[1]].token_ids == (5,) and not snap.gpu_blocks[table[1]].cached
-    assert len(snap.free_gpu_block_ids) == 6 and snap.seq_token_ids[seq_id] == [1, 2, 3, 4, 5]
-    bm.free(group.first_seq)
-    assert snap.gpu_block_tables == {seq_id: table}  # a copy, not a view
+    seq = group.first_seq
+    table = bm.get_block_table(seq)
+    assert bm.has_blocks(seq) and not bm.is_swapped_out(seq)
+    first = bm.gpu_allocator.get_block_info(table[0])
+    assert (first.ref_count, first.token_ids, first.cached) == (1, (1, 2, 3, 4), True)
+    assert first.block_hash == hash_block_tokens(None, (1, 2, 3, 4))
+    assert not bm.gpu_allocator.get_block_info(table[1]).cached
+    assert bm.gpu_allocator.get_free_block_ids(limit=3) == bm.gpu_allocator.get_free_block_ids()[:3]
+    bm.free(seq)
+    assert not bm.has_blocks(seq) and bm.gpu_allocator.get_evictable_block_ids() == [table[0]]

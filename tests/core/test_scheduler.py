@@ -11,11 +11,12 @@ BlockSpaceManager; a tiny stand-in model (`run_model`) appends tokens like the e
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import pytest
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.scheduler import Scheduler, SchedulerOutputs
+from minivllm.core.scheduler import Scheduler, SchedulerOutputs, SchedulingBudget
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -42,7 +43,7 @@ def make_group(request_id, prompt_len=None, *, prompt=None, n=1, max_tokens=None
     prompt = prompt if prompt is not None else [100 + i for i in range(prompt_len)]
     seq = Sequence(next(_seq_ids), None, prompt, BLOCK_SIZE)
     params = SamplingParams(n=n, max_tokens=max_tokens)
-    return SequenceGroup(request_id, [seq], params, arrival_time=arrival, priority=priority)
+    return SequenceGroup(request_id, [seq], arrival, params, priority=priority)
 
 
 def run_model(scheduler: Scheduler, outputs: SchedulerOutputs) -> None:
@@ -66,11 +67,37 @@ def run_model(scheduler: Scheduler, outputs: SchedulerOutputs) -> None:
     scheduler.free_finished_seq_groups()
 
 
-def step(scheduler: Scheduler):
-    """schedule() + invariants + the stand-in model; returns (metadata, outputs)."""
-    metadata, outputs = scheduler.schedule()
+@dataclass
+class Moves:
+    """Which requests one schedule() moved between queues (read from the queues)."""
+
+    recomputed: list[str]  # running -> waiting: preempted by recompute
+    swapped_out: list[str]  # running -> swapped: preempted by swap
+    swapped_in: list[str]  # swapped -> running
+
+
+def _queue_of(scheduler: Scheduler) -> dict[str, str]:
+    return {g.request_id: name for name in ("waiting", "running", "swapped")
+            for g in getattr(scheduler, name)}
+
+
+def step_moves(scheduler: Scheduler):
+    """schedule() + invariants + the stand-in model; returns (metadata, outputs, moves)."""
+    before = _queue_of(scheduler)
+    metadata, outputs, allow_async_output_proc = scheduler.schedule()
+    assert allow_async_output_proc is False
+    after = _queue_of(scheduler)
+    moved = [(rid, before[rid], queue) for rid, queue in after.items() if rid in before]
+    moves = Moves(*([rid for rid, src, dst in moved if (src, dst) == pair]
+                    for pair in (("running", "waiting"), ("running", "swapped"), ("swapped", "running"))))
     check_invariants(scheduler, outputs)
     run_model(scheduler, outputs)
+    return metadata, outputs, moves
+
+
+def step(scheduler: Scheduler):
+    """schedule() + invariants + the stand-in model; returns (metadata, outputs)."""
+    metadata, outputs, _ = step_moves(scheduler)
     return metadata, outputs
 
 
@@ -212,17 +239,17 @@ def _two_growing_requests(scheduler: Scheduler, max_tokens=8):
 
 def _step_until_preemption(scheduler: Scheduler):
     for _ in range(20):
-        _, outputs = step(scheduler)
+        _, outputs, moves = step_moves(scheduler)
         if outputs.preempted:
-            return outputs
+            return outputs, moves
     raise AssertionError("no preemption happened")
 
 
 def test_recompute_preemption_frees_the_latest_arrival():
     scheduler = make_scheduler(num_gpu_blocks=4)
     a, b = _two_growing_requests(scheduler)
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted == 1 and outputs.preempted_by_recompute == ["b"]
+    outputs, moves = _step_until_preemption(scheduler)
+    assert outputs.preempted == 1 and moves.recomputed == ["b"]
     assert scheduler.num_cumulative_preemption == 1
     assert scheduled_ids(outputs) == ["a"] and not outputs.blocks_to_swap_out
     assert scheduler.waiting[0] is b and b.first_seq.status == SequenceStatus.WAITING
@@ -244,8 +271,8 @@ def test_recompute_preemption_frees_the_latest_arrival():
 def test_swap_preemption_and_swap_in_restore_the_same_blocks():
     scheduler = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=4, preemption_mode="swap")
     a, b = _two_growing_requests(scheduler)
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted_by_swap == ["b"] and list(scheduler.swapped) == [b]
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.swapped_out == ["b"] and list(scheduler.swapped) == [b]
     assert b.first_seq.status == SequenceStatus.SWAPPED
     assert len(outputs.blocks_to_swap_out) == 2  # its two GPU blocks -> two CPU blocks
     cpu_blocks = {cpu for _, cpu in outputs.blocks_to_swap_out}
@@ -253,10 +280,10 @@ def test_swap_preemption_and_swap_in_restore_the_same_blocks():
     computed = b.first_seq.get_num_computed_tokens()
     assert computed == b.first_seq.get_len() - 1  # swapping keeps the KV cache
     while True:
-        _, outputs = step(scheduler)
-        if outputs.swapped_in:
+        _, outputs, moves = step_moves(scheduler)
+        if moves.swapped_in:
             break
-    assert outputs.swapped_in == ["b"] and not outputs.blocks_to_swap_out
+    assert moves.swapped_in == ["b"] and not outputs.blocks_to_swap_out
     assert {cpu for cpu, _ in outputs.blocks_to_swap_in} == cpu_blocks
     (scheduled,) = [s for s in outputs.scheduled_seq_groups if s.seq_group is b]
     assert scheduled.token_chunk_size == 1  # back as a decode, no recompute
@@ -271,8 +298,8 @@ def test_default_rule_recomputes_one_sequence_and_swaps_several():
     b = make_group("b", 4, n=2, max_tokens=8, arrival=1.0)
     scheduler.add_seq_group(a)
     scheduler.add_seq_group(b)
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted_by_swap == ["b"]  # two running sequences: swap (v0 rule)
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.swapped_out == ["b"]  # two running sequences: swap (v0 rule)
     run_to_completion(scheduler)
     assert_all_blocks_free(scheduler)
 
@@ -281,8 +308,8 @@ def test_forced_recompute_still_swaps_a_group_with_several_sequences():
     scheduler = make_scheduler(num_gpu_blocks=6, num_cpu_blocks=8, preemption_mode="recompute")
     scheduler.add_seq_group(make_group("a", 4, max_tokens=8))
     scheduler.add_seq_group(make_group("b", 4, n=2, max_tokens=8, arrival=1.0))
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted_by_swap == ["b"]
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.swapped_out == ["b"]
     run_to_completion(scheduler)
     assert_all_blocks_free(scheduler)
 
@@ -290,8 +317,8 @@ def test_forced_recompute_still_swaps_a_group_with_several_sequences():
 def test_swap_without_cpu_room_falls_back_to_recompute_for_one_sequence():
     scheduler = make_scheduler(num_gpu_blocks=4, num_cpu_blocks=0, preemption_mode="swap")
     _two_growing_requests(scheduler)
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted_by_recompute == ["b"] and not outputs.blocks_to_swap_out
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.recomputed == ["b"] and not outputs.blocks_to_swap_out
     run_to_completion(scheduler)
     assert_all_blocks_free(scheduler)
 
@@ -353,8 +380,8 @@ def _low_priority_fills_the_pool(policy):
 
 def test_priority_preemption_recomputes_lower_priority_running_groups():
     scheduler, low, high = _low_priority_fills_the_pool("priority")
-    _, outputs = step(scheduler)
-    assert outputs.preempted == 1 and outputs.preempted_by_recompute == ["low"]
+    _, outputs, moves = step_moves(scheduler)
+    assert outputs.preempted == 1 and moves.recomputed == ["low"]
     assert low.first_seq.status == SequenceStatus.WAITING
     assert [g.request_id for g in scheduler.waiting] == ["high", "low"]
     _, outputs = step(scheduler)
@@ -415,13 +442,15 @@ def test_prefix_cache_hit_skips_cached_tokens_and_their_budget():
     assert outputs.num_batched_tokens == 13
     second = make_group("second", prompt=prompt, max_tokens=1, arrival=1.0)
     scheduler.add_seq_group(second)
-    metadata, outputs = scheduler.schedule()
+    metadata, outputs, _ = scheduler.schedule()
     (scheduled,) = outputs.scheduled_seq_groups
     cached = 3 * BLOCK_SIZE
     assert second.first_seq.get_num_computed_tokens() == cached
     assert scheduled.token_chunk_size == 13 - cached == outputs.num_batched_tokens
     table = scheduler.block_manager.get_block_table(second.first_seq)
-    assert metadata[0].computed_block_nums == table[:3]
+    # Those 3 blocks are the first request's, reused from the prefix cache.
+    assert all(scheduler.block_manager.gpu_allocator.get_block_info(b).cached for b in table[:3])
+    assert [scheduler.block_manager.gpu_allocator.get_block_info(b).ref_count for b in table] == [1, 1, 1, 1]
     run_model(scheduler, outputs)
     assert scheduler.get_prefix_cache_hit_rate() > 0
 
@@ -458,7 +487,7 @@ def test_forked_sequences_copy_their_shared_last_block_on_write():
 def test_metadata_matches_the_block_manager():
     scheduler = make_scheduler()
     scheduler.add_seq_group(make_group("a", 9, max_tokens=3))
-    metadata, outputs = scheduler.schedule()
+    metadata, outputs, _ = scheduler.schedule()
     (meta,) = metadata
     seq = outputs.scheduled_seq_groups[0].seq_group.first_seq
     assert meta.is_prompt and meta.do_sample and meta.token_chunk_size == 9
@@ -516,12 +545,12 @@ def test_prompt_preempted_mid_chunk_is_swapped_and_resumes_its_chunks():
     scheduler.add_seq_group(decoder)
     step(scheduler)
     scheduler.add_seq_group(pair)
-    outputs = _step_until_preemption(scheduler)
-    assert outputs.preempted_by_swap == ["pair"] and len(outputs.blocks_to_swap_out) == 10
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.swapped_out == ["pair"] and len(outputs.blocks_to_swap_out) == 10
     assert 0 < pair.first_seq.get_num_computed_tokens() < 40  # mid-prompt
     while True:
-        metadata, outputs = step(scheduler)
-        if outputs.swapped_in:
+        metadata, outputs, moves = step_moves(scheduler)
+        if moves.swapped_in:
             break
     (meta,) = [m for m in metadata if m.request_id == "pair"]
     assert meta.is_prompt and meta.token_chunk_size > 1  # it continues as a prompt chunk
@@ -534,7 +563,7 @@ def test_swapped_request_kept_out_by_the_watermark_alone_is_ignored_not_stuck():
     # 100 GPU blocks of one token, watermark 1 block. "b" (n=2) is swapped out holding 98
     # blocks; swapping it back needs 98 + 2 = 100 blocks, which leaves less than the
     # watermark even in an empty pool: LATER forever in vLLM v0. Here it is ignored.
-    from minivllm.sim import SimRequest, Simulator
+    from minivllm.viz.sim import SimRequest, Simulator
 
     requests = [SimRequest("a", [1] * 9, [42]),
                 SimRequest("b", [2] * 89, [13, 28], arrival_step=1)]
@@ -547,3 +576,35 @@ def test_swapped_request_kept_out_by_the_watermark_alone_is_ignored_not_stuck():
     ignored_at = next(s for s in result.snapshots if "b" in s.ignored)
     assert not ignored_at.running and ignored_at.num_free_gpu_blocks == 100  # the GPU was idle
     assert_all_blocks_free(sim.scheduler)
+
+
+# ============================================================ vLLM 0.6.3's signatures
+def test_constructor_takes_vllm_positionals_and_refuses_what_minivllm_lacks():
+    cache_config = CacheConfig(block_size=BLOCK_SIZE, num_gpu_blocks=8)
+    scheduler = Scheduler(SchedulerConfig(), cache_config, None, 1, None)  # vLLM's order
+    group = make_group("a", 5, max_tokens=1)
+    scheduler.add_seq_group(group)
+    metadata, outputs, allow_async_output_proc = scheduler.schedule()
+    assert [m.request_id for m in metadata] == ["a"] and not allow_async_output_proc
+    with pytest.raises(ValueError, match="LoRA"):
+        Scheduler(SchedulerConfig(), cache_config, object())
+    with pytest.raises(ValueError, match="pipeline_parallel_size"):
+        Scheduler(SchedulerConfig(), cache_config, None, 2)
+    with pytest.raises(ValueError, match="output_proc_callback"):
+        Scheduler(SchedulerConfig(), cache_config, None, 1, lambda: None)
+    with pytest.raises(TypeError):
+        Scheduler(SchedulerConfig(), cache_config, None, 1, None, lambda: 0.0)  # clock is keyword-only
+
+
+def test_budget_subtracts_a_counted_request_once_like_vllm():
+    budget = SchedulingBudget(token_budget=10, max_num_seqs=4)
+    budget.add_num_batched_tokens("a", 6)
+    budget.add_num_batched_tokens("a", 6)  # counted once
+    budget.add_num_seqs("a", 2)
+    assert (budget.num_batched_tokens, budget.num_curr_seqs) == (6, 2)
+    budget.subtract_num_batched_tokens("a", 6)
+    budget.subtract_num_seqs("a", 2)
+    budget.subtract_num_seqs("a", 2)  # no longer counted: a no-op
+    budget.subtract_num_batched_tokens("never-added", 3)
+    assert (budget.num_batched_tokens, budget.num_curr_seqs) == (0, 0)
+    assert budget.can_schedule(num_new_tokens=10, num_new_seqs=4)

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.sim import SimRequest, Simulator
+from minivllm.viz.sim import SimRequest, Simulator
 
 NUM_WORKLOADS = 500
 MAX_STEPS = 3_000  # far above what a small workload needs: hitting it means a hang

@@ -11,6 +11,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import LoggingStatLogger, Stats
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SequenceStatus
+from minivllm.viz.snapshot import SnapshotRecorder
 
 BLOCK_SIZE = 8
 
@@ -230,11 +231,11 @@ def test_stats_reach_every_logger_after_every_step(engine):
 
 
 def test_snapshots_record_every_step_with_block_tables(engine):
-    engine.record_snapshots = True
+    recorder = SnapshotRecorder(engine)
     for i in range(2):
         engine.add_request(str(i), {"prompt_token_ids": random_prompt(12, i)}, greedy(max_tokens=3, ignore_eos=True))
     run(engine)
-    snapshots = engine.snapshots
+    snapshots = recorder.snapshots
     assert [s.step for s in snapshots] == list(range(len(snapshots)))
     assert snapshots[0].batch[0].is_prefill and snapshots[0].num_batched_tokens == 24
     assert snapshots[0].block_tables["0"] and len(next(iter(snapshots[0].block_tables["0"].values()))) == 2

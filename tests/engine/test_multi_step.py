@@ -109,7 +109,7 @@ def test_lookahead_slots_stop_at_max_tokens_and_max_model_len(checkpoint_dirs):
     engine.add_request("long", {"prompt_token_ids": [6] * 35}, SamplingParams(temperature=0.0, max_tokens=100,
                                                                               ignore_eos=True))
     engine.step()  # both prefills; each has its first token
-    metadata_list, _ = engine.scheduler.schedule()
+    metadata_list, _, _ = engine.scheduler.schedule()
     lookahead = {m.request_id: m.num_lookahead_slots for m in metadata_list}
     # "short" may generate 2 more tokens, "long" 4 more (36 of 40 tokens held).
     assert lookahead == {"short": 1, "long": 3}

@@ -13,6 +13,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import Stats
 from minivllm.sampling_params import SamplingParams
+from minivllm.viz.snapshot import SnapshotRecorder
 
 import engine_test_checkpoints as checkpoints  # registered by conftest.py
 from engine_test_checkpoints import assert_all_blocks_free, mixed_prompts
@@ -81,10 +82,10 @@ def test_swap_mode_moves_blocks_through_the_cpu_pool(checkpoint_dirs):
     path, _ = checkpoint_dirs["llama"]
     engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, num_gpu_blocks_override=16,
                                                    preemption_mode="swap"))
-    engine.record_snapshots = True
+    recorder = SnapshotRecorder(engine)
     run_all(engine, mixed_prompts(8, seed=1), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True))
-    assert any(s.blocks_to_swap_out for s in engine.snapshots)
-    assert any(s.blocks_to_swap_in for s in engine.snapshots)
+    assert any(s.blocks_to_swap_out for s in recorder.snapshots)
+    assert any(s.blocks_to_swap_in for s in recorder.snapshots)
     assert_all_blocks_free(engine)
 
 

@@ -10,6 +10,7 @@ import engine_test_checkpoints as checkpoints  # registered by conftest.py
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.viz.snapshot import SnapshotRecorder
 
 BLOCK_SIZE = 8
 
@@ -179,12 +180,12 @@ def test_seeded_samples_do_not_change_under_preemption(checkpoint_dirs, preempti
     roomy = run(make_engine(checkpoint_dirs), requests)
     tight_engine = make_engine(checkpoint_dirs, num_gpu_blocks_override=12, preemption_mode=preemption_mode,
                                max_num_seqs=8)
-    tight_engine.record_snapshots = True
+    recorder = SnapshotRecorder(tight_engine)
     tight = run(tight_engine, requests)
-    moved = [s for s in tight_engine.snapshots if s.preempted]
+    moved = [s for s in recorder.snapshots if s.preempted]
     assert moved, "the small pool should have forced a preemption"
     if preemption_mode == "swap":
-        assert any(s.blocks_to_swap_out for s in tight_engine.snapshots)
+        assert any(s.blocks_to_swap_out for s in recorder.snapshots)
     for request_id in requests:
         assert [c.token_ids for c in tight[request_id].outputs] == [c.token_ids for c in roomy[request_id].outputs]
     block_manager = tight_engine.scheduler.block_manager

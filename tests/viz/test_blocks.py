@@ -23,6 +23,7 @@ from minivllm.viz.blocks import (  # noqa: E402
     draw_ref_counts,
     short_hash,
 )
+from minivllm.viz.snapshot import snapshot_block_manager  # noqa: E402
 from minivllm.viz.style import COLORS  # noqa: E402
 
 BLOCK_SIZE = 4
@@ -37,6 +38,7 @@ def forked_state():
     bm.allocate(group)
     group.set_status(SequenceStatus.RUNNING)
     parent.data.num_computed_tokens = 6
+    bm.mark_blocks_as_computed(group)  # as the scheduler does for a scheduled prefill
     child = parent.fork(1)
     group.add(child)
     bm.fork(parent, child)
@@ -55,9 +57,9 @@ def texts(ax):
 
 
 def test_block_state_roles(forked_state):
-    bm, _, cows = forked_state
-    snap = bm.snapshot()
-    shared = bm.get_block_table(bm._seqs[1])[0]
+    bm, group, cows = forked_state
+    snap = snapshot_block_manager(bm, group.get_seqs())
+    shared = bm.get_block_table(group.seqs[1])[0]
     assert block_state(snap.gpu_blocks[shared]) == "shared"
     assert block_state(snap.gpu_blocks[cows[0][1]]) == "used"
     assert block_state(snap.gpu_blocks[5]) == "free"
@@ -65,7 +67,7 @@ def test_block_state_roles(forked_state):
 
 def test_block_tables_picture_has_every_slot_and_one_arrow_per_logical_block(forked_state):
     bm, group, cows = forked_state
-    snap = bm.snapshot()
+    snap = snapshot_block_manager(bm, group.get_seqs())
     fig, ax = plt.subplots()
     draw_block_tables(snap, ax, token_labels={10: "The"}, copied=[cows[0][1]])
     plt.close(fig)
@@ -90,7 +92,7 @@ def test_swapped_sequences_point_at_the_cpu_pool(forked_state):
     bm, group, _ = forked_state
     bm.swap_out(group)
     group.set_status(SequenceStatus.SWAPPED)
-    snap = bm.snapshot()
+    snap = snapshot_block_manager(bm, group.get_seqs())
     fig, ax = plt.subplots()
     draw_block_tables(snap, ax)
     plt.close(fig)
@@ -100,8 +102,8 @@ def test_swapped_sequences_point_at_the_cpu_pool(forked_state):
 
 
 def test_pool_free_lists_and_ref_counts(forked_state):
-    bm, _, _ = forked_state
-    snap = bm.snapshot()
+    bm, group, _ = forked_state
+    snap = snapshot_block_manager(bm, group.get_seqs())
     fig, axes = plt.subplots(1, 3)
     draw_block_pool(snap, axes[0])
     draw_free_lists(snap, axes[1])
@@ -118,7 +120,7 @@ def test_pool_free_lists_and_ref_counts(forked_state):
 def test_hash_chain_labels_each_block_hash(forked_state):
     bm, group, _ = forked_state
     bm.mark_blocks_as_computed(group)
-    snap = bm.snapshot()
+    snap = snapshot_block_manager(bm, group.get_seqs())
     fig, ax = plt.subplots()
     draw_hash_chain(snap, 1, ax)
     plt.close(fig)
@@ -130,10 +132,10 @@ def test_hash_chain_labels_each_block_hash(forked_state):
 
 def test_block_usage_over_a_trace(forked_state):
     bm, group, _ = forked_state
-    snaps = [bm.snapshot()]
+    snaps = [snapshot_block_manager(bm, group.get_seqs())]
     for seq in group.get_seqs():
         bm.free(seq)
-        snaps.append(bm.snapshot())
+        snaps.append(snapshot_block_manager(bm, group.get_seqs()))
     fig, ax = plt.subplots()
     draw_block_usage(snaps, ax)
     plt.close(fig)

@@ -16,7 +16,7 @@ from matplotlib.colors import to_hex  # noqa: E402
 from matplotlib.patches import Rectangle  # noqa: E402
 
 from minivllm.config import CacheConfig, SchedulerConfig  # noqa: E402
-from minivllm.sim import SimRequest, Simulator, simulate_static_batching  # noqa: E402
+from minivllm.viz.sim import SimRequest, Simulator, simulate_static_batching  # noqa: E402
 from minivllm.viz import COLORS  # noqa: E402
 from minivllm.viz.queues import (  # noqa: E402
     batch_grid,

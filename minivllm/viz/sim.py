@@ -1,10 +1,11 @@
-"""A model-free simulator: the real Scheduler and BlockSpaceManager, a stand-in model.
+"""A model-free simulator: the real `LLMEngine`, a stand-in model that returns scripted tokens.
 
-The stand-in model does what the engine's model would do to the scheduler's state, and
-nothing else: it marks the scheduled tokens as computed and, when a prompt is done or a
-decode runs, appends one token per sequence. Each sequence has a target output length;
-the model emits `EOS_TOKEN_ID` as its last token. So the scheduler, the block manager and
-every queue, preemption and swap are real, and a whole workload runs in milliseconds.
+`Simulator` drives the engine exactly as a server would (add, abort, step) through
+`ScriptedExecutor`, an executor whose "model" emits, for each sequence, tokens up to a
+target length and then `EOS_TOKEN_ID`. The engine runs tokenizer-free (`skip_tokenizer_init`)
+on a model config built in code, so nothing is read from disk. The scheduler, the block
+manager, forks, stop rules, every queue, preemption and swap are the engine's own, and a
+whole workload runs in milliseconds; a `SnapshotRecorder` records every step.
 
     requests = make_workload(num_requests=20, prompt_len=(8, 64), output_len=(4, 64), seed=0)
     result = Simulator(SchedulerConfig(...), CacheConfig(..., num_gpu_blocks=64)).run(requests)
@@ -12,23 +13,27 @@ every queue, preemption and swap are real, and a whole workload runs in millisec
     result.results["7"].ttft_steps     # steps from arrival to the first token
     result.stats.slot_utilization
 
-Time is counted in steps, and in milliseconds through a `StepCostModel` (a linear model
-of one step's cost: fixed overhead + per-token compute + swap traffic). `simulate_static_batching`
-is the baseline continuous batching replaced: fixed batches, each padded until its longest
-request finishes.
+What this module keeps for itself: workloads (`SimRequest`, `make_workload`), time
+(`StepCostModel`: a linear model of one step's cost: fixed overhead + per-token compute +
+swap traffic), the per-request results and summaries, and `simulate_static_batching`, the
+baseline continuous batching replaced: fixed batches, each padded until its longest request
+finishes.
 """
 
 from __future__ import annotations
 
-import itertools
 import random
+import zlib
 from dataclasses import dataclass, field
 
-from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.scheduler import Scheduler, SchedulerOutputs
-from minivllm.core.snapshot import BatchEntry, StepSnapshot, take_snapshot
+from minivllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
+from minivllm.core.scheduler import SchedulerOutputs
+from minivllm.engine.llm_engine import LLMEngine, StepObserver
+from minivllm.executor.executor_base import ExecutorBase
 from minivllm.sampling_params import SamplingParams
-from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
+from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroup, SequenceGroupMetadata,
+                               SequenceGroupOutput, SequenceOutput, SequenceStatus)
+from minivllm.viz.snapshot import BatchEntry, SnapshotRecorder, StepSnapshot
 
 EOS_TOKEN_ID = 0
 # Token ids the stand-in model and `make_workload` draw from (EOS excluded).
@@ -194,36 +199,129 @@ class SimResult:
         return max((b - a for a, b in zip(times, times[1:])), default=0.0)
 
 
-class Simulator:
-    """Runs a workload through a real `Scheduler` with a stand-in model.
+class ScriptedExecutor(ExecutorBase):
+    """The stand-in model: an executor that returns scripted tokens instead of running one.
+
+    For each scheduled group that samples, one token per running sequence: sequence i of a
+    request emits `EOS_TOKEN_ID` as its token number `output_lens[i]` (`script`), other
+    tokens before it. A prompt of a request with n > 1 gets n samples, so the engine forks
+    its siblings as it would after a real prefill (the parent takes the last sample, so
+    sibling i is the group's sequence i). A sibling's first token encodes i, which is how a
+    later step knows which length it has (sequence ids are the engine's business).
+    The pools have the sizes `cache_config` names; nothing is allocated.
+    """
+
+    def _init_executor(self) -> None:
+        self._output_lens: dict[str, list[int]] = {}
+
+    def script(self, request_id: str, output_lens: list[int]) -> None:
+        """Sequence i of `request_id` will produce `output_lens[i]` tokens, the last one EOS."""
+        self._output_lens[request_id] = list(output_lens)
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        cache_config = self.engine_config.cache_config
+        return cache_config.num_gpu_blocks, cache_config.num_cpu_blocks or 0
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        """No KV cache to allocate: no model reads it."""
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
+        # One step, even when a multi-step run was offered: the engine accepts fewer.
+        return [SamplerOutput([self._samples(m) for m in execute_model_req.seq_group_metadata_list])]
+
+    def _samples(self, metadata: SequenceGroupMetadata) -> SequenceGroupOutput:
+        if not metadata.do_sample:  # a prompt chunk short of the end: no token yet
+            return SequenceGroupOutput(samples=[])
+        rid, n = metadata.request_id, metadata.sampling_params.n
+        samples = []
+        for seq_id, data in metadata.seq_data.items():
+            if n > 1 and not data.output_token_ids:  # the prompt is done: fork the siblings
+                indices = [*range(1, n), 0]  # the parent (sibling 0) keeps the last sample
+            else:
+                indices = [self._sibling_index(rid, data.output_token_ids)]
+            for index in indices:
+                token = self._next_token(rid, index, data.get_output_len() + 1)
+                samples.append(SequenceOutput(seq_id, token, {token: 0.0}))
+        return SequenceGroupOutput(samples=samples)
+
+    def _next_token(self, request_id: str, index: int, num_output: int) -> int:
+        if num_output >= self._output_lens[request_id][index]:
+            return EOS_TOKEN_ID
+        step = index if num_output == 1 else index * 31 + num_output * 7
+        return 1 + (_request_base(request_id) + step) % (VOCAB_SIZE - 1)
+
+    @staticmethod
+    def _sibling_index(request_id: str, output_token_ids: list[int]) -> int:
+        if not output_token_ids:
+            return 0
+        return (output_token_ids[0] - 1 - _request_base(request_id)) % (VOCAB_SIZE - 1)
+
+
+def _request_base(request_id: str) -> int:
+    # crc32, not hash(): str hashes are salted per process, and runs must repeat exactly.
+    return zlib.crc32(request_id.encode()) % (VOCAB_SIZE - 1)
+
+
+def sim_engine_config(scheduler_config: SchedulerConfig, cache_config: CacheConfig) -> EngineConfig:
+    """An `EngineConfig` that needs nothing from disk: a tiny Llama shape built in code (its
+    vocabulary and context length are all the engine reads) and no tokenizer."""
+    from transformers import LlamaConfig  # deferred: slow to import, only needed here
+
+    hf_config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=8, intermediate_size=8,
+                            num_hidden_layers=1, num_attention_heads=1,
+                            max_position_embeddings=scheduler_config.max_model_len,
+                            eos_token_id=EOS_TOKEN_ID, bos_token_id=None, pad_token_id=None)
+    model_config = ModelConfig(skip_tokenizer_init=True, hf_config=hf_config,
+                               max_model_len=scheduler_config.max_model_len)
+    return EngineConfig(model_config, cache_config, scheduler_config, DeviceConfig("cpu"))
+
+
+class Simulator(StepObserver):
+    """Runs a workload through the real `LLMEngine` with the scripted stand-in model.
+
+    The engine's scheduler, block manager, output processor (forks, stop rules) and abort
+    path all run as they do with a model; only `ScriptedExecutor` replaces the model. A
+    `SnapshotRecorder` records every step; this class adds the workload's arrivals and
+    aborts, the cost model's clock and the per-request results.
 
     Args:
         scheduler_config, cache_config: as for the engine; `cache_config.num_gpu_blocks`
-            (and `num_cpu_blocks` for swapping) must be set.
-        cost_model: converts steps to milliseconds.
-        include_block_manager: store the full block-manager state in every snapshot.
-        max_steps: safety limit; a run that does not finish raises RuntimeError.
+            (and `num_cpu_blocks` for swapping) must be set, since no profile run sizes them.
+        cost_model: how long each step takes (milliseconds).
+        include_block_manager: store the block manager's state in every snapshot.
+        max_steps: a safety limit (RuntimeError if a run has not finished by then).
+
+    A request's `priority` is passed to the engine only under policy "priority" (FCFS ignores
+    it; the engine refuses a priority it would ignore).
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  cost_model: StepCostModel | None = None, include_block_manager: bool = False,
                  max_steps: int = DEFAULT_MAX_STEPS) -> None:
+        if cache_config.num_gpu_blocks is None:
+            raise ValueError("cache_config.num_gpu_blocks must be set: no profile run sizes a simulation.")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.cost_model = cost_model or StepCostModel()
-        self.include_block_manager = include_block_manager
         self.max_steps = max_steps
         self.current_step = 0
         self.now_ms = 0.0
-        self.scheduler = Scheduler(scheduler_config, cache_config, clock=lambda: self.current_step)
-        self._aborted_before_step: list[str] = []
-        self._seq_ids = itertools.count()
-        self._targets: dict[int, int] = {}  # seq_id -> target output length
-        self._sibling_targets: dict[str, list[int]] = {}  # request_id -> output_lens
-        self._done_seqs: set[int] = set()
+        self._step_start_ms = 0.0
+        self.engine = LLMEngine(sim_engine_config(scheduler_config, cache_config),
+                                executor_class=ScriptedExecutor)
+        self.engine.add_step_observer(self)  # advances the clock before the recorder stamps it
+        self.recorder = SnapshotRecorder(self.engine, include_block_manager=include_block_manager,
+                                         clock=lambda: self.now_ms)
         self._groups: dict[str, SequenceGroup] = {}
         self.results: dict[str, RequestResult] = {}
-        self.snapshots: list[StepSnapshot] = []
+
+    @property
+    def scheduler(self):
+        return self.engine.scheduler
+
+    @property
+    def snapshots(self) -> list[StepSnapshot]:
+        return self.recorder.snapshots
 
     def run(self, requests: list[SimRequest]) -> SimResult:
         """Run until every request has finished; returns snapshots, per-request results, stats."""
@@ -231,7 +329,7 @@ class Simulator:
             raise ValueError("request ids must be unique.")
         pending = sorted(requests, key=lambda r: r.arrival_step)
         aborts = {r.request_id: r.abort_step for r in requests if r.abort_step is not None}
-        while pending or self.scheduler.has_unfinished_seqs():
+        while pending or self.engine.has_unfinished_requests():
             if self.current_step >= self.max_steps:
                 raise RuntimeError(f"simulation did not finish within {self.max_steps} steps.")
             while pending and pending[0].arrival_step <= self.current_step:
@@ -245,102 +343,63 @@ class Simulator:
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepSnapshot:
-        """One scheduler step and one stand-in model step; returns (and records) its snapshot."""
-        _, outputs = self.scheduler.schedule()
-        snapshot = take_snapshot(self.scheduler, outputs, self.current_step,
-                                 include_block_manager=self.include_block_manager)
-        snapshot.aborted.extend(self._aborted_before_step)
-        self._aborted_before_step = []
-        for seq_group in outputs.ignored_seq_groups:
-            self._record_finish(seq_group)
-        for scheduled in outputs.scheduled_seq_groups:
-            self._model_step(scheduled.seq_group, scheduled.token_chunk_size)
-        self._advance_clock(outputs)
-        for request_id in outputs.preempted_by_recompute + outputs.preempted_by_swap:
+        """One engine step; returns its snapshot (recorded in `snapshots`)."""
+        output_lens = {rid: _num_output_tokens(g) for rid, g in self._live_groups()}
+        self.engine.step()
+        snapshot = self.snapshots[-1]
+        for request_id in snapshot.ignored:
+            self._record_finish(self._groups[request_id], self._step_start_ms)
+        for entry in snapshot.batch:
+            if _num_output_tokens(self._groups[entry.request_id]) > output_lens[entry.request_id]:
+                self._record_token(self.results[entry.request_id])
+        for request_id in snapshot.preempted_by_recompute + snapshot.preempted_by_swap:
             self.results[request_id].num_preemptions += 1
-        self._collect_finished(outputs, snapshot)
-        snapshot.time = self.now_ms
-        self.snapshots.append(snapshot)
+        for request_id in snapshot.finished:
+            self._record_finish(self._groups[request_id], self.now_ms)
         self.current_step += 1
         return snapshot
 
-    def _model_step(self, seq_group: SequenceGroup, token_chunk_size: int) -> None:
-        """What the model + sampler + output processor would do to one scheduled group."""
-        seq_group.update_num_computed_tokens(token_chunk_size)
-        seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
-        if any(seq.get_num_uncomputed_tokens() > 0 for seq in seqs):
-            return  # a prompt chunk that does not reach the end: no token yet
-        if len(seq_group.seqs) == 1 and seq_group.sampling_params.n > 1:
-            seqs = self._fork(seq_group)
-        for seq in seqs:
-            self._append_token(seq_group, seq)
-        result = self.results[seq_group.request_id]
+    def on_scheduled(self, engine: LLMEngine, scheduler_outputs: SchedulerOutputs) -> None:
+        """The cost model prices the step as scheduled: its tokens and its swapped blocks."""
+        num_swapped = len(scheduler_outputs.blocks_to_swap_in) + len(scheduler_outputs.blocks_to_swap_out)
+        self._step_start_ms = self.now_ms
+        self.now_ms += self.cost_model.step_ms(scheduler_outputs.num_batched_tokens, num_swapped,
+                                               self.cache_config.block_size)
+
+    def _record_token(self, result: RequestResult) -> None:
         result.token_steps.append(self.current_step)
         if result.first_token_step is None:
-            result.first_token_step = self.current_step
-
-    def _fork(self, seq_group: SequenceGroup) -> list[Sequence]:
-        """After the first prompt is done, a request with n > 1 forks its siblings."""
-        parent = seq_group.first_seq
-        for index in range(1, seq_group.sampling_params.n):
-            child = parent.fork(next(self._seq_ids))
-            seq_group.add(child)
-            self.scheduler.fork_seq(parent, child)
-            self._targets[child.seq_id] = self._sibling_targets[seq_group.request_id][index]
-        return seq_group.get_seqs(status=SequenceStatus.RUNNING)
-
-    def _append_token(self, seq_group: SequenceGroup, seq: Sequence) -> None:
-        num_output = seq.get_output_len() + 1
-        is_eos = num_output >= self._targets[seq.seq_id]
-        token_id = EOS_TOKEN_ID if is_eos else 1 + (seq.seq_id * 31 + num_output) % (VOCAB_SIZE - 1)
-        seq.append_token_id(token_id, {token_id: 0.0})
-        max_tokens = seq_group.sampling_params.max_tokens
-        if is_eos:
-            seq.status = SequenceStatus.FINISHED_STOPPED
-        elif max_tokens is not None and seq.get_output_len() >= max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-        elif seq.get_len() >= self.scheduler_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-
-    def _collect_finished(self, outputs: SchedulerOutputs, snapshot: StepSnapshot) -> None:
-        for scheduled in outputs.scheduled_seq_groups:
-            seq_group = scheduled.seq_group
-            snapshot.finished_seq_ids.extend(
-                s.seq_id for s in seq_group.get_finished_seqs() if s.seq_id not in self._done_seqs)
-            self._done_seqs.update(s.seq_id for s in seq_group.get_finished_seqs())
-            if seq_group.is_finished():
-                snapshot.finished.append(seq_group.request_id)
-                self._record_finish(seq_group)
-        self.scheduler.free_finished_seq_groups()
+            result.first_token_step, result.first_token_ms = self.current_step, self.now_ms
 
     # --------------------------------------------------------------- bookkeeping
     def add_request(self, request: SimRequest) -> None:
         """The request arrives now (at `current_step`), whatever its `arrival_step` says."""
         if request.request_id in self.results:
             raise ValueError(f"request id {request.request_id!r} is already used.")
-        seq = Sequence(next(self._seq_ids), None, request.prompt_token_ids,
-                       self.cache_config.block_size, EOS_TOKEN_ID)
-        params = SamplingParams(n=request.n, max_tokens=request.max_tokens)
-        seq_group = SequenceGroup(request.request_id, [seq], params,
-                                  arrival_time=self.current_step, priority=request.priority)
-        self._targets[seq.seq_id] = request.output_lens[0]
-        self._sibling_targets[request.request_id] = request.output_lens
+        self.engine.model_executor.script(request.request_id, request.output_lens)
+        priority = request.priority if self.scheduler_config.policy == "priority" else 0
+        self.engine.add_request(request.request_id, {"prompt_token_ids": request.prompt_token_ids},
+                                SamplingParams(n=request.n, max_tokens=request.max_tokens),
+                                arrival_time=self.current_step, priority=priority)
+        seq_group = self.engine.scheduler.waiting[-1]  # where add_request queues it
+        assert seq_group.request_id == request.request_id
         self._groups[request.request_id] = seq_group
         self.results[request.request_id] = RequestResult(request.request_id, self.current_step, request.n,
                                                          arrival_ms=self.now_ms)
-        self.scheduler.add_seq_group(seq_group)
 
     def abort(self, request_ids: list[str]) -> list[str]:
         """Abort the requests that have arrived and not finished; returns their ids."""
         live = [rid for rid in request_ids
                 if rid in self._groups and self.results[rid].finish_step is None]
-        self.scheduler.abort_seq_group(live)
+        self.engine.abort_request(live)
         for rid in live:
-            self._record_finish(self._groups[rid])
-        self._aborted_before_step.extend(live)
+            self._record_finish(self._groups[rid], self.now_ms)
         return live
 
-    def _record_finish(self, seq_group: SequenceGroup) -> None:
+    def _live_groups(self):
+        return ((rid, g) for rid, g in self._groups.items() if self.results[rid].finish_step is None)
+
+    def _record_finish(self, seq_group: SequenceGroup, finish_ms: float) -> None:
         result = self.results[seq_group.request_id]
         statuses = [seq.status for seq in seq_group.get_seqs()]
         status = next((s for s in (SequenceStatus.FINISHED_ABORTED, SequenceStatus.FINISHED_IGNORED)
@@ -351,20 +410,15 @@ class Simulator:
         result.finish_reason = SequenceStatus.get_finished_reason(status)
         result.finish_message = seq_group.finish_message
         result.finish_step = self.current_step
-        result.finish_ms = self.now_ms
-        result.num_output_tokens = sum(s.get_output_len() for s in seq_group.get_seqs())
-
-    def _advance_clock(self, outputs: SchedulerOutputs) -> None:
-        num_swapped = len(outputs.blocks_to_swap_in) + len(outputs.blocks_to_swap_out)
-        self.now_ms += self.cost_model.step_ms(outputs.num_batched_tokens, num_swapped,
-                                               self.cache_config.block_size)
-        for scheduled in outputs.scheduled_seq_groups:
-            result = self.results[scheduled.seq_group.request_id]
-            if result.first_token_step == self.current_step and result.first_token_ms is None:
-                result.first_token_ms = self.now_ms
+        result.finish_ms = finish_ms
+        result.num_output_tokens = _num_output_tokens(seq_group)
 
     def _stats(self) -> SimStats:
         return summarize(self.snapshots, self.results, self.scheduler_config.max_num_seqs)
+
+
+def _num_output_tokens(seq_group: SequenceGroup) -> int:
+    return sum(seq.get_output_len() for seq in seq_group.get_seqs())
 
 
 def summarize(snapshots: list[StepSnapshot], results: dict[str, RequestResult],

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.sim import (
+from minivllm.viz.sim import (
     EOS_TOKEN_ID,
     SimRequest,
     Simulator,

@@ -1,0 +1,165 @@
+"""The architecture's rules as plain data: layers, who may import whom, vLLM counterparts.
+
+Read by the architecture map (`minivllm.viz.archmap`, which draws them) and by
+`tests/test_architecture.py` (which checks the import graph against them). No drawing here,
+and no import beyond the standard library.
+"""
+
+from __future__ import annotations
+
+PACKAGE = "minivllm"
+KERNELS_PACKAGE = "minivllm.kernels"
+
+# ---------------------------------------------------------------------------------------------
+# Layers, from the top of the stack down. A module belongs to the layer of its longest matching
+# prefix ("minivllm.viz.style" is foundation, the rest of "minivllm.viz" is viz). `ROWS` places
+# layers that do not depend on each other side by side (the scheduler beside the executor).
+# A new top-level module or sub-package must be added here (tests/test_architecture.py says so).
+LAYERS: dict[str, tuple[str, ...]] = {
+    "package": ("minivllm",),  # the root __init__ only: `from minivllm import LLM`
+    "entrypoints": ("minivllm.entrypoints", "minivllm.__main__"),
+    "engine": ("minivllm.engine",),
+    "viz": ("minivllm.viz",),
+    "core": ("minivllm.core",),
+    "transformers_utils": ("minivllm.transformers_utils",),
+    "executor": ("minivllm.executor",),
+    "worker": ("minivllm.worker",),
+    "model_executor": ("minivllm.model_executor",),
+    "attention": ("minivllm.attention",),
+    "kernels": ("minivllm.kernels",),
+    "foundation": (
+        "minivllm.sequence",
+        "minivllm.sampling_params",
+        "minivllm.config",
+        "minivllm.outputs",
+        "minivllm.bundled_models",
+        "minivllm.utils",
+        "minivllm.logger",
+        "minivllm.envs",
+        "minivllm.viz.style",
+    ),
+}
+ROWS: tuple[tuple[str, ...], ...] = (
+    ("package", "entrypoints", "viz"),
+    ("engine",),
+    ("core", "transformers_utils", "executor"),
+    ("worker",),
+    ("model_executor",),
+    ("attention",),
+    ("kernels",),
+    ("foundation",),
+)
+
+# Each layer and the layers it may import (itself included). Read it bottom up: foundation
+# (sequence, sampling_params, config, outputs, bundled_models, viz.style) is usable by all;
+# the compute stack is kernels < attention < model_executor < worker < executor < engine <
+# entrypoints, each importing any layer below it; the scheduler (core) sits beside that stack
+# and knows nothing of it. viz (pictures, snapshots, the simulator) is course tooling on top:
+# it drives and observes the engine (through `StepObserver` and public queries) and nothing
+# in the runtime imports it.
+_STACK = ("kernels", "attention", "model_executor", "worker", "executor")
+MAY_IMPORT: dict[str, set[str]] = {
+    "foundation": {"foundation"},
+    "kernels": {"foundation", "kernels"},
+    "attention": {"foundation", *_STACK[:2]},
+    "model_executor": {"foundation", *_STACK[:3]},
+    "worker": {"foundation", *_STACK[:4]},
+    "executor": {"foundation", *_STACK[:5]},
+    "core": {"foundation", "core"},
+    "transformers_utils": {"foundation", "transformers_utils"},
+    "engine": {"foundation", *_STACK, "core", "transformers_utils", "engine"},
+    "entrypoints": {"foundation", *_STACK, "core", "transformers_utils", "engine", "entrypoints"},
+    "viz": {"foundation", "core", "engine", "executor", "viz"},
+    # The root __init__ re-exports the public API (LLM, SamplingParams, ...), never viz: a
+    # plain `import minivllm` must not pull in matplotlib.
+    "package": {"foundation", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
+                "package"},
+}
+
+# The vLLM 0.6.3 file each minivllm module mirrors; paths are relative to vLLM's repo root
+# (a folder ends in "/"). Every entry is checked: the key against minivllm's modules, the path
+# against tests/data/vllm_0.6.3_files.txt (tests/viz/test_layers.py). The block manager
+# follows v0's `BlockSpaceManagerV1` (dropped after 0.6.3). Modules with no counterpart (the
+# simulator, the visualizations) are simply absent.
+VLLM_PATHS: dict[str, str] = {
+    "minivllm": "vllm/__init__.py",
+    "minivllm.__main__": "vllm/scripts.py",
+    "minivllm.sequence": "vllm/sequence.py",
+    "minivllm.sampling_params": "vllm/sampling_params.py",
+    "minivllm.config": "vllm/config.py",
+    "minivllm.outputs": "vllm/outputs.py",
+    "minivllm.core": "vllm/core/",
+    "minivllm.core.scheduler": "vllm/core/scheduler.py",
+    "minivllm.core.block_manager": "vllm/core/block_manager_v1.py",
+    "minivllm.core.block_allocator": "vllm/block.py",
+    "minivllm.engine": "vllm/engine/",
+    "minivllm.engine.llm_engine": "vllm/engine/llm_engine.py",
+    "minivllm.engine.async_llm_engine": "vllm/engine/async_llm_engine.py",
+    "minivllm.engine.arg_utils": "vllm/engine/arg_utils.py",
+    "minivllm.engine.metrics": "vllm/engine/metrics.py",
+    "minivllm.engine.output_processor": "vllm/engine/output_processor/single_step.py",
+    "minivllm.engine.detokenizer": "vllm/transformers_utils/detokenizer.py",
+    "minivllm.executor": "vllm/executor/",
+    "minivllm.executor.executor_base": "vllm/executor/executor_base.py",
+    "minivllm.executor.uniproc_executor": "vllm/executor/gpu_executor.py",
+    "minivllm.worker": "vllm/worker/",
+    "minivllm.worker.worker": "vllm/worker/worker.py",
+    "minivllm.worker.cache_engine": "vllm/worker/cache_engine.py",
+    "minivllm.worker.model_runner": "vllm/worker/model_runner.py",
+    "minivllm.model_executor": "vllm/model_executor/",
+    "minivllm.model_executor.sampling_metadata": "vllm/model_executor/sampling_metadata.py",
+    "minivllm.model_executor.model_loader": "vllm/model_executor/model_loader/loader.py",
+    "minivllm.model_executor.layers.layernorm": "vllm/model_executor/layers/layernorm.py",
+    "minivllm.model_executor.layers.rotary_embedding": (
+        "vllm/model_executor/layers/rotary_embedding.py"
+    ),
+    "minivllm.model_executor.layers.activation": "vllm/model_executor/layers/activation.py",
+    "minivllm.model_executor.layers.sampler": "vllm/model_executor/layers/sampler.py",
+    "minivllm.model_executor.models": "vllm/model_executor/models/registry.py",
+    "minivllm.model_executor.models.llama": "vllm/model_executor/models/llama.py",
+    "minivllm.attention": "vllm/attention/",
+    "minivllm.attention.layer": "vllm/attention/layer.py",
+    "minivllm.attention.selector": "vllm/attention/selector.py",
+    "minivllm.attention.metadata": "vllm/attention/backends/abstract.py",
+    "minivllm.kernels": "vllm/_custom_ops.py",
+    "minivllm.kernels.reference": "tests/kernels/test_attention.py",  # its ref_* functions
+    "minivllm.kernels.paged_attention": "csrc/attention/attention_kernels.cu",
+    "minivllm.kernels.prefill_attention": "vllm/attention/ops/prefix_prefill.py",
+    "minivllm.kernels.reshape_and_cache": "csrc/cache_kernels.cu",
+    "minivllm.kernels.cache_ops": "csrc/cache_kernels.cu",
+    "minivllm.entrypoints": "vllm/entrypoints/",
+    "minivllm.entrypoints.llm": "vllm/entrypoints/llm.py",
+    "minivllm.entrypoints.cli": "vllm/scripts.py",
+    "minivllm.entrypoints.openai": "vllm/entrypoints/openai/",
+    "minivllm.entrypoints.openai.api_server": "vllm/entrypoints/openai/api_server.py",
+    "minivllm.entrypoints.openai.cli_args": "vllm/entrypoints/openai/cli_args.py",
+    "minivllm.entrypoints.openai.protocol": "vllm/entrypoints/openai/protocol.py",
+    "minivllm.entrypoints.openai.serving_engine": "vllm/entrypoints/openai/serving_engine.py",
+    "minivllm.entrypoints.openai.metrics": "vllm/engine/metrics.py",
+    "minivllm.entrypoints.openai.serving_chat": "vllm/entrypoints/openai/serving_chat.py",
+    "minivllm.entrypoints.openai.serving_completion": (
+        "vllm/entrypoints/openai/serving_completion.py"
+    ),
+}
+
+def layer_of(module: str) -> str | None:
+    """The layer of `module` by its longest matching prefix in `LAYERS`; None if unlisted."""
+    match = _longest_prefix(module)
+    return match[0] if match else None
+
+
+def _longest_prefix(module: str) -> tuple[str, str] | None:
+    """(layer, prefix) of the longest `LAYERS` prefix that `module` is or lies under."""
+    matches = [
+        (layer, prefix)
+        for layer, prefixes in LAYERS.items()
+        for prefix in prefixes
+        # The root prefix "minivllm" names the root __init__ only, or it would match everything.
+        if module == prefix or (prefix != PACKAGE and module.startswith(prefix + "."))
+    ]
+    return max(matches, key=lambda match: len(match[1])) if matches else None
+
+
+def vllm_path(module: str) -> str | None:
+    """The vLLM file (or folder) that `module` mirrors, or None if it has no counterpart."""
+    return VLLM_PATHS.get(module)
