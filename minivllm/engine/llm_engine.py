@@ -179,7 +179,7 @@ class LLMEngine:
         bad = [t for t in token_ids
                if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidParameterError(name, f"{name} ids must be integers in [0, {self.vocab_size}), got {bad[:5]}.")
+            raise InvalidParameterError(name, f"{name} must be token ids, integers in [0, {self.vocab_size}), got {bad[:5]}.")
 
     def _finalize_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
         """A private copy checked against this model, with the model's EOS among the stop ids.
@@ -248,9 +248,7 @@ class LLMEngine:
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
         if not scheduler_outputs.is_empty():
             request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
-            for step_index, sampler_output in enumerate(self.model_executor.execute_model(request)):
-                self._process_model_outputs(sampler_output, scheduler_outputs.scheduled_seq_groups,
-                                            stats, is_first_step=step_index == 0)
+            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats)
         now = stats.now = time.monotonic()
         request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
@@ -291,19 +289,75 @@ class LLMEngine:
             seq_group = scheduled.seq_group
             if seq_group.is_finished() or not (is_first_step or output.samples):
                 continue
-            first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
-            num_computed = scheduled.token_chunk_size if is_first_step else 1
-            if is_first_step and seq_group.is_prefill():
-                stats.num_prompt_tokens_iter += num_computed
-            # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
-            seq_group.update_num_computed_tokens(num_computed)
-            if output.prompt_logprobs:
-                self._record_prompt_logprobs(seq_group, output, first_computed)
-            if output.samples:
-                self._update_metrics(seq_group, now, stats)
-                self.output_processor.process_outputs(seq_group, output.samples)
-                # Beam search proposes 2 x beam_width candidates but keeps beam_width.
-                stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
+            try:
+                self._process_group_output(scheduled, output, stats, is_first_step, now)
+            except Exception as error:  # this request's own output failed: it alone ends
+                self._fail_requests([seq_group], error)
+
+    def _process_group_output(self, scheduled: ScheduledSequenceGroup, output: SequenceGroupOutput,
+                              stats: Stats, is_first_step: bool, now: float) -> None:
+        seq_group = scheduled.seq_group
+        first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
+        num_computed = scheduled.token_chunk_size if is_first_step else 1
+        if is_first_step and seq_group.is_prefill():
+            stats.num_prompt_tokens_iter += num_computed
+        # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
+        seq_group.update_num_computed_tokens(num_computed)
+        if output.prompt_logprobs:
+            self._record_prompt_logprobs(seq_group, output, first_computed)
+        if output.samples:
+            self._update_metrics(seq_group, now, stats)
+            self.output_processor.process_outputs(seq_group, output.samples)
+            # Beam search proposes 2 x beam_width candidates but keeps beam_width.
+            stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
+
+    # ------------------------------------------------------------------ failures
+    def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
+                             stats: Stats) -> None:
+        """Run the model and apply its samples; if the model raises, only its culprit ends.
+
+        Validation at `add_request` makes this rare; when it happens, the engine stays usable:
+        * The model raised before any sample came back: the batch is as it was before the
+          step (no token appended, no computed count advanced; K/V the run wrote is written
+          again), so each group runs again ALONE (`_execute_alone`) and only a group that
+          fails alone is finished, by `_fail_requests`. One extra model run per group, and
+          only after a failure: the simplest isolation that never fails an innocent request.
+        * A later step of a multi-step run raised: what came back stands; the next step goes
+          on from there (and isolates the culprit if the failure comes again).
+        """
+        num_processed = 0
+        try:
+            for sampler_output in self.model_executor.execute_model(request):
+                self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
+                num_processed += 1
+        except Exception as error:
+            if num_processed:
+                logger.warning("step %d failed after %d model steps; the rest runs next step: %r",
+                               self.step_counter, num_processed, error)
+            elif len(scheduled_groups) == 1:
+                self._fail_requests([scheduled_groups[0].seq_group], error)
+            else:
+                logger.warning("step %d failed for a batch of %d requests (%r); running each alone to find the cause",
+                               self.step_counter, len(scheduled_groups), error)
+                for scheduled, metadata in zip(scheduled_groups, request.seq_group_metadata_list):
+                    self._execute_alone(scheduled, metadata, stats)
+
+    def _execute_alone(self, scheduled: ScheduledSequenceGroup, metadata: SequenceGroupMetadata, stats: Stats) -> None:
+        # No block moves: the failed run applied them before the model ran (they are the
+        # scheduler's own, not a request's), and a swap-out repeated now could read a block
+        # that a prefill has since written.
+        request = ExecuteModelRequest(seq_group_metadata_list=[metadata], num_steps=1 + metadata.num_lookahead_slots)
+        self._execute_and_process(request, [scheduled], stats)
+
+    def _fail_requests(self, seq_groups: list[SequenceGroup], error: Exception) -> None:
+        """End requests that failed inside a step: finish_reason "abort" with a `finish_message`,
+        every block back in the pool (the scheduler's abort path), the traceback in the log.
+        They are reported at the end of this step like any request that finished in it."""
+        for seq_group in seq_groups:
+            logger.error("request %s failed inside engine step %d; finishing it", seq_group.request_id,
+                         self.step_counter, exc_info=error)
+            seq_group.finish_message = "failed inside an engine step; the details are in the engine's log."
+        self.abort_request([g.request_id for g in seq_groups])
 
     def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:
         """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted)."""
