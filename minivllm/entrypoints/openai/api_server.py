@@ -117,7 +117,9 @@ def build_app(
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
     completion = OpenAIServingCompletion(engine, names, max_prompts_per_request)
-    _add_openai_routes(app, completion, OpenAIServingChat(engine, names))
+    chat = OpenAIServingChat(engine, names)
+    app.state.serving_completion, app.state.serving_chat = completion, chat
+    _add_openai_routes(app, completion, chat)
     _add_server_routes(app, engine, stat_logger)
     # The last one added runs first: Host, then CORS (its preflight carries no key), then the key.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
@@ -358,21 +360,19 @@ class ServerThread:
 def run_server(args: argparse.Namespace) -> None:
     """`minivllm serve`: build the engine from the command line and serve until Ctrl-C."""
     engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    if not api_key and not _is_loopback(args.host):
-        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
-    app = build_app(
-        engine,
-        args.served_model_name,
-        api_key=api_key,
-        allowed_hosts=_allowed_hosts(args),
-        allowed_origins=args.allowed_origins,
-        max_body_bytes=args.max_request_body_bytes,
-        max_prompts_per_request=args.max_prompts_per_request,
-    )
+    app = build_app(engine, args.served_model_name, **app_options(args, os.environ))
     logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
     engine.shutdown()
+
+
+def app_options(args: argparse.Namespace, environ) -> dict:
+    """`build_app`'s keyword arguments from the command line (and MINIVLLM_API_KEY)."""
+    api_key = args.api_key or environ.get(API_KEY_ENV) or None
+    if not api_key and not _is_loopback(args.host):
+        logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
+    return dict(api_key=api_key, allowed_hosts=_allowed_hosts(args), allowed_origins=args.allowed_origins,
+                max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request)
 
 
 def _is_loopback(host: str) -> bool:

@@ -37,6 +37,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     reported_logprob,
     sse_event,
     top_entries,
+    wire_stop_reason,
 )
 from minivllm.outputs import CompletionOutput, Logprob
 
@@ -89,7 +90,7 @@ class OpenAIServingChat(OpenAIServing):
                 message=ChatResponseMessage(content=output.text),
                 logprobs=self._logprobs(request, output.token_ids, output.logprobs),
                 finish_reason=output.finish_reason,
-                stop_reason=output.stop_reason,
+                stop_reason=wire_stop_reason(output),
             )
             for position, output in enumerate(outputs)
         ]
@@ -138,5 +139,5 @@ class OpenAIServingChat(OpenAIServing):
             delta=DeltaMessage(content=delta.text),
             logprobs=self._logprobs(request, delta.token_ids, delta.logprobs),
             finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
+            stop_reason=wire_stop_reason(output),
         )

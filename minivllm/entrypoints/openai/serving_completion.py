@@ -35,6 +35,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     merge_streams,
     reported_logprob,
     sse_event,
+    wire_stop_reason,
 )
 from minivllm.outputs import CompletionOutput, Logprob
 
@@ -96,7 +97,7 @@ class OpenAIServingCompletion(OpenAIServing):
             text=text,
             logprobs=self._logprobs(token_ids, logprobs, text_offset) if request.logprobs is not None else None,
             finish_reason=output.finish_reason,
-            stop_reason=output.stop_reason,
+            stop_reason=wire_stop_reason(output),
         )
 
     def _logprobs(self, token_ids, step_logprobs: list[dict[int, Logprob]] | None, text_offset: int) -> CompletionLogProbs:

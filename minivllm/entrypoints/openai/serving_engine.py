@@ -249,6 +249,13 @@ class DeltaTracker:
         return Delta(text, token_ids, (output.logprobs or [])[n_tokens:], n_chars, first)
 
 
+def wire_stop_reason(output: CompletionOutput) -> int | str | None:
+    """vLLM's `stop_reason`: the stop string or token id; for a request the engine ended early
+    (finish_reason "abort": it could never fit, or failed inside a step), why. OpenAI clients
+    read finish_reason; `stop_reason` is vLLM's extra field, so the detail goes there."""
+    return output.stop_reason if output.finish_message is None else output.finish_message
+
+
 def reported_logprob(logprob: float) -> float:
     return max(logprob, _MIN_REPORTED_LOGPROB)
 

@@ -1,6 +1,6 @@
 """A bounded load test: 64 concurrent streaming clients, a fifth of them hang up early.
 
-Afterwards the engine holds no request, every KV block is back in the pool, the server is
+Bounded in count (64 clients of 8 tokens) and time (60 s), on loopback only. Afterwards the engine holds no request, every KV block is back in the pool, the server is
 healthy, and the Prometheus counters agree with what the clients received.
 """
 
@@ -66,7 +66,10 @@ def test_64_streams_with_early_disconnects(server, engine, assert_all_blocks_fre
     # A client that hangs up may still see its request finish if the abort lands late.
     assert len(finished) <= delta["vllm:e2e_request_latency_seconds_count"] <= NUM_CLIENTS
     assert delta["vllm:time_to_first_token_seconds_count"] == NUM_CLIENTS
+    # Idle: no request anywhere, no KV block in use, and no `_created` timestamps among the series.
     assert after["vllm:num_requests_running"] == 0 and after["vllm:num_requests_waiting"] == 0
+    assert after["vllm:num_requests_swapped"] == 0 and after["vllm:gpu_cache_usage_perc"] == 0
+    assert not [name for name in after if name.endswith("_created")]
 
 
 def test_a_client_that_gives_up_on_a_non_streamed_request_frees_its_blocks(server, assert_all_blocks_free):
