@@ -194,7 +194,7 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
 def simulate_kv_waste(num_seqs: int = NUM_SEQS, num_gpu_blocks: int = 40_000, block_size: int = 16) -> dict:
     """KV waste of the workload, from the real Scheduler + BlockSpaceManager, no GPU needed.
 
-    `minivllm.sim` drives the engine's scheduler with a stand-in model that emits exactly
+    `minivllm.viz.sim` drives the engine with a stand-in model that emits exactly
     each request's max_tokens; after every step we count, as `KVWasteLogger` does in the
     GPU runs, slots allocated (blocks in use x block_size) against slots holding a computed
     token. Block allocation does not depend on the model's numbers, so this is the figure
@@ -203,7 +203,7 @@ def simulate_kv_waste(num_seqs: int = NUM_SEQS, num_gpu_blocks: int = 40_000, bl
     running request up front (the pre-paging way) would waste.
     """
     from minivllm.config import CacheConfig, SchedulerConfig
-    from minivllm.sim import SimRequest, Simulator
+    from minivllm.viz.sim import SimRequest, Simulator
 
     prompts, max_tokens = make_workload(num_seqs)
     requests = [SimRequest(str(i), p, [m], max_tokens=m) for i, (p, m) in enumerate(zip(prompts, max_tokens))]

@@ -38,6 +38,9 @@ from minivllm.viz.snapshot import BatchEntry, SnapshotRecorder, StepSnapshot
 EOS_TOKEN_ID = 0
 # Token ids the stand-in model and `make_workload` draw from (EOS excluded).
 VOCAB_SIZE = 1000
+# What the engine accepts in a prompt: there are no embeddings to index, so any id a
+# workload brings (a benchmark's, drawn from a real model's vocabulary) is fine.
+PROMPT_VOCAB_SIZE = 1 << 30
 DEFAULT_MAX_STEPS = 100_000
 
 
@@ -267,7 +270,7 @@ def sim_engine_config(scheduler_config: SchedulerConfig, cache_config: CacheConf
     vocabulary and context length are all the engine reads) and no tokenizer."""
     from transformers import LlamaConfig  # deferred: slow to import, only needed here
 
-    hf_config = LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=8, intermediate_size=8,
+    hf_config = LlamaConfig(vocab_size=PROMPT_VOCAB_SIZE, hidden_size=8, intermediate_size=8,
                             num_hidden_layers=1, num_attention_heads=1,
                             max_position_embeddings=scheduler_config.max_model_len,
                             eos_token_id=EOS_TOKEN_ID, bos_token_id=None, pad_token_id=None)
