@@ -4,19 +4,29 @@ The result is a genuine Hugging Face checkpoint (config.json, model.safetensors,
 generation_config.json, tokenizer files) that ships inside the package, so minivllm runs
 offline on a fresh machine. The recipe is nanoGPT's Shakespeare run with Llama's pieces:
 
-1. Split the corpus: the first 90 % trains, the last 10 % is held out for validation.
-2. Train a byte-level BPE tokenizer (vocab 4096, `<s>` `</s>` `<pad>`) on the training split.
-3. Train `LlamaForCausalLM` (~5M parameters, grouped-query attention) on random 512-token
-   windows of the token stream, each starting with BOS; keep the best-validation weights.
+1. Split the corpus into speeches (its blank-line-separated blocks, each a speaker line and
+   the lines spoken); the first 90 % train, the last 10 % are held out for validation.
+2. Write each speech as one training document, `<s>ROMEO: first line\nmore lines\n</s>`:
+   the speaker's name and the first line share a line, and EOS ends the speech. So after the
+   prompt "ROMEO:" the model writes a line of text (not a newline, which made `stop=["\n"]`
+   return nothing), and it ends its speech with EOS instead of running to `max_tokens`.
+3. Train a byte-level BPE tokenizer (vocab 4096, `<s>` `</s>` `<pad>`) on the training split.
+4. Train `LlamaForCausalLM` (~5M parameters, grouped-query attention) on random 512-token
+   windows of the documents laid end to end, each window starting with BOS; keep the
+   best-validation weights.
 
-Reproduce the bundled model (from the project root; about 4 minutes on one H100; the
-model card in minivllm/bundled_models/tiny-shakespeare/README.md gives the exact run):
+`--init-from DIR` skips step 3 and starts from a checkpoint's weights and tokenizer (fine-tuning).
+The bundled model was made in two runs (its model card gives both exactly): a from-scratch run
+on one H100 (about 4 minutes) on the corpus as plain text, then a CPU fine-tune of that
+checkpoint with `--init-from` on the speech documents above (about 15 minutes on 2 cores):
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
-        --out minivllm/bundled_models/tiny-shakespeare
+        --init-from minivllm/bundled_models/tiny-shakespeare --out /tmp/tiny-eos \\
+        --device cpu --steps 250 --batch-size 8 --block-size 256 --lr 3e-4 --warmup-steps 20 \\
+        --dropout 0.1 --eval-interval 25 --max-eval-windows 64
 
-The corpus is only ~300k tokens, so the model memorises it after ~40 epochs (step ~400 at
-the default batch): validation loss bottoms out there and climbs after. Keeping the
+The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
+~400 at the default batch): validation loss bottoms out there and climbs after. Keeping the
 best-validation weights is the early stopping that makes the result generalise.
 
 Smoke test on a CPU (a few steps, seconds):
@@ -47,15 +57,15 @@ BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = [BOS, EOS, PAD]  # ids 0, 1, 2: the trainer adds them first, in this order
 MODEL_MAX_LENGTH = 1024  # max_position_embeddings: RoPE works past the 512 we train on
 
-# Each message renders as a speech in the corpus's own format ("ROMEO:\n<lines>\n\n"), so a
-# chat prompt looks like a scene and the model answers in character. The template writes BOS
-# itself because apply_chat_template tokenizes with add_special_tokens=False.
+# Each message renders as a speech the way the model was trained on them
+# ("<s>ROMEO: <lines>\n</s>"), so a chat prompt looks like a scene, the model answers in
+# character and ends its answer with EOS. The template writes BOS and EOS itself because
+# apply_chat_template tokenizes with add_special_tokens=False.
 CHAT_TEMPLATE = (
-    "{{ bos_token }}"
     "{% for message in messages %}"
-    "{{ message['role'] | upper }}:\n{{ message['content'] }}\n\n"
+    "{{ bos_token }}{{ message['role'] | upper }}: {{ message['content'] }}\n{{ eos_token }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}"
+    "{% if add_generation_prompt %}{{ bos_token }}ASSISTANT:{% endif %}"
 )
 
 
@@ -64,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus", type=Path, required=True, help="plain-text corpus (tinyshakespeare)")
     p.add_argument("--download", action="store_true", help="fetch the corpus if --corpus is missing")
     p.add_argument("--out", type=Path, required=True, help="folder for the checkpoint")
+    p.add_argument("--init-from", type=Path, default=None,
+                   help="start from this checkpoint's weights and tokenizer (fine-tune)")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=1337)
     # model
@@ -108,10 +120,29 @@ def load_corpus(path: Path, download: bool) -> str:
     return path.read_text(encoding="utf-8")
 
 
-def split_corpus(text: str, val_fraction: float = VAL_FRACTION) -> tuple[str, str]:
-    """Hold out the last `val_fraction`, cut at a line start so no line is split."""
-    cut = text.index("\n", int(len(text) * (1 - val_fraction))) + 1
-    return text[:cut], text[cut:]
+def split_speeches(text: str) -> list[str]:
+    """The corpus's blank-line-separated blocks, each `SPEAKER:\nline\n...` (no trailing newline).
+
+    A block with a speaker line and nothing spoken (the corpus has ~120) is dropped.
+    """
+    blocks = (block.strip("\n") for block in text.split("\n\n"))
+    return [block for block in blocks if "\n" in block]
+
+
+def speech_document(speech: str) -> str:
+    """`ROMEO:\nBut soft!\nWhat light?` -> `ROMEO: But soft!\nWhat light?\n` (BOS/EOS added later).
+
+    The speaker's name and the first line share a line, so the first token after a
+    "ROMEO:" prompt is text rather than a newline.
+    """
+    speaker, _, lines = speech.partition("\n")
+    return f"{speaker} {lines}\n"
+
+
+def split_corpus(speeches: list[str], val_fraction: float = VAL_FRACTION) -> tuple[list[str], list[str]]:
+    """Hold out the last `val_fraction` of the speeches (whole speeches, in corpus order)."""
+    cut = int(len(speeches) * (1 - val_fraction))
+    return speeches[:cut], speeches[cut:]
 
 
 def train_tokenizer(train_text: str, vocab_size: int = VOCAB_SIZE) -> PreTrainedTokenizerFast:
@@ -142,9 +173,17 @@ def train_tokenizer(train_text: str, vocab_size: int = VOCAB_SIZE) -> PreTrained
     )
 
 
-def encode_stream(tokenizer: PreTrainedTokenizerFast, text: str) -> torch.Tensor:
-    """The whole text as one token stream (no BOS: windows get their own)."""
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+def encode_documents(tokenizer: PreTrainedTokenizerFast, speeches: list[str]) -> torch.Tensor:
+    """Every speech as `<s> document </s>`, laid end to end in one token stream.
+
+    BOS before each speech matches how a prompt is encoded (`<s>ROMEO:`); EOS after it is
+    what teaches the model to stop. Special ids are added by id, never parsed from text.
+    """
+    documents = [speech_document(speech) for speech in speeches]
+    encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
+    stream = [token for ids in encoded for token in (bos, *ids, eos)]
+    return torch.tensor(stream, dtype=torch.long)
 
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, block_size: int, bos_id: int,
@@ -187,6 +226,19 @@ def build_model(args: argparse.Namespace, tokenizer: PreTrainedTokenizerFast) ->
         pad_token_id=tokenizer.pad_token_id,
     )
     return LlamaForCausalLM(config)
+
+
+def load_or_build(args: argparse.Namespace, train_speeches: list[str]
+                  ) -> tuple[PreTrainedTokenizerFast, LlamaForCausalLM]:
+    """A fresh tokenizer and model, or `--init-from`'s (with this script's chat template)."""
+    if args.init_from is None:
+        train_text = "".join(speech_document(speech) for speech in train_speeches)
+        tokenizer = train_tokenizer(train_text)
+        return tokenizer, build_model(args, tokenizer)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
+    tokenizer.chat_template = CHAT_TEMPLATE
+    model = LlamaForCausalLM.from_pretrained(args.init_from, dtype=torch.float32)
+    return tokenizer, model
 
 
 def add_residual_dropout(model: LlamaForCausalLM, p: float) -> list:
@@ -242,14 +294,16 @@ def train(args: argparse.Namespace) -> dict:
     t_start = time.time()
     torch.manual_seed(args.seed)
     text = load_corpus(args.corpus, args.download)
-    train_text, val_text = split_corpus(text)
-    tokenizer = train_tokenizer(train_text)
-    train_tokens, val_tokens = encode_stream(tokenizer, train_text), encode_stream(tokenizer, val_text)
+    train_speeches, val_speeches = split_corpus(split_speeches(text))
+    tokenizer, model = load_or_build(args, train_speeches)
+    train_tokens = encode_documents(tokenizer, train_speeches)
+    val_tokens = encode_documents(tokenizer, val_speeches)
     bos_id = tokenizer.bos_token_id
-    print(f"corpus: {len(text):,} chars -> train {len(train_tokens):,} tokens, "
-          f"val {len(val_tokens):,} tokens, vocab {len(tokenizer)}", flush=True)
+    print(f"corpus: {len(text):,} chars, {len(train_speeches):,} + {len(val_speeches):,} speeches -> "
+          f"train {len(train_tokens):,} tokens, val {len(val_tokens):,} tokens, vocab {len(tokenizer)}",
+          flush=True)
 
-    model = build_model(args, tokenizer).to(args.device)
+    model = model.to(args.device)
     num_params = sum(p.numel() for p in model.parameters())  # tied weights counted once
     print(f"model: {num_params:,} parameters", flush=True)
     hooks = add_residual_dropout(model, args.dropout)

@@ -2,7 +2,8 @@
 
 Everything here is checked through transformers (the reference nobody here wrote): the
 config's facts, the parameter count against the architecture's formula, the tokenizer's
-byte-level round trip and chat template, and greedy generation against a plain argmax loop.
+byte-level round trip and chat template, greedy generation against a plain argmax loop, and
+that the model ends a speech with EOS (so generation stops by itself).
 """
 
 from __future__ import annotations
@@ -22,8 +23,12 @@ MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024  # package data budget (issue 2)
 MIN_PARAMS, MAX_PARAMS = 4_000_000, 10_000_000
 MIN_CONTEXT = 512
 GREEDY_NEW_TOKENS = 48
-# A speaker line as the corpus writes most of them: "ROMEO:", "KING HENRY VI:".
-SPEAKER_LINE = re.compile(r"^[A-Z][A-Z' ]*[A-Z]:$", re.MULTILINE)
+# A speech ends with EOS well before this many tokens (the corpus's longest speeches are ~1k).
+SPEECH_TOKEN_LIMIT = 300
+# A speech as the model writes it: the speaker's name, then text on the same line
+# ("ROMEO: But soft!", "KING HENRY VI: What, ...").
+SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z' ]*[A-Za-z]: \S", re.MULTILINE)
+SPEAKERS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY VI:", "MENENIUS:"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -143,14 +148,17 @@ def test_round_trips_corpus_style_text_with_few_tokens(tokenizer):
     assert len(ids) < len(text) / 3, "BPE merges should compress English text"
 
 
-def test_chat_template_renders_speeches_in_the_corpus_format(tokenizer):
+def test_chat_template_renders_messages_as_the_speeches_the_model_was_trained_on(tokenizer):
     messages = [{"role": "system", "content": "Speak as a king."},
                 {"role": "user", "content": "Who goes there?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<s>SYSTEM:\nSpeak as a king.\n\nUSER:\nWho goes there?\n\nASSISTANT:\n"
+    assert text == "<s>SYSTEM: Speak as a king.\n</s><s>USER: Who goes there?\n</s><s>ASSISTANT:"
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
-    assert ids.count(tokenizer.bos_token_id) == 1 and ids[0] == tokenizer.bos_token_id
-    assert tokenizer.decode(ids, skip_special_tokens=True) == text.removeprefix("<s>")
+    # One <s> per speech and one </s> after each finished one, as special tokens (not text).
+    assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 3
+    assert ids.count(tokenizer.eos_token_id) == 2
+    plain = text.replace("<s>", "").replace("</s>", "")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == plain
 
 
 # ----------------------------------------------------------------------------- generation
@@ -165,15 +173,45 @@ def _argmax_loop(model, input_ids: torch.Tensor, num_new_tokens: int) -> torch.T
 
 
 def test_greedy_generation_is_deterministic_and_reads_like_a_play(model, tokenizer):
+    """Run past EOS (as vLLM's ignore_eos does: EOS generated, not stopped at), the model
+    starts the next speech with its speaker: a play, in order."""
     input_ids = tokenizer("ROMEO:", return_tensors="pt")["input_ids"]
-    kwargs = dict(max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    kwargs = dict(max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False, eos_token_id=None,
+                  pad_token_id=tokenizer.pad_token_id)
     with torch.no_grad():
         first, second = model.generate(input_ids, **kwargs), model.generate(input_ids, **kwargs)
     assert torch.equal(first, second)
     assert torch.equal(first, _argmax_loop(model, input_ids, GREEDY_NEW_TOKENS)), "KV-cached == full"
-    continuation = tokenizer.decode(first[0, input_ids.shape[1]:], skip_special_tokens=True)
+    new_ids = first[0, input_ids.shape[1]:]
+    assert tokenizer.eos_token_id in new_ids.tolist()
+    continuation = tokenizer.decode(new_ids, skip_special_tokens=True)
     assert "\n" in continuation
     assert SPEAKER_LINE.search(continuation), f"no speaker line in {continuation!r}"
+
+
+@pytest.mark.parametrize("speaker", SPEAKERS)
+def test_a_greedy_speech_ends_with_eos(model, tokenizer, speaker):
+    """The reason the model was retrained: it stops by itself, at the end of a speech."""
+    input_ids = tokenizer(speaker, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=SPEECH_TOKEN_LIMIT, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    new_ids = out[0, input_ids.shape[1]:].tolist()
+    assert new_ids[-1] == tokenizer.eos_token_id, f"no EOS in {SPEECH_TOKEN_LIMIT} tokens after {speaker!r}"
+    speech = tokenizer.decode(new_ids, skip_special_tokens=True)
+    assert speech.endswith("\n") and not SPEAKER_LINE.search(speech), f"one speech, got {speech!r}"
+
+
+@pytest.mark.parametrize("speaker", SPEAKERS)
+def test_the_first_line_follows_the_speakers_name(model, tokenizer, speaker):
+    """After "ROMEO:" comes text on the same line (not a newline), so stop=["\n"] gives a line."""
+    input_ids = tokenizer(speaker, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model.generate(input_ids, max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+    text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+    first_line = text.split("\n")[0]
+    assert first_line.startswith(" ") and re.search(r"[A-Za-z]{2}", first_line), f"{speaker!r} -> {text!r}"
 
 
 # Parity with minivllm's own engine (same prompt, greedy, token-for-token against
@@ -200,7 +238,7 @@ def test_minivllm_greedy_equals_transformers_on_the_bundled_model(model, tokeniz
         input_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
         assert output.prompt_token_ids == input_ids[0].tolist()
         with torch.no_grad():
-            expected = model.generate(input_ids, max_new_tokens=ENGINE_NEW_TOKENS, min_new_tokens=ENGINE_NEW_TOKENS,
+            expected = model.generate(input_ids, max_new_tokens=ENGINE_NEW_TOKENS, eos_token_id=None,
                                       do_sample=False, pad_token_id=tokenizer.pad_token_id)
         expected_ids = expected[0, input_ids.shape[1]:].tolist()
         assert output.outputs[0].token_ids == expected_ids
@@ -208,3 +246,23 @@ def test_minivllm_greedy_equals_transformers_on_the_bundled_model(model, tokeniz
     engine = llm.llm_engine
     assert engine.scheduler.num_cumulative_preemption > 0
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+
+
+def test_minivllm_stops_at_the_models_eos_and_at_a_stop_string(model, tokenizer):
+    """How generation ends, through the engine: EOS, a stop string, max_tokens; same as transformers."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_gpu_blocks_override=64)
+    [speech] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=SPEECH_TOKEN_LIMIT), use_tqdm=False)
+    input_ids = tokenizer("ROMEO:", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = model.generate(input_ids, max_new_tokens=SPEECH_TOKEN_LIMIT, do_sample=False,
+                                  pad_token_id=tokenizer.pad_token_id)[0, input_ids.shape[1]:].tolist()
+    completion = speech.outputs[0]
+    assert completion.finish_reason == "stop" and completion.token_ids == expected  # EOS included, as in vLLM
+    [line] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, stop=["\n"], max_tokens=SPEECH_TOKEN_LIMIT),
+                          use_tqdm=False)
+    assert line.outputs[0].finish_reason == "stop"
+    assert line.outputs[0].text and line.outputs[0].text == completion.text.split("\n")[0]
+    [capped] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
+    assert capped.outputs[0].finish_reason == "length" and capped.outputs[0].token_ids == expected[:3]
