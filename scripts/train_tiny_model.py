@@ -17,13 +17,14 @@ offline on a fresh machine. The recipe is nanoGPT's Shakespeare run with Llama's
 
 `--init-from DIR` skips step 3 and starts from a checkpoint's weights and tokenizer (fine-tuning).
 The bundled model was made in two runs (its model card gives both exactly): a from-scratch run
-on one H100 (about 4 minutes) on the corpus as plain text, then a CPU fine-tune of that
-checkpoint with `--init-from` on the speech documents above (about 15 minutes on 2 cores):
+on one H100 (about 4 minutes) by this script as of commit 9bac8cd, which trained on the corpus
+as plain text (its output is that commit's bundled model), then a CPU fine-tune of that
+checkpoint with `--init-from` on the speech documents above (11 minutes on 2 shared cores):
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
-        --init-from minivllm/bundled_models/tiny-shakespeare --out /tmp/tiny-eos \\
-        --device cpu --steps 250 --batch-size 8 --block-size 256 --lr 3e-4 --warmup-steps 20 \\
-        --dropout 0.1 --eval-interval 25 --max-eval-windows 64
+        --init-from <the from-scratch checkpoint> --out /tmp/tiny-eos --device cpu --steps 400 \\
+        --batch-size 8 --block-size 256 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --dropout 0.1 \\
+        --eval-interval 50 --max-minutes 18
 
 The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
 ~400 at the default batch): validation loss bottoms out there and climbs after. Keeping the

@@ -51,3 +51,27 @@ def test_execute_model_applies_swaps_and_copies_before_the_forward(llama_dir):
         assert torch.all(cpu_layer[:, 0] == 1.0) and torch.all(gpu_layer[:, 5] == 2.0)
     worker.execute_model(ExecuteModelRequest([], blocks_to_swap_in=[(0, 3)]))
     assert all(torch.all(layer[:, 3] == 1.0) for layer in gpu)
+
+
+def test_a_small_model_runs_on_one_cpu_thread_unless_the_user_chose(llama_dir, monkeypatch):
+    """A tiny model's ops are too small to split: threads only wait for each other (issue 14)."""
+    from types import SimpleNamespace
+
+    from minivllm.worker.worker import _limit_cpu_threads
+
+    threads = torch.get_num_threads()
+    try:
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        torch.set_num_threads(2)
+        make_worker(llama_dir)
+        assert torch.get_num_threads() == 1
+        torch.set_num_threads(2)
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # the user's choice stands
+        make_worker(llama_dir)
+        assert torch.get_num_threads() == 2
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        big = SimpleNamespace(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, vocab_size=151_936)
+        _limit_cpu_threads(SimpleNamespace(hf_config=big))  # a Qwen3-0.6B shape keeps its threads
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(threads)
