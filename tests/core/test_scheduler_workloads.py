@@ -99,6 +99,8 @@ def check_steps(result, scheduler_config, cache_config) -> None:
         assert 0 <= snapshot.num_used_gpu_blocks <= cache_config.num_gpu_blocks
         assert not (snapshot.blocks_to_swap_in and snapshot.blocks_to_swap_out)
         assert set(snapshot.swapped) == set(snapshot.cpu_block_tables)
+        # Read from the queues by the recorder; they add up to the scheduler's own count.
+        assert len(snapshot.preempted_by_recompute) + len(snapshot.preempted_by_swap) == snapshot.preempted
 
 
 def check_results(result, workload, max_model_len) -> None:

@@ -257,3 +257,23 @@ def test_final_only_requests_report_nothing_until_they_finish(tiny_llama):
     assert [("final" in step) for step in per_step] == [False] * (len(per_step) - 1) + [True]
     last = per_step[-1]
     assert last["final"].finished and last["final"].outputs[0].token_ids == last["streamed"].outputs[0].token_ids
+
+
+# ------------------------------------------------------------------ skip_tokenizer_init
+def test_skip_tokenizer_init_takes_and_gives_token_ids_only(checkpoint_dirs, engine):
+    """vLLM's `skip_tokenizer_init`: no tokenizer is loaded; a text prompt or a stop string is a
+    ValueError; outputs carry the same token ids as with a tokenizer, and empty text."""
+    path, _ = checkpoint_dirs["llama"]
+    bare = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=BLOCK_SIZE, max_model_len=64,
+                                                 skip_tokenizer_init=True))
+    assert bare.get_tokenizer() is None
+    with pytest.raises(ValueError, match="prompt_token_ids"):
+        bare.add_request("text", "ROMEO:", greedy())
+    with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+        bare.add_request("stop", {"prompt_token_ids": random_prompt(5)}, greedy(stop=["x"]))
+    for e in (bare, engine):
+        e.add_request("ids", {"prompt_token_ids": random_prompt(10)}, greedy(max_tokens=6, ignore_eos=True))
+    without, with_tokenizer = run(bare)["ids"], run(engine)["ids"]
+    assert without.outputs[0].token_ids == with_tokenizer.outputs[0].token_ids and len(without.outputs[0].token_ids) == 6
+    assert without.outputs[0].text == "" and with_tokenizer.outputs[0].text != ""
+    assert_all_blocks_free(bare)
