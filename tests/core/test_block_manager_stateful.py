@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -74,6 +75,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = Sequence(next(self.seq_ids), None, prompt, self.block_size)
         group = SequenceGroup(str(next(self.request_ids)), [seq], arrival_time=0.0)
         self.prefill(group, mark)
+
+    @rule(length=st.integers(1, 20))
+    def add_request_with_another_block_size(self, length):
+        """The manager's block size is the only one that counts blocks: a Sequence built with
+        another is refused, and nothing changes."""
+        seq = Sequence(next(self.seq_ids), None, [1] * length, self.block_size * 2)
+        group = SequenceGroup(str(next(self.request_ids)), [seq], arrival_time=0.0)
+        free = self.bm.get_num_free_gpu_blocks()
+        for call in (self.bm.can_allocate, self.bm.allocate):
+            with pytest.raises(ValueError, match="block_size"):
+                call(group)
+        assert self.bm.get_num_free_gpu_blocks() == free and seq.seq_id not in self.bm.block_tables
 
     def prefill(self, group: SequenceGroup, mark: bool) -> None:
         seq = group.first_seq
