@@ -100,7 +100,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     """The vLLM-blog picture: logical blocks -> block table -> physical blocks.
 
     Args:
-        snapshot: `BlockSpaceManager.snapshot()`.
+        snapshot: `snapshot_block_manager(block_manager, seqs)` (`minivllm.viz.snapshot`).
         ax: the matplotlib Axes.
         seq_ids: which sequences to draw (default: all, in id order).
         token_labels: token id -> text (a dict or a function), e.g. a tokenizer's decode.

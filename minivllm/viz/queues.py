@@ -1,7 +1,7 @@
 """Pictures of the scheduler at work, drawn from a trace of `StepSnapshot`s.
 
-Every function is pure: it takes snapshots (from `minivllm.sim` or from the engine with
-`record_snapshots=True`) and a matplotlib `Axes`, draws, and returns nothing.
+Every function is pure: it takes snapshots (from `minivllm.viz.sim`, or from an engine watched
+by `minivllm.viz.snapshot.SnapshotRecorder`) and a matplotlib `Axes`, draws, and returns nothing.
 
     draw_queues(snapshot, ax)          waiting / running / swapped with request ids
     draw_batch_grid(snapshots, ax)     slots x steps: prompt, generated, finished, idle
