@@ -67,11 +67,12 @@ class BlockSpaceManager:
     """Manages the mapping between logical and physical token blocks (vLLM v0 API).
 
     Where it deliberately differs from vLLM v0's `BlockSpaceManagerV1`:
-    - the free list is FIFO (`BlockAllocator`), so freed blocks are not reused at once;
-    - `fork` refuses a child that already has blocks, and every misuse (a sequence without
-      blocks, a `Sequence` whose `block_size` is not the manager's) raises `ValueError` with
-      the reason, where vLLM asserts or raises `KeyError`; a pool too small raises
-      `OutOfBlocksError` and changes nothing;
+    - the free list is FIFO (`BlockAllocator`; vLLM's is a stack), so freed blocks are not
+      reused at once;
+    - `fork` is stricter: a parent without blocks (vLLM returns silently) or a child that
+      already has blocks is a `ValueError`; so is every other misuse (a sequence without
+      blocks, a `Sequence` whose `block_size` is not the manager's), where vLLM asserts or
+      raises `KeyError`; a pool too small raises `OutOfBlocksError` and changes nothing;
     - the manager's `block_size` is the only one that counts blocks: `Sequence.n_blocks`
       (sized with the sequence's own block size) is never used.
 
