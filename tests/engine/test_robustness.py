@@ -15,7 +15,7 @@ import math
 import random
 
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 
 import engine_test_checkpoints as checkpoints  # registered by tests/conftest.py
@@ -160,8 +160,15 @@ def poison_the_output_processing(monkeypatch, engine: LLMEngine, poisoned: str) 
     monkeypatch.setattr(engine.output_processor, "process_outputs", process_outputs)
 
 
+@pytest.fixture(scope="module")
+def multi_step_engine(llama_path) -> LLMEngine:
+    return LLMEngine.from_engine_args(EngineArgs(model=llama_path, num_scheduler_steps=4, **ENGINE_KWARGS))
+
+
 @pytest.mark.parametrize("where", ["model", "output processing"])
-def test_a_request_failing_inside_a_step_ends_alone(engine, monkeypatch, where, caplog):
+@pytest.mark.parametrize("engine_fixture", ["engine", "multi_step_engine"])
+def test_a_request_failing_inside_a_step_ends_alone(request, engine_fixture, monkeypatch, where, caplog):
+    engine = request.getfixturevalue(engine_fixture)
     expected = reference(engine)
     if where == "model":
         batch_sizes = poison_the_model(monkeypatch, engine, "poison")
@@ -205,11 +212,27 @@ def test_llm_generate_reports_the_failed_request_and_stays_usable(llama_path, mo
 
 
 # ---------------------------------------------------------------- the property
-# Each field: values SamplingParams must take (VALID), and values of any type or size (ODD).
-# An example draws valid values for some fields and, usually, one odd value for one field,
-# so that both the refusals and the runs that follow them get explored.
-ODD = st.sampled_from([math.nan, math.inf, -math.inf, 1e300, -1e300, 2**64, 2**63, -(2**63) - 1, True, False,
-                       "1", None, 0, -1, 1, 0.5, -0.5, 1.5, 3, 1e-7, [1], "never", VOCAB, MAX_MODEL_LEN])
+# Each field: values SamplingParams must take (VALID), and values of any type or size (ODD:
+# any field gets the generic ones, some also the ones that used to crash a step). An example
+# draws valid values for some fields and, usually, one odd value for one field, so that both
+# the refusals and the runs that follow them get explored.
+GENERIC_ODD = [math.nan, math.inf, -math.inf, 1e300, -1e300, 2**64, -(2**63) - 1, True, "1", None, -1, 0.5, [1]]
+FIELD_ODD = {
+    "stop_token_ids": [[VOCAB], [-1], [2**63], [VOCAB - 1]],
+    "logprobs": [VOCAB, VOCAB + 1], "prompt_logprobs": [VOCAB, VOCAB + 1],
+    "min_tokens": [MAX_MODEL_LEN, MAX_MODEL_LEN - 1],
+    "seed": [2**64 - 1, 2**64, True], "top_k": [2**63 - 1, 2**63],
+    "length_penalty": [400.0, 1e300, -1e300, 10.0, -10.0],
+    "skip_special_tokens": [1, "no"], "early_stopping": ["sometimes", 1],
+}
+
+
+def odd_value(name: str):
+    if name not in FIELD_ODD:
+        return st.sampled_from(GENERIC_ODD)
+    return st.one_of(st.sampled_from(FIELD_ODD[name]), st.sampled_from(GENERIC_ODD))
+
+
 VALID = {
     "n": st.sampled_from([1, 1, 1, 2, 3]),
     "best_of": st.sampled_from([None, None, None, 2, 4]),
@@ -230,15 +253,19 @@ VALID = {
     "include_stop_str_in_output": st.booleans(),
     "ignore_eos": st.booleans(),
     "max_tokens": st.sampled_from([None, 4, 6, 8, 12]),
-    "min_tokens": st.sampled_from([0, 0, 0, 1, 4]),
+    "min_tokens": st.sampled_from([0, 1, 4]),
     "logprobs": st.one_of(st.none(), st.integers(0, 3), st.just(VOCAB)),
     "prompt_logprobs": st.one_of(st.none(), st.integers(0, 3), st.just(VOCAB)),
     "detokenize": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "spaces_between_special_tokens": st.booleans(),
 }
-ONE_ODD_FIELD = st.one_of(st.just({}), st.builds(lambda name, value: {name: value}, st.sampled_from(sorted(VALID)), ODD))
-SAMPLING_KWARGS = st.builds(lambda valid, odd: valid | odd, st.fixed_dictionaries({}, optional=VALID), ONE_ODD_FIELD)
+ODD_FIELD_NAME = st.one_of(st.sampled_from(sorted(FIELD_ODD)), st.sampled_from(sorted(VALID)))
+ONE_ODD_FIELD = st.one_of(st.just({}), ODD_FIELD_NAME.flatmap(lambda name: odd_value(name).map(lambda v: {name: v})))
+# min_tokens always drawn: several of the old crashes needed it together with another field.
+SAMPLING_KWARGS = st.builds(lambda always, valid, odd: always | valid | odd,
+                            st.fixed_dictionaries({"min_tokens": VALID["min_tokens"]}),
+                            st.fixed_dictionaries({}, optional=VALID), ONE_ODD_FIELD)
 TOKEN_IDS = st.lists(st.one_of(st.integers(-2, VOCAB + 2), st.sampled_from([2**64, True, "7", 1.0])), max_size=4)
 VALID_IDS = st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=70)
 PROMPTS = st.one_of(
@@ -260,7 +287,15 @@ def check_tokens(engine) -> list[int]:
     return run(engine)["first-check"].outputs[0].token_ids
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def with_the_issues_crashes(test):
+    """Run every value that once crashed a step as an explicit example, whatever is drawn."""
+    for kwargs, _ in HOSTILE:
+        test = example(kwargs=kwargs, prompt_input=prompt(0))(test)
+    return test
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@with_the_issues_crashes
 @given(kwargs=SAMPLING_KWARGS, prompt_input=PROMPTS)
 def test_any_sampling_params_and_prompt_is_refused_or_served_without_harm(engine, check_tokens, kwargs, prompt_input):
     try:
@@ -273,6 +308,8 @@ def test_any_sampling_params_and_prompt_is_refused_or_served_without_harm(engine
         output = run(engine)["fuzz"]
         event(f"served: {output.outputs[0].finish_reason}")
         assert all(c.finish_reason in ("stop", "length", "abort") for c in output.outputs)
+        # No internal error either: what the boundary accepted ran without the step's safety net.
+        assert not any("engine step" in (c.finish_message or "") for c in output.outputs), output
     assert_all_blocks_free(engine)
     # The engine is as good as new: a plain greedy request gets the same tokens as ever.
     engine.add_request("check", prompt(1), GREEDY)
