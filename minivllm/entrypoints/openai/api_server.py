@@ -173,7 +173,7 @@ def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: 
     async def detokenize(request: DetokenizeRequest) -> DetokenizeResponse:
         chat.check_model(request.model)
         chat.check_token_ids(request.tokens, param="tokens")
-        return DetokenizeResponse(prompt=chat.tokenizer.decode(request.tokens))
+        return DetokenizeResponse(prompt=await chat.run_in_tokenizer_thread("decode", request.tokens))
 
 
 def _answer(result) -> Response:
