@@ -117,9 +117,7 @@ def build_app(
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
     completion = OpenAIServingCompletion(engine, names, max_prompts_per_request)
-    chat = OpenAIServingChat(engine, names)
-    app.state.serving_completion, app.state.serving_chat = completion, chat
-    _add_openai_routes(app, completion, chat)
+    _add_openai_routes(app, completion, OpenAIServingChat(engine, names))
     _add_server_routes(app, engine, stat_logger)
     # The last one added runs first: Host, then CORS (its preflight carries no key), then the key.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
