@@ -205,6 +205,9 @@ class SchedulerConfig:
             forward passes back to back, feeding each step's sampled tokens into the next on
             the GPU, so the host's scheduling and batch preparation are paid once per
             `num_scheduler_steps` tokens instead of once per token.
+        num_lookahead_slots: slots a decoding sequence reserves beyond its next token: at
+            least `num_scheduler_steps - 1` (multi-step), `num_speculative_tokens` with
+            speculative decoding (vLLM's field; `EngineArgs` sets it).
     """
 
     max_num_batched_tokens: int | None = None
@@ -214,11 +217,16 @@ class SchedulerConfig:
     preemption_mode: str | None = None
     policy: str = "fcfs"
     num_scheduler_steps: int = 1
+    num_lookahead_slots: int = 0
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.num_lookahead_slots < 0:
+            raise ValueError(f"num_lookahead_slots must be at least 0, got {self.num_lookahead_slots}.")
+        # A multi-step run of num_scheduler_steps decodes needs that many slots (vLLM: the max).
+        self.num_lookahead_slots = max(self.num_lookahead_slots, self.num_scheduler_steps - 1)
         if self.max_num_batched_tokens is None:
             if self.enable_chunked_prefill:
                 self.max_num_batched_tokens = _DEFAULT_CHUNKED_MAX_NUM_BATCHED_TOKENS
@@ -243,10 +251,6 @@ class SchedulerConfig:
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
 
-    @property
-    def num_lookahead_slots(self) -> int:
-        """Slots a decoding sequence reserves beyond its next token (multi-step)."""
-        return self.num_scheduler_steps - 1
 
 
 @dataclass
@@ -304,6 +308,86 @@ def _check_cuda_device(device: str) -> None:
                          f"cuda:0 to cuda:{torch.cuda.device_count() - 1}.")
 
 
+NGRAM_MODEL = "[ngram]"  # vLLM's `speculative_model` value for n-gram prompt lookup
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding, as vLLM 0.6's `SpeculativeConfig`: each step a proposer guesses
+    `num_speculative_tokens` tokens per sequence, the target model scores them all in one
+    forward pass, and a rejection sampler keeps a prefix of them (`minivllm/spec_decode/`).
+
+    `draft_model_config` is the draft model's (None: n-gram prompt lookup, which proposes the
+    tokens that followed the latest earlier occurrence of the sequence's last
+    `ngram_prompt_lookup_max` ... `ngram_prompt_lookup_min` tokens). Build it with
+    `maybe_create_spec_config`, which checks the combination against the target's configs.
+    """
+
+    num_speculative_tokens: int
+    draft_model_config: ModelConfig | None = None
+    ngram_prompt_lookup_max: int | None = None
+    ngram_prompt_lookup_min: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
+        if self.draft_model_config is None:
+            lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
+            if hi is None or lo is None or not 1 <= lo <= hi:
+                raise ValueError("n-gram lookup needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, "
+                                 f"got min={lo}, max={hi}.")
+
+    @property
+    def method(self) -> str:
+        return "ngram" if self.draft_model_config is None else "draft_model"
+
+    @property
+    def num_lookahead_slots(self) -> int:
+        """Slots a speculating sequence needs beyond its next token: one per proposed token."""
+        return self.num_speculative_tokens
+
+    @staticmethod
+    def maybe_create_spec_config(
+        target_model_config: ModelConfig,
+        target_scheduler_config: SchedulerConfig,
+        speculative_model: str | None,
+        num_speculative_tokens: int | None,
+        ngram_prompt_lookup_max: int | None = None,
+        ngram_prompt_lookup_min: int | None = None,
+    ) -> SpeculativeConfig | None:
+        """None when `speculative_model` is None; else the config, or a ValueError saying
+        which combination cannot work (vLLM's checks, plus a vocabulary check)."""
+        ngram_given = ngram_prompt_lookup_max is not None or ngram_prompt_lookup_min is not None
+        if speculative_model is None:
+            if num_speculative_tokens is not None or ngram_given:
+                raise ValueError("num_speculative_tokens and ngram_prompt_lookup_* need speculative_model "
+                                 f"(a draft model, or {NGRAM_MODEL!r}).")
+            return None
+        if num_speculative_tokens is None:
+            raise ValueError("speculative_model needs num_speculative_tokens (tokens proposed per step).")
+        if target_scheduler_config.enable_chunked_prefill:
+            raise ValueError("speculative decoding and chunked prefill cannot be combined (as in vLLM 0.6).")
+        if target_scheduler_config.num_scheduler_steps > 1:
+            raise ValueError("speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
+                             "cannot be combined (as in vLLM 0.6).")
+        if speculative_model == NGRAM_MODEL:
+            return SpeculativeConfig(num_speculative_tokens, None, ngram_prompt_lookup_max,
+                                     1 if ngram_prompt_lookup_min is None else ngram_prompt_lookup_min)
+        if ngram_given:
+            raise ValueError(f"ngram_prompt_lookup_* apply to speculative_model={NGRAM_MODEL!r} only.")
+        draft = ModelConfig(model=speculative_model, dtype=target_model_config.dtype,
+                            seed=target_model_config.seed, max_model_len=None)
+        if draft.max_model_len < target_model_config.max_model_len:
+            raise ValueError(f"the draft model's context ({draft.max_model_len}) is shorter than "
+                             f"max_model_len ({target_model_config.max_model_len}).")
+        draft.max_model_len = target_model_config.max_model_len
+        target_vocab = target_model_config.hf_config.vocab_size
+        if draft.hf_config.vocab_size != target_vocab:
+            raise ValueError(f"the draft model's vocabulary ({draft.hf_config.vocab_size} tokens) differs from "
+                             f"the target's ({target_vocab}): it must use the same tokenizer.")
+        return SpeculativeConfig(num_speculative_tokens, draft)
+
+
 @dataclass
 class EngineConfig:
     """All the configs of one engine, built once (by `EngineArgs.create_engine_config`) and
@@ -312,7 +396,8 @@ class EngineConfig:
 
     `attention_backend`: "torch", "triton" or None (the device's default, see
     `minivllm.attention.get_attn_backend`); attention, the fused layers and the greedy pick
-    all follow it. `enforce_eager`: never capture CUDA graphs.
+    all follow it. `enforce_eager`: never capture CUDA graphs. `speculative_config`: None, or
+    speculative decoding's proposer and number of proposed tokens.
     """
 
     model_config: ModelConfig
@@ -322,3 +407,4 @@ class EngineConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     attention_backend: str | None = None
     enforce_eager: bool = False
+    speculative_config: SpeculativeConfig | None = None

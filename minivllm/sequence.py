@@ -446,9 +446,12 @@ class SequenceGroupOutput:
 class SamplerOutput:
     """One model step's samples for the whole batch: one `SequenceGroupOutput` per scheduled
     group, in the batch's order. (vLLM v0 kept this class here, in `sequence.py`, before it
-    moved to the sampler's module; here it stays torch-free for the engine.)"""
+    moved to the sampler's module; here it stays torch-free for the engine.)
+    `spec_decode_worker_metrics`: speculative decoding's acceptance counts (a
+    `minivllm.spec_decode.metrics.SpecDecodeWorkerMetrics`), on the first output of a step."""
 
     outputs: list[SequenceGroupOutput]
+    spec_decode_worker_metrics: object | None = None
 
     def __getitem__(self, index: int) -> SequenceGroupOutput:
         return self.outputs[index]

@@ -17,7 +17,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from minivllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             SpeculativeConfig)
 
 
 def _arg(default, help: str, choices: tuple[str, ...] | None = None):
@@ -65,6 +66,13 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, "torch (PyTorch reference) or triton (default: "
                                                "triton on a GPU, torch on a CPU)", choices=("torch", "triton"))
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
+    speculative_model: str | None = _arg(None, "speculative decoding: a draft model (folder, hub id, or "
+                                               "the bundled tiny-shakespeare-draft) or [ngram] for "
+                                               "prompt lookup (default: no speculation)")
+    num_speculative_tokens: int | None = _arg(None, "tokens the proposer guesses per step (needs "
+                                                    "--speculative-model)")
+    ngram_prompt_lookup_max: int | None = _arg(None, "[ngram]: longest suffix looked up in the sequence")
+    ngram_prompt_lookup_min: int | None = _arg(None, "[ngram]: shortest suffix looked up (default: 1)")
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -91,6 +99,12 @@ class EngineArgs:
             policy=self.scheduling_policy,
             num_scheduler_steps=self.num_scheduler_steps,
         )
+        speculative_config = SpeculativeConfig.maybe_create_spec_config(
+            model_config, scheduler_config, self.speculative_model, self.num_speculative_tokens,
+            self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
+        if speculative_config is not None:
+            scheduler_config = dataclasses.replace(
+                scheduler_config, num_lookahead_slots=speculative_config.num_lookahead_slots)
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -99,6 +113,7 @@ class EngineArgs:
             parallel_config=ParallelConfig(),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
+            speculative_config=speculative_config,
         )
 
     # ------------------------------------------------------------------ command line

@@ -193,6 +193,9 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise InvalidParameterError(name, f"{name} must be at most the vocabulary size {self.vocab_size}, got {value}.")
+        if params.use_beam_search and self.engine_config.speculative_config is not None:
+            raise InvalidParameterError("use_beam_search", "beam search cannot be combined with speculative "
+                                        "decoding (as in vLLM): start the engine without speculative_model.")
         max_model_len = self.scheduler_config.max_model_len
         if params.min_tokens and num_prompt_tokens + params.min_tokens > max_model_len:
             raise InvalidParameterError(
@@ -328,6 +331,8 @@ class LLMEngine:
         num_processed = 0
         try:
             for sampler_output in self.model_executor.execute_model(request):
+                if sampler_output.spec_decode_worker_metrics is not None:
+                    stats.spec_decode_metrics = sampler_output.spec_decode_worker_metrics
                 self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
                 num_processed += 1
         except Exception as error:

@@ -17,6 +17,8 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from minivllm.spec_decode.metrics import SpecDecodeWorkerMetrics
+
 logger = logging.getLogger("minivllm.engine")
 
 _DEFAULT_LOG_INTERVAL_S = 5.0
@@ -47,6 +49,8 @@ class Stats:
     num_prompt_tokens_requests: list[int] = field(default_factory=list)
     num_generation_tokens_requests: list[int] = field(default_factory=list)
     finished_reason_requests: list[str] = field(default_factory=list)
+    # Speculative decoding's cumulative counts, when a step speculated (else None).
+    spec_decode_metrics: SpecDecodeWorkerMetrics | None = None
 
 
 class StatLoggerBase:
@@ -87,6 +91,8 @@ class LoggingStatLogger(StatLoggerBase):
         elapsed = stats.now - self.last_local_log
         if elapsed >= self.local_interval:
             self.log_fn(self.format_line(stats, elapsed))
+            if stats.spec_decode_metrics is not None:
+                self.log_fn(format_spec_decode_line(stats.spec_decode_metrics))
             self.last_local_log = stats.now
             self._reset()
 
@@ -104,6 +110,18 @@ class LoggingStatLogger(StatLoggerBase):
             f"TTFT: {_mean_ms(self.ttfts)}, TPOT: {_mean_ms(self.tpots)}, "
             f"Queue time: {_mean_ms(self.queue_times)}"
         )
+
+
+def format_spec_decode_line(metrics: SpecDecodeWorkerMetrics) -> str:
+    """vLLM's "Speculative metrics" line (cumulative counts)."""
+    return (
+        f"Speculative metrics: Draft acceptance rate: {metrics.draft_acceptance_rate:.3f}, "
+        f"System efficiency: {metrics.system_efficiency:.3f}, "
+        f"Number of speculative tokens: {metrics.num_spec_tokens}, "
+        f"Number of accepted tokens: {metrics.accepted_tokens}, "
+        f"Number of draft tokens: {metrics.draft_tokens}, "
+        f"Number of emitted tokens: {metrics.emitted_tokens}."
+    )
 
 
 def _hit_rate(rate: float) -> str:

@@ -9,6 +9,7 @@ from collections.abc import Iterable
 
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
+from minivllm.spec_decode.spec_decode_worker import SpecDecodeWorker
 from minivllm.worker.multi_step_worker import MultiStepWorker
 from minivllm.worker.worker import Worker
 
@@ -20,6 +21,8 @@ class UniProcExecutor(ExecutorBase):
         # vLLM picks the worker class the same way: the multi-step one only when asked for.
         multi_step = self.engine_config.scheduler_config.num_scheduler_steps > 1
         worker_class = MultiStepWorker if multi_step else Worker
+        if self.engine_config.speculative_config is not None:  # (never with multi-step: config checks)
+            worker_class = SpecDecodeWorker
         self.driver_worker = worker_class(self.engine_config)
         self.driver_worker.init_device()
         self.driver_worker.load_model()

@@ -1,0 +1,120 @@
+"""Speculative decoding's acceptance step: `RejectionSampler`.
+
+Mirrors `vllm/model_executor/layers/rejection_sampler.py` (v0). The rule is "speculative
+sampling" (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
+Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with
+Speculative Sampling", Algorithm 2). For one sequence, with draft tokens d_1..d_k drawn from
+the proposer's distributions q_1..q_k and the target's distributions p_1..p_{k+1} (all from
+one scoring pass):
+
+    for i = 1..k:
+        accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
+        on the first rejection: emit one token from norm(max(0, p_i - q_i)) and stop
+    all k accepted: emit a "bonus" token from p_{k+1}
+
+Each emitted token is distributed exactly as p at its position, whatever q is: the
+probability of emitting x at a position is q(x) min(1, p(x)/q(x)) = min(q(x), p(x)) by
+acceptance, plus P(reject) x norm(p - q)+(x) = (1 - sum min(p, q)) x (p(x) - q(x))+ / sum(p - q)+
+= (p(x) - q(x))+ by rejection, since sum(p - q)+ = 1 - sum min(p, q); and min(q, p) +
+(p - q)+ = p. So speculation changes how fast tokens come, never which.
+
+Special cases used by minivllm:
+* a deterministic proposer (n-gram lookup) has q = one-hot(d): accept with probability
+  p(d), and on rejection draw from p with d removed (`draft_probs=None`);
+* a greedy request has p = one-hot(argmax): a draft token is accepted iff it is the target's
+  arg-max, and the emitted token is always the arg-max, so greedy output is token-identical
+  to decoding without speculation.
+
+Differences from vLLM: the number of proposed tokens may differ per sequence (`num_proposed`:
+the scheduler's lookahead, the n-gram proposer's match); rejected positions are -1 in the
+output, as in vLLM. Typical acceptance (vLLM's lossy alternative) is left out.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Output id of a position after the first rejection (vLLM uses -1 too).
+NO_TOKEN = -1
+
+
+class RejectionSampler:
+    """Accept a prefix of each sequence's draft tokens and emit one more token after it.
+
+    Stateless: the counts for metrics are computed from the output (`num_emitted`).
+    """
+
+    def __call__(
+        self,
+        target_probs: torch.Tensor,
+        draft_token_ids: torch.Tensor,
+        num_proposed: torch.Tensor,
+        draft_probs: torch.Tensor | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """
+        Args:
+            target_probs: `[batch, k + 1, vocab]` fp32, the target's distribution at each
+                scored position (row i of a sequence predicts the token after its i-th input).
+                Rows past a sequence's `num_proposed` are never read.
+            draft_token_ids: `[batch, k]` int64 proposals (entries past `num_proposed` ignored).
+            num_proposed: `[batch]` int64, how many of the k proposals are real (0..k).
+            draft_probs: `[batch, k, vocab]` fp32, the proposer's distributions q_i, or None for
+                a deterministic proposer (q_i = one-hot of the proposal).
+            generator: for the uniform draws and the resampling (tests fix it).
+        Returns:
+            `[batch, k + 1]` int64: accepted drafts, then the recovered or bonus token, then
+            `NO_TOKEN`. Sequence b emits `num_emitted(output)[b]` = accepted + 1 tokens.
+        """
+        batch, k = draft_token_ids.shape
+        device = target_probs.device
+        positions = torch.arange(k, device=device)
+        is_real = positions.unsqueeze(0) < num_proposed.unsqueeze(1)  # [batch, k]
+        drafts = torch.where(is_real, draft_token_ids, 0)
+        p_draft = target_probs[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)
+        q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
+        uniform = torch.rand(batch, k, device=device, generator=generator)
+        # u < p / q, written without the division (q = 0 would be a proposal the proposer
+        # could not make; then the draft is accepted iff p > 0).
+        accepted = (uniform * q_draft < p_draft) & is_real
+        # The first rejected (or missing) position: accepted tokens form a prefix.
+        num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [batch]
+        last = self._recover(target_probs, drafts, draft_probs, num_accepted, num_proposed, generator)
+        output = torch.where(positions.unsqueeze(0) < num_accepted.unsqueeze(1), drafts, NO_TOKEN)
+        output = torch.cat([output, torch.full((batch, 1), NO_TOKEN, dtype=torch.long, device=device)], dim=1)
+        return output.scatter_(1, num_accepted.unsqueeze(1), last.unsqueeze(1))
+
+    @staticmethod
+    def _recover(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
+                 num_accepted: torch.Tensor, num_proposed: torch.Tensor,
+                 generator: torch.Generator | None) -> torch.Tensor:
+        """`[batch]` the token after the accepted prefix: from norm((p - q)+) where a draft was
+        rejected, from p itself (the bonus token) where every proposal was accepted."""
+        rows = torch.arange(drafts.shape[0], device=drafts.device)
+        p = target_probs[rows, num_accepted]  # [batch, vocab]
+        rejected = num_accepted < num_proposed
+        at = num_accepted.clamp(max=max(drafts.shape[1] - 1, 0))
+        if draft_probs is None:
+            q = torch.zeros_like(p)
+            if drafts.shape[1]:
+                q.scatter_(1, drafts[rows, at].unsqueeze(1), 1.0)
+        else:
+            q = draft_probs[rows, at] if drafts.shape[1] else torch.zeros_like(p)
+        residual = torch.where(rejected.unsqueeze(1), (p - q).clamp_(min=0.0), p)
+        # Rounding can leave a residual of all zeros (p == q in fp32): then p itself is right.
+        empty = residual.sum(dim=1, keepdim=True) <= 0
+        residual = torch.where(empty, p, residual)
+        return sample_from(residual, generator)
+
+
+def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`[rows, vocab]` non-negative weights (not necessarily normalised) -> `[rows]` token ids,
+    token x with probability weights[x] / sum(weights): the exponential race argmax(w / E),
+    E ~ Exp(1), as the plain sampler draws (a zero weight is never drawn)."""
+    noise = torch.empty_like(weights).exponential_(generator=generator)
+    return (weights / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=1)
+
+
+def num_emitted(output_token_ids: torch.Tensor) -> torch.Tensor:
+    """`[batch]` tokens each sequence emits: its accepted drafts plus one."""
+    return (output_token_ids != NO_TOKEN).sum(dim=1)

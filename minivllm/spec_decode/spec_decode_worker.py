@@ -1,0 +1,192 @@
+"""Speculative decoding's worker: `SpecDecodeWorker`.
+
+Mirrors `vllm/spec_decode/spec_decode_worker.py` (v0). A `Worker` for the target model that
+owns a proposer (`DraftModelWorker` or `NGramWorker`) and runs each decode step as:
+
+    1. propose   the proposer guesses k_i tokens for each speculating sequence i
+                 (k_i = the lookahead slots the scheduler reserved for it, at most k)
+    2. score     ONE target forward pass over each sequence's last token and its guesses,
+                 k_i + 1 new tokens per sequence, laid out as prefill chunks that attend to
+                 the cached context (the paged prefill kernel): row j predicts the token
+                 after guess j. vLLM's batch expansion (k + 1 one-token sequences per
+                 sequence) is not needed.
+    3. accept    the rejection sampler keeps a prefix of the guesses and draws one more token
+                 (`minivllm.model_executor.layers.rejection_sampler`)
+
+and hands the accepted tokens back as consecutive `SamplerOutput`s: output s holds token s of
+every sequence that emitted more than s tokens, which is exactly how the engine already
+applies a multi-step run (the first output to the scheduled token, each later one as one
+more computed token). A sequence whose guess s was rejected gets no samples from output
+s + 1 on.
+
+Which sequences speculate: decodes with lookahead slots (the scheduler gives none to groups
+with n > 1 or beam search, or when blocks are short) whose next token depends on the
+logits alone (`DeviceSampler.can_sample`: greedy or unseeded random, no logprobs,
+penalties or pending min_tokens). The others ride along in the same scoring pass with one
+token each and are sampled by the plain `Sampler`. A prefill batch runs the target plainly
+(and the draft model over the same prompts, for its cache).
+
+Rejected guesses' K/V: the scoring pass wrote it at positions past the accepted tokens.
+After the step the sequence is L + m + 1 tokens long with L + m computed, so those slots
+lie at or past the next step's input position: overwritten before any attention reads
+them, or past seq_len. Nothing is rolled back.
+
+Left out from vLLM: batch expansion, typical acceptance, logprobs for speculated tokens
+(requests asking for them decode plainly), disabling speculation by batch size.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from minivllm.attention import build_attn_metadata
+from minivllm.attention.metadata import to_device
+from minivllm.config import EngineConfig
+from minivllm.model_executor.layers.device_sampler import DeviceSampler
+from minivllm.model_executor.layers.rejection_sampler import RejectionSampler, num_emitted
+from minivllm.model_executor.sampling_metadata import SamplingMetadata
+from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput,
+                               SequenceOutput)
+from minivllm.spec_decode.draft_model_worker import DraftModelWorker
+from minivllm.spec_decode.metrics import AcceptanceCounter
+from minivllm.spec_decode.ngram_worker import NGramWorker
+from minivllm.spec_decode.util import Proposals, sampling_probs
+from minivllm.worker.worker import Worker
+
+
+class SpecDecodeWorker(Worker):
+    """The target model's worker, speculating with `engine_config.speculative_config`."""
+
+    def __init__(self, engine_config: EngineConfig) -> None:
+        super().__init__(engine_config)
+        spec = engine_config.speculative_config
+        self.proposer = NGramWorker(spec, self.device) if spec.method == "ngram" else DraftModelWorker(engine_config)
+        self.rejection_sampler = RejectionSampler()
+        self.counter = AcceptanceCounter(spec.num_speculative_tokens)
+
+    # ------------------------------------------------------------------ both models
+    def load_model(self) -> None:
+        super().load_model()
+        self.proposer.load_model()
+
+    def get_cache_block_size_bytes(self) -> int:
+        """A block holds its tokens in both caches (the block tables are shared)."""
+        return super().get_cache_block_size_bytes() + self.proposer.get_cache_block_size_bytes()
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        super().initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        self.proposer.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+
+    def apply_block_moves(self, req: ExecuteModelRequest) -> None:
+        super().apply_block_moves(req)
+        self.proposer.apply_block_moves(req)
+
+    # ------------------------------------------------------------------ a step
+    @torch.inference_mode()
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
+        """One `SamplerOutput` for a prefill or a step where no one speculates; else one per
+        emitted token position (1 + the most proposals any sequence had)."""
+        req = execute_model_req
+        metadata_list = req.seq_group_metadata_list
+        self.apply_block_moves(req)
+        if any(m.is_prompt for m in metadata_list):
+            self.proposer.run_prefill(metadata_list)
+            return [self._plain_step(req)]
+        num_proposals = [self._num_proposals(m) for m in metadata_list]
+        proposals = self.proposer.propose(metadata_list, num_proposals)
+        if not any(proposals.num_proposed):
+            return [self._plain_step(req)]
+        self.model_runner.release_requests(req.finished_requests_ids)
+        return self._score_and_accept(metadata_list, num_proposals, proposals)
+
+    def _plain_step(self, req: ExecuteModelRequest) -> SamplerOutput:
+        return self.model_runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)
+
+    @staticmethod
+    def _num_proposals(metadata: SequenceGroupMetadata) -> int:
+        can = DeviceSampler.can_sample(metadata.sampling_params, list(metadata.seq_data.values()))
+        return metadata.num_lookahead_slots if can else 0
+
+    def _score_and_accept(self, metadata_list: list[SequenceGroupMetadata], num_proposals: list[int],
+                          proposals: Proposals) -> list[SamplerOutput]:
+        spec_groups = [i for i, wanted in enumerate(num_proposals) if wanted]
+        num_proposed = dict(zip(spec_groups, proposals.num_proposed))
+        drafts = proposals.token_ids.tolist()
+        guesses = {i: drafts[r][: num_proposed[i]] for r, i in enumerate(spec_groups)}
+        logits, first_rows = self._score(metadata_list, guesses)
+        plain = [i for i in range(len(metadata_list)) if i not in num_proposed]
+        plain_output = self._sample_plain([metadata_list[i] for i in plain], logits, [first_rows[i] for i in plain])
+        accepted, logprobs = self._accept(metadata_list, spec_groups, proposals, logits, first_rows)
+        emitted = num_emitted(accepted).tolist()
+        self.counter.record(proposals.num_proposed, emitted)
+        return self._outputs(metadata_list, dict(zip(plain, plain_output)), spec_groups, accepted.tolist(),
+                             logprobs.tolist(), emitted)
+
+    def _score(self, metadata_list: list[SequenceGroupMetadata], guesses: dict[int, list[int]]):
+        """The target's logits at every scored position: `[num_tokens, vocab]`, and the first
+        row of each group. Group i's sequence computes its last token and `guesses[i]`."""
+        input_ids, positions, tables, context_lens, query_lens, first_rows = [], [], [], [], [], []
+        for i, metadata in enumerate(metadata_list):
+            first_rows.append(len(input_ids))
+            for seq_id, data in metadata.seq_data.items():
+                tokens = [data.get_last_token_id()] + guesses.get(i, [])
+                start = data.get_len() - 1
+                input_ids += tokens
+                positions += range(start, start + len(tokens))
+                tables.append(metadata.block_tables[seq_id])
+                context_lens.append(start)
+                query_lens.append(len(tokens))
+        # Every sequence is a "prefill" of its new tokens over its cached context.
+        md = build_attn_metadata(tables, context_lens, query_lens, len(query_lens), self.cache_config.block_size,
+                                 self.device)
+        hidden = self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
+                                             to_device(torch.tensor(positions, dtype=torch.long), self.device),
+                                             md, self.kv_caches)
+        return self.model_runner.model.compute_logits(hidden), first_rows
+
+    def _sample_plain(self, metadata_list: list[SequenceGroupMetadata], logits: torch.Tensor,
+                      first_rows: list[int]) -> list[SequenceGroupOutput]:
+        """The plain sampler on the rows of the groups that did not speculate (one per sequence)."""
+        if not metadata_list:
+            return []
+        rows = [first + j for m, first in zip(metadata_list, first_rows) for j in range(len(m.seq_data))]
+        sampling_metadata = SamplingMetadata.prepare(metadata_list, [1] * len(metadata_list), self.device,
+                                                     self.model_runner.generators)
+        return self.model_runner.sampler(logits[rows], sampling_metadata).outputs
+
+    def _accept(self, metadata_list, spec_groups: list[int], proposals: Proposals, logits: torch.Tensor,
+                first_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[num_spec, k + 1]` accepted tokens (`NO_TOKEN` after the last) and their logprobs."""
+        k = proposals.token_ids.shape[1]
+        # Row j of group i's scored positions, for j = 0..k (past its proposals: its last row,
+        # never read by the rejection sampler).
+        index = torch.tensor([[first_rows[i] + min(j, n) for j in range(k + 1)]
+                              for i, n in zip(spec_groups, proposals.num_proposed)], device=self.device)
+        params = [metadata_list[i].sampling_params for i in spec_groups for _ in range(k + 1)]
+        probs, logprobs = sampling_probs(logits[index.flatten()], params)
+        probs, logprobs = probs.view(len(spec_groups), k + 1, -1), logprobs.view(len(spec_groups), k + 1, -1)
+        accepted = self.rejection_sampler(probs, proposals.token_ids,
+                                          torch.tensor(proposals.num_proposed, device=self.device), proposals.probs)
+        token_logprobs = logprobs.gather(2, accepted.clamp(min=0).unsqueeze(2)).squeeze(2)
+        return accepted, token_logprobs
+
+    def _outputs(self, metadata_list, plain_outputs: dict[int, SequenceGroupOutput], spec_groups: list[int],
+                 accepted: list[list[int]], logprobs: list[list[float]], emitted: list[int]) -> list[SamplerOutput]:
+        """Output s: group i's s-th emitted token (or no samples), the plain groups' tokens at s = 0."""
+        spec_rows = {i: r for r, i in enumerate(spec_groups)}
+        outputs = []
+        for s in range(max(emitted)):
+            groups = []
+            for i, metadata in enumerate(metadata_list):
+                if i not in spec_rows:
+                    groups.append(plain_outputs[i] if s == 0 else SequenceGroupOutput(samples=[]))
+                    continue
+                r = spec_rows[i]
+                (seq_id,) = metadata.seq_data
+                token = accepted[r][s]
+                samples = [SequenceOutput(seq_id, token, {token: logprobs[r][s]})] if s < emitted[r] else []
+                groups.append(SequenceGroupOutput(samples=samples))
+            outputs.append(SamplerOutput(groups))
+        outputs[0].spec_decode_worker_metrics = self.counter.metrics()
+        return outputs

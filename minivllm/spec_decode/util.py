@@ -1,0 +1,56 @@
+"""What proposers hand the scorer, and the distribution a request samples from.
+
+`sampling_probs` is the plain `Sampler`'s distribution for the requests that speculate
+(greedy, or random without a seed, with no penalties, logprobs or pending min_tokens:
+`DeviceSampler.can_sample`): temperature, top-k / top-p and min-p, in the sampler's own
+order and with its own helpers. Greedy rows become one-hot at the arg-max, so the rejection
+sampler treats greedy decoding as sampling from a distribution with one certain token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minivllm.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
+from minivllm.sampling_params import SamplingParams, SamplingType
+
+
+@dataclass
+class Proposals:
+    """The proposer's guesses for the speculating sequences, in batch order.
+
+    Attributes:
+        token_ids: `[num_seqs, k]` int64 on the device (entries past `num_proposed` are padding).
+        num_proposed: how many of each row's k tokens are real (the n-gram proposer may find
+            fewer, or none).
+        probs: `[num_seqs, k, vocab]` fp32, the distribution each token was drawn from (a draft
+            model), or None when the proposals are deterministic (n-gram lookup).
+    """
+
+    token_ids: torch.Tensor
+    num_proposed: list[int]
+    probs: torch.Tensor | None
+
+
+def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
+    """`[rows, vocab]` logits, one `SamplingParams` per row -> (probs, logprobs), both
+    `[rows, vocab]` fp32: the distribution the plain sampler would draw row i's token from
+    (one-hot at the arg-max for a greedy row), and the log-softmax of the processed logits
+    (the logprob the plain sampler reports for the chosen token)."""
+    logits = logits.float()
+    greedy = torch.tensor([p.sampling_type == SamplingType.GREEDY for p in params], device=logits.device)
+    temperatures = logits.new_tensor([1.0 if p.sampling_type == SamplingType.GREEDY else p.temperature
+                                      for p in params])
+    logits = logits / temperatures.unsqueeze(1)
+    top_ks, top_ps = [p.top_k for p in params], [p.top_p for p in params]
+    if any(k != -1 for k in top_ks) or any(p < 1.0 for p in top_ps):
+        logits = apply_top_k_top_p(logits, torch.tensor(top_ks), logits.new_tensor(top_ps))
+    min_ps = [p.min_p for p in params]
+    if any(m > 0.0 for m in min_ps):
+        logits = apply_min_p(logits, logits.new_tensor(min_ps))
+    logprobs = torch.log_softmax(logits, dim=-1)
+    one_hot = torch.zeros_like(logprobs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
+    probs = torch.where(greedy.unsqueeze(1), one_hot, logprobs.exp())
+    return probs, logprobs
