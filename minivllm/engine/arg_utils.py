@@ -126,8 +126,10 @@ class EngineArgs:
         for field in dataclasses.fields(EngineArgs):
             flag = "--" + field.name.replace("_", "-")
             help_text = field.metadata["help"]
-            if field.default is not None:  # a None default is explained in the help text
+            if field.default is not None:
                 help_text += " (default: %(default)s)"
+            elif "(default:" not in help_text:  # a None default is best explained in the help text
+                help_text += " (default: not set)"
             arg_type = _cli_type(types[field.name])
             if arg_type is bool:
                 group.add_argument(flag, action="store_true", help=help_text)
