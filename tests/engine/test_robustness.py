@@ -294,7 +294,7 @@ def with_the_issues_crashes(test):
     return test
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @with_the_issues_crashes
 @given(kwargs=SAMPLING_KWARGS, prompt_input=PROMPTS)
 def test_any_sampling_params_and_prompt_is_refused_or_served_without_harm(engine, check_tokens, kwargs, prompt_input):
