@@ -63,6 +63,8 @@ def test_the_openai_client_with_and_without_the_key(keyed_server):
     assert [m.id for m in client.models.list().data] == [MODEL]
     response = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3, temperature=0.0)
     assert response.usage.completion_tokens == 3
+    streamed = client.completions.create(model=MODEL, prompt="ROMEO:", max_tokens=3, temperature=0.0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == response.choices[0].text
 
 
 def test_the_key_comes_from_the_flag_or_the_environment():
