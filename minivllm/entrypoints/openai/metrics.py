@@ -30,6 +30,17 @@ TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75
 TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
 E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0)
 
+# KVTransferStats field -> help text.
+KV_TRANSFER_GAUGES = {
+    "num_tokens_loaded": "Tokens whose KV a KV connector loaded from its store.",
+    "num_tokens_saved": "Tokens whose KV a KV connector saved to its store.",
+    "bytes_loaded": "Bytes of KV loaded by a KV connector.",
+    "bytes_saved": "Bytes of KV saved by a KV connector.",
+    "load_time_s": "Seconds spent loading KV (reading the store, issuing copies).",
+    "save_time_s": "Seconds spent saving KV (waiting for copies, writing the store).",
+    "num_load_errors": "KV blocks whose load failed (missing, damaged, store down) and were recomputed.",
+}
+
 
 class PrometheusStatLogger:
     """A stat logger for `LLMEngine.add_logger` that records into a Prometheus registry."""
@@ -65,6 +76,17 @@ class PrometheusStatLogger:
         self.e2e_request_latency = histogram(
             "vllm:e2e_request_latency_seconds", "Time from arrival to the last token of a request.", E2E_BUCKETS
         )
+        # A KV connector's cumulative counts (they come from the worker already summed up).
+        self.kv_transfer = {name: gauge(f"vllm:kv_transfer_{name}", doc) for name, doc in KV_TRANSFER_GAUGES.items()}
+        # Speculative decoding (vLLM's names); the engine reports cumulative counts, so the
+        # counters grow by the difference since the last step that speculated.
+        self.spec_decode_draft_acceptance_rate = gauge("vllm:spec_decode_draft_acceptance_rate",
+                                                       "Speculative token acceptance rate.")
+        self.spec_decode_efficiency = gauge("vllm:spec_decode_efficiency", "Speculative decoding system efficiency.")
+        self.spec_decode_num_accepted_tokens = counter("vllm:spec_decode_num_accepted_tokens", "Number of accepted tokens.")
+        self.spec_decode_num_draft_tokens = counter("vllm:spec_decode_num_draft_tokens", "Number of draft tokens.")
+        self.spec_decode_num_emitted_tokens = counter("vllm:spec_decode_num_emitted_tokens", "Number of emitted tokens.")
+        self._last_spec_counts = (0, 0, 0)
 
     def log(self, stats: Stats) -> None:
         """Called by the engine after every step (in the step thread; prometheus-client is thread-safe)."""
@@ -82,6 +104,22 @@ class PrometheusStatLogger:
             self.time_per_output_token.observe(seconds)
         for seconds in stats.time_e2e_requests:
             self.e2e_request_latency.observe(seconds)
+        if stats.kv_transfer_stats is not None:
+            for name, gauge in self.kv_transfer.items():
+                gauge.set(getattr(stats.kv_transfer_stats, name))
+        if stats.spec_decode_metrics is not None:
+            self._log_spec_decode(stats.spec_decode_metrics)
+
+    def _log_spec_decode(self, metrics) -> None:
+        if metrics.draft_tokens:  # the rates are nan until a token was proposed
+            self.spec_decode_draft_acceptance_rate.set(metrics.draft_acceptance_rate)
+            self.spec_decode_efficiency.set(metrics.system_efficiency)
+        counts = (metrics.accepted_tokens, metrics.draft_tokens, metrics.emitted_tokens)
+        counters = (self.spec_decode_num_accepted_tokens, self.spec_decode_num_draft_tokens,
+                    self.spec_decode_num_emitted_tokens)
+        for counter, now, before in zip(counters, counts, self._last_spec_counts):
+            counter.inc(now - before)
+        self._last_spec_counts = counts
 
     def render(self) -> bytes:
         """The registry in Prometheus' text exposition format."""
