@@ -388,6 +388,56 @@ class SpeculativeConfig:
         return SpeculativeConfig(num_speculative_tokens, draft)
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+@dataclass
+class KVTransferConfig:
+    """A KV connector: KV blocks saved to and loaded from a store outside the engine (vLLM's
+    `KVTransferConfig`; `minivllm/distributed/kv_transfer/`).
+
+    Args:
+        kv_connector: a registered connector's name ("SharedStorageConnector",
+            "CPUOffloadConnector", "RedisConnector", or one added by `register_connector`).
+        kv_role: "kv_producer" saves the blocks it computes (a prefill instance),
+            "kv_consumer" loads what the store has (a decode instance), "kv_both" does both.
+        kv_connector_extra_config: the connector's own settings (a path, a URL, a capacity).
+
+    From JSON (the `--kv-transfer-config` flag): `KVTransferConfig.from_json(text)`.
+    """
+
+    kv_connector: str
+    kv_role: str = "kv_both"
+    kv_connector_extra_config: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.kv_connector, str) or not self.kv_connector:
+            raise ValueError(f"kv_connector must be a connector's name, got {self.kv_connector!r}.")
+        if self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}.")
+        if not isinstance(self.kv_connector_extra_config, dict):
+            raise ValueError("kv_connector_extra_config must be a dict, got "
+                             f"{type(self.kv_connector_extra_config).__name__}.")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVTransferConfig:
+        """'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", ...}' -> the config."""
+        import json
+
+        try:
+            fields = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--kv-transfer-config is not valid JSON: {error}") from error
+        if not isinstance(fields, dict):
+            raise ValueError(f"--kv-transfer-config must be a JSON object, got {text!r}.")
+        unknown = set(fields) - {"kv_connector", "kv_role", "kv_connector_extra_config"}
+        if unknown:
+            raise ValueError(f"--kv-transfer-config has unknown fields {sorted(unknown)}.")
+        if "kv_connector" not in fields:
+            raise ValueError("--kv-transfer-config needs kv_connector (a connector's name).")
+        return cls(**fields)
+
+
 @dataclass
 class EngineConfig:
     """All the configs of one engine, built once (by `EngineArgs.create_engine_config`) and
@@ -398,6 +448,7 @@ class EngineConfig:
     `minivllm.attention.get_attn_backend`); attention, the fused layers and the greedy pick
     all follow it. `enforce_eager`: never capture CUDA graphs. `speculative_config`: None, or
     speculative decoding's proposer and number of proposed tokens.
+    `kv_transfer_config`: None, or a KV connector (`KVTransferConfig`).
     """
 
     model_config: ModelConfig
@@ -408,3 +459,19 @@ class EngineConfig:
     attention_backend: str | None = None
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
+    kv_transfer_config: KVTransferConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.kv_transfer_config is not None:
+            self._check_kv_transfer()
+
+    def _check_kv_transfer(self) -> None:
+        """A connector moves blocks inside the plain model runner's forward pass: the modes
+        that replace that runner, or split the layers over stages, cannot carry it."""
+        if self.scheduler_config.num_scheduler_steps > 1:
+            raise ValueError("kv_transfer_config cannot be combined with num_scheduler_steps > 1 (multi-step).")
+        if self.speculative_config is not None:
+            raise ValueError("kv_transfer_config cannot be combined with speculative decoding.")
+        if self.parallel_config.pipeline_parallel_size > 1:
+            raise ValueError("kv_transfer_config needs pipeline_parallel_size=1 (tensor parallelism works: "
+                             "each rank saves and loads its own shard).")

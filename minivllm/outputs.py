@@ -68,6 +68,8 @@ class RequestOutput:
         outputs: the `n` completions, best first.
         finished: True once every sequence of the request has finished.
         metrics: arrival, first-scheduled, first-token and finish times.
+        num_cached_tokens: prompt tokens whose KV was reused, not computed: prefix-cache hits
+            plus tokens a KV connector loaded (vLLM's field; None before admission).
     """
 
     request_id: str
@@ -77,6 +79,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics | None = field(default=None, repr=False)
+    num_cached_tokens: int | None = None
 
     @classmethod
     def from_seq_group(
@@ -115,6 +118,7 @@ class RequestOutput:
             outputs=outputs,
             finished=seq_group.is_finished(),
             metrics=seq_group.metrics,
+            num_cached_tokens=seq_group.num_cached_tokens,
         )
 
 

@@ -312,6 +312,9 @@ class SequenceGroup:
         self.prompt_ranks: list[int | None] | None = None
         # Why the request was ignored or aborted, for the user (None while it runs).
         self.finish_message: str | None = None
+        # Prompt tokens whose KV was reused at first admission: prefix-cache hits plus tokens
+        # loaded by a KV connector (vLLM's `num_cached_tokens`; None before admission).
+        self.num_cached_tokens: int | None = None
 
     # --------------------------------------------------------------- queries
     @property
@@ -448,10 +451,13 @@ class SamplerOutput:
     group, in the batch's order. (vLLM v0 kept this class here, in `sequence.py`, before it
     moved to the sampler's module; here it stays torch-free for the engine.)
     `spec_decode_worker_metrics`: speculative decoding's acceptance counts (a
-    `minivllm.spec_decode.metrics.SpecDecodeWorkerMetrics`), on the first output of a step."""
+    `minivllm.spec_decode.metrics.SpecDecodeWorkerMetrics`), on the first output of a step.
+    `kv_transfer_stats`: the KV connector's cumulative counts (a
+    `minivllm.distributed.kv_transfer.KVTransferStats`), when the engine has a connector."""
 
     outputs: list[SequenceGroupOutput]
     spec_decode_worker_metrics: object | None = None
+    kv_transfer_stats: object | None = None
 
     def __getitem__(self, index: int) -> SequenceGroupOutput:
         return self.outputs[index]
@@ -473,7 +479,8 @@ class ExecuteModelRequest:
     random generators) of requests that finished or were aborted since the last step.
     `num_steps` > 1 asks for a multi-step run of a decode batch (see
     `SchedulerConfig.num_scheduler_steps`); the worker may run fewer (one) when the batch
-    needs the host between steps.
+    needs the host between steps. `kv_connector_metadata`: the KV connector's loads and saves
+    for the step (`KVConnectorMetadata`), None without a connector.
     """
 
     seq_group_metadata_list: list[SequenceGroupMetadata]
@@ -482,3 +489,4 @@ class ExecuteModelRequest:
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
     finished_requests_ids: list[str] = field(default_factory=list)
     num_steps: int = 1
+    kv_connector_metadata: object | None = None  # this step's KV connector loads and saves

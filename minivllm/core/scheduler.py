@@ -55,6 +55,13 @@ Prefix caching: at admission a sequence's `num_computed_tokens` is set to the nu
 leading tokens whose KV blocks the cache already holds (`get_num_cached_tokens`), so those
 tokens are neither computed nor counted against the token budget.
 
+KV connector (`kv_connector`, the scheduler side of `minivllm.distributed.kv_transfer`): at
+admission it is asked how many tokens after the local hits an outside store holds
+(`get_num_new_matched_tokens`); they count as cached exactly like prefix-cache hits, are told
+the blocks they land in (`update_state_after_alloc`) and load inside the step. Each step's
+loads and saves go to the workers as `SchedulerOutputs.kv_connector_metadata`
+(`build_connector_meta`); a finished request is reported (`request_finished`).
+
 Differences from vLLM v0 worth knowing (each keeps an invariant the tests check):
     - Queues are sorted by the policy at each step (FCFS: arrival time; priority:
       (priority, arrival time)); with chunked prefill running decodes go before prompt chunks.
@@ -172,6 +179,7 @@ class SchedulerOutputs:
     blocks_to_copy: BlockMapping
     ignored_seq_groups: list[SequenceGroup]
     preempted: int
+    kv_connector_metadata: object | None = None  # the KV connector's loads and saves, if any
 
     def is_empty(self) -> bool:
         return not (self.scheduled_seq_groups or self.blocks_to_swap_in
@@ -215,6 +223,7 @@ class Scheduler:
         output_proc_callback: must be None: vLLM's asynchronous output processing hands
             outputs over through it; here the engine processes them itself.
         clock: (keyword-only, not in vLLM) time source for request metrics.
+        kv_connector: (keyword-only) the scheduler side of a KV connector, or None.
 
     `schedule()` returns vLLM's three values; the third, `allow_async_output_proc`, is
     always False here. Unsupported arguments raise ValueError (vLLM asserts).
@@ -223,7 +232,7 @@ class Scheduler:
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: object | None = None, pipeline_parallel_size: int = 1,
                  output_proc_callback: Callable | None = None, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, kv_connector: object | None = None) -> None:
         if lora_config is not None:
             raise ValueError("minivllm has no LoRA: lora_config must be None.")
         if pipeline_parallel_size != 1:
@@ -238,6 +247,7 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.clock = clock
+        self.kv_connector = kv_connector
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -285,6 +295,8 @@ class Scheduler:
         """Free the blocks of finished sequences; drop finished groups from `running`."""
         remaining: deque[SequenceGroup] = deque()
         for seq_group in self.running:
+            if seq_group.is_finished():
+                self._report_finished(seq_group)
             for seq in seq_group.get_finished_seqs():
                 self.free_seq(seq)
             if not seq_group.is_finished():
@@ -309,6 +321,8 @@ class Scheduler:
             metadata.append(self._make_metadata(scheduled))
             # The step runs before the next schedule: its full blocks may be cached now.
             self.block_manager.mark_blocks_as_computed(seq_group, scheduled.token_chunk_size)
+        if self.kv_connector is not None:
+            outputs.kv_connector_metadata = self.kv_connector.build_connector_meta(outputs)
         return metadata, outputs, False
 
     def _schedule_default(self) -> SchedulerOutputs:
@@ -378,7 +392,11 @@ class Scheduler:
                 break  # LATER: wait until running requests free blocks
             seq = self._waiting_seq(seq_group)
             # Never the whole prompt: the block manager leaves the last token to compute.
-            num_cached_tokens = self.block_manager.get_num_cached_tokens(seq)
+            num_local_tokens = self.block_manager.get_num_cached_tokens(seq)
+            num_external_tokens = 0
+            if self.kv_connector is not None:  # the store's blocks after the local hits
+                num_external_tokens, _ = self.kv_connector.get_num_new_matched_tokens(seq_group, num_local_tokens)
+            num_cached_tokens = num_local_tokens + num_external_tokens
             num_new_tokens = self._chunk(seq.get_len() - num_cached_tokens, 1, budget,
                                          enable_chunking)
             num_new_seqs = seq_group.get_max_num_running_seqs()
@@ -388,8 +406,14 @@ class Scheduler:
             self.waiting.popleft()
             self.block_manager.allocate(seq_group)
             seq.status = SequenceStatus.RUNNING
-            # The cached prefix is already in the KV cache: skip it.
+            # The cached prefix is already in the KV cache (or loads in this step): skip it.
+            seq.data.num_computed_tokens = num_local_tokens
+            if self.kv_connector is not None:
+                self.kv_connector.update_state_after_alloc(seq_group, self.block_manager.get_block_table(seq),
+                                                           num_external_tokens)
             seq.data.num_computed_tokens = num_cached_tokens
+            if seq_group.num_cached_tokens is None:  # vLLM's RequestOutput field: the first admission's
+                seq_group.num_cached_tokens = num_cached_tokens
             state.prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
             budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             budget.add_num_seqs(seq_group.request_id, num_new_seqs)
@@ -662,10 +686,18 @@ class Scheduler:
     def _finish_group(self, seq_group: SequenceGroup, status: SequenceStatus, reason: str) -> None:
         for seq in seq_group.get_unfinished_seqs():
             seq.status = status
+        self._report_finished(seq_group)
         for seq in seq_group.get_seqs():
             self.free_seq(seq)  # a no-op for a sequence without blocks
         if seq_group.finish_message is None:
             seq_group.finish_message = reason
+
+    def _report_finished(self, seq_group: SequenceGroup) -> None:
+        """Tell the KV connector a request ended (before its blocks are freed)."""
+        if self.kv_connector is not None:
+            seq = seq_group.first_seq
+            block_ids = self.block_manager.get_block_table(seq) if self.block_manager.has_blocks(seq) else []
+            self.kv_connector.request_finished(seq_group, block_ids)
 
     def _make_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         seq_group = scheduled.seq_group

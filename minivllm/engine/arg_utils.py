@@ -17,8 +17,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig,
-                             SpeculativeConfig)
+from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig)
 
 
 def _arg(default, help: str, choices: tuple[str, ...] | None = None):
@@ -73,6 +73,9 @@ class EngineArgs:
                                                     "--speculative-model)")
     ngram_prompt_lookup_max: int | None = _arg(None, "[ngram]: longest suffix looked up in the sequence")
     ngram_prompt_lookup_min: int | None = _arg(None, "[ngram]: shortest suffix looked up (default: 1)")
+    kv_transfer_config: KVTransferConfig | None = _arg(
+        None, 'a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
+              '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\' (default: none)')
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -114,6 +117,7 @@ class EngineArgs:
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
+            kv_transfer_config=self.kv_transfer_config,
         )
 
     # ------------------------------------------------------------------ command line
@@ -148,6 +152,8 @@ def _cli_type(annotation) -> type:
     """`int | None` -> int: the type a flag's text converts to (an optional field's None is
     its default, never typed on the command line)."""
     candidates = [t for t in typing.get_args(annotation) if t is not type(None)] or [annotation]
+    if len(candidates) == 1 and hasattr(candidates[0], "from_json"):  # a config given as JSON
+        return candidates[0].from_json
     if len(candidates) != 1 or candidates[0] not in (str, int, float, bool):
         raise TypeError(f"no command-line type for {annotation!r}")
     return candidates[0]

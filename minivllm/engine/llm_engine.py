@@ -31,6 +31,7 @@ from typing import Any
 
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from minivllm.config import EngineConfig
+from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import Detokenizer
 from minivllm.engine.metrics import StatLoggerBase, Stats
@@ -87,7 +88,11 @@ class LLMEngine:
         self.seq_counter = itertools.count()
         self.model_executor = executor_class(engine_config)
         self._initialize_kv_caches()
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config)
+        # The scheduler side of a KV connector (each worker builds its own worker side).
+        self.kv_connector = None if engine_config.kv_transfer_config is None else \
+            KVConnectorFactory.create_connector(engine_config, KVConnectorRole.SCHEDULER)
+        self.kv_transfer_stats = None  # the driver worker's connector counts, after each step
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, kv_connector=self.kv_connector)
         self.output_processor = SequenceGroupOutputProcessor(
             self.scheduler,
             self.detokenizer,
@@ -273,6 +278,7 @@ class LLMEngine:
             finished_requests_ids=self._finished_requests_ids,
             # Steps the worker may run: more than one when every decode reserved lookahead slots.
             num_steps=1 + max((m.num_lookahead_slots for m in seq_group_metadata_list), default=0),
+            kv_connector_metadata=scheduler_outputs.kv_connector_metadata,
         )
         self._finished_requests_ids = []
         return request
@@ -333,6 +339,8 @@ class LLMEngine:
             for sampler_output in self.model_executor.execute_model(request):
                 if sampler_output.spec_decode_worker_metrics is not None:
                     stats.spec_decode_metrics = sampler_output.spec_decode_worker_metrics
+                if sampler_output.kv_transfer_stats is not None:
+                    stats.kv_transfer_stats = self.kv_transfer_stats = sampler_output.kv_transfer_stats
                 self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
                 num_processed += 1
         except Exception as error:
@@ -345,13 +353,19 @@ class LLMEngine:
                 logger.warning("step %d failed for a batch of %d requests (%r); running each alone to find the cause",
                                self.step_counter, len(scheduled_groups), error)
                 for scheduled, metadata in zip(scheduled_groups, request.seq_group_metadata_list):
-                    self._execute_alone(scheduled, metadata, stats)
+                    self._execute_alone(scheduled, metadata, stats, request.kv_connector_metadata)
 
-    def _execute_alone(self, scheduled: ScheduledSequenceGroup, metadata: SequenceGroupMetadata, stats: Stats) -> None:
+    def _execute_alone(self, scheduled: ScheduledSequenceGroup, metadata: SequenceGroupMetadata, stats: Stats,
+                       kv_connector_metadata=None) -> None:
         # No block moves: the failed run applied them before the model ran (they are the
         # scheduler's own, not a request's), and a swap-out repeated now could read a block
         # that a prefill has since written.
-        request = ExecuteModelRequest(seq_group_metadata_list=[metadata], num_steps=1 + metadata.num_lookahead_slots)
+        # The group's own KV connector loads and saves go with it (loading twice is harmless).
+        if kv_connector_metadata is not None:
+            kv_connector_metadata = dataclasses.replace(kv_connector_metadata, requests=[
+                r for r in kv_connector_metadata.requests if r.request_id == metadata.request_id])
+        request = ExecuteModelRequest(seq_group_metadata_list=[metadata], num_steps=1 + metadata.num_lookahead_slots,
+                                      kv_connector_metadata=kv_connector_metadata)
         self._execute_and_process(request, [scheduled], stats)
 
     def _fail_requests(self, seq_groups: list[SequenceGroup], error: Exception) -> None:

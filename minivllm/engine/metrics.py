@@ -51,6 +51,8 @@ class Stats:
     finished_reason_requests: list[str] = field(default_factory=list)
     # Speculative decoding's cumulative counts, when a step speculated (else None).
     spec_decode_metrics: SpecDecodeWorkerMetrics | None = None
+    # The KV connector's cumulative counts (`KVTransferStats`), with a connector.
+    kv_transfer_stats: object | None = None
 
 
 class StatLoggerBase:

@@ -25,8 +25,10 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "executor": ("minivllm.executor",),
     "worker": ("minivllm.worker", "minivllm.spec_decode"),
     "model_executor": ("minivllm.model_executor",),
+    "kv_transfer": ("minivllm.distributed.kv_transfer",),
     "attention": ("minivllm.attention",),
     "kernels": ("minivllm.kernels",),
+    "distributed": ("minivllm.distributed",),
     "foundation": (
         "minivllm.sequence",
         "minivllm.sampling_params",
@@ -44,9 +46,9 @@ ROWS: tuple[tuple[str, ...], ...] = (
     ("engine",),
     ("core", "transformers_utils", "executor"),
     ("worker",),
-    ("model_executor",),
+    ("model_executor", "kv_transfer"),
     ("attention",),
-    ("kernels",),
+    ("kernels", "distributed"),
     ("foundation",),
 )
 
@@ -56,15 +58,17 @@ ROWS: tuple[tuple[str, ...], ...] = (
 # entrypoints, each importing any layer below it; the scheduler (core) sits beside that stack
 # and knows nothing of it. viz (pictures, snapshots, the simulator) is course tooling on top:
 # it drives and observes the engine (through `StepObserver` and public queries) and nothing
-# in the runtime imports it.
+# in the runtime imports it. distributed (process groups, collectives) sits beside kernels:
+# the parallel layers, the worker and the executors use it.
 _STACK = ("kernels", "attention", "model_executor", "worker", "executor")
 MAY_IMPORT: dict[str, set[str]] = {
     "foundation": {"foundation"},
     "kernels": {"foundation", "kernels"},
+    "distributed": {"foundation", "distributed"},
     "attention": {"foundation", *_STACK[:2]},
-    "model_executor": {"foundation", *_STACK[:3]},
-    "worker": {"foundation", *_STACK[:4]},
-    "executor": {"foundation", *_STACK[:5]},
+    "model_executor": {"foundation", "distributed", *_STACK[:3]},
+    "worker": {"foundation", "distributed", *_STACK[:4]},
+    "executor": {"foundation", "distributed", *_STACK[:5]},
     "core": {"foundation", "core"},
     "transformers_utils": {"foundation", "transformers_utils"},
     "engine": {"foundation", *_STACK, "core", "transformers_utils", "engine"},
@@ -75,6 +79,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "package": {"foundation", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
                 "package"},
 }
+# The KV connectors (`minivllm.distributed.kv_transfer`) sit beside the compute stack: they move
+# a worker's cache tensors but import none of the stack. The worker runs their worker side; the
+# engine builds their scheduler side (the scheduler itself only calls the methods it is given).
+MAY_IMPORT["kv_transfer"] = {"foundation", "kv_transfer"}
+for _layer in ("worker", "executor", "engine", "entrypoints", "package"):
+    MAY_IMPORT[_layer].add("kv_transfer")
 
 # The vLLM 0.6.3 file each minivllm module mirrors; paths are relative to vLLM's repo root
 # (a folder ends in "/"). Every entry is checked: the key against minivllm's modules, the path
@@ -102,6 +112,21 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.executor": "vllm/executor/",
     "minivllm.executor.executor_base": "vllm/executor/executor_base.py",
     "minivllm.executor.uniproc_executor": "vllm/executor/gpu_executor.py",
+    "minivllm.executor.distributed_executor": "vllm/executor/distributed_gpu_executor.py",
+    "minivllm.executor.multiproc_executor": "vllm/executor/multiproc_gpu_executor.py",
+    "minivllm.executor.multiproc_worker_utils": "vllm/executor/multiproc_worker_utils.py",
+    "minivllm.executor.ray_executor": "vllm/executor/ray_gpu_executor.py",
+    "minivllm.executor.ray_utils": "vllm/executor/ray_utils.py",
+    "minivllm.distributed": "vllm/distributed/",
+    "minivllm.distributed.parallel_state": "vllm/distributed/parallel_state.py",
+    "minivllm.distributed.communication_op": "vllm/distributed/communication_op.py",
+    "minivllm.distributed.utils": "vllm/distributed/utils.py",
+    "minivllm.model_executor.layers.linear": "vllm/model_executor/layers/linear.py",
+    "minivllm.model_executor.layers.vocab_parallel_embedding": (
+        "vllm/model_executor/layers/vocab_parallel_embedding.py"
+    ),
+    "minivllm.model_executor.models.utils": "vllm/model_executor/models/utils.py",
+    "minivllm.model_executor.weight_utils": "vllm/model_executor/model_loader/weight_utils.py",
     "minivllm.worker": "vllm/worker/",
     "minivllm.worker.worker": "vllm/worker/worker.py",
     "minivllm.worker.cache_engine": "vllm/worker/cache_engine.py",

@@ -41,6 +41,7 @@ from minivllm.config import EngineConfig
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
+from minivllm.worker.kv_connector_model_runner import KVConnectorModelRunner
 from minivllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -73,6 +74,8 @@ class Worker:
         # in its own runner class; see cuda_graph_runner.py).
         use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
         runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
+        if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward (eager)
+            runner_class = KVConnectorModelRunner
         self.model_runner: ModelRunner = runner_class(engine_config, self.device)
         self.cache_engine: CacheEngine | None = None
 
@@ -158,6 +161,8 @@ class Worker:
         multi-step worker returns several).
         """
         self.apply_block_moves(execute_model_req)
+        if execute_model_req.kv_connector_metadata is not None:
+            self.model_runner.bind_connector_metadata(execute_model_req.kv_connector_metadata)
         return [self.model_runner.execute_model(execute_model_req.seq_group_metadata_list, self.kv_caches,
                                                 execute_model_req.finished_requests_ids)]
 

@@ -1,0 +1,148 @@
+"""`CPUOffloadConnector`: a second tier of KV cache in host memory.
+
+When the paged cache overflows, the prefix cache evicts blocks, and a later request with the
+same prefix recomputes them. With this connector every prompt block is also copied to a pool
+of `num_cpu_blocks` host blocks (pinned, copied on a side stream on a GPU), so that request
+pays a host-to-device copy instead of a recompute. (vLLM's counterparts: LMCache's CPU
+backend, vLLM's `OffloadingConnector`.)
+
+Who decides what: the scheduler side keeps the index, digest -> pool slot, least recently used
+first out; it names the slots in each step's metadata. The worker side only copies, between
+its cache and its own pool (each tensor-parallel rank keeps its shard at the same slot). So
+the index and the pools agree without talking, and a lookup never fails.
+
+    KVTransferConfig(kv_connector="CPUOffloadConnector", kv_role="kv_both",
+                     kv_connector_extra_config={"num_cpu_blocks": 1024})
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any
+
+import torch
+
+from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
+                                                   Timer)
+from minivllm.distributed.kv_transfer.keys import block_digests, model_identity
+from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
+
+_DEFAULT_NUM_CPU_BLOCKS = 512
+
+
+class CPUOffloadConnector(KVConnectorBase):
+    """Extra config: `num_cpu_blocks` (host pool size in blocks, default 512)."""
+
+    def __init__(self, engine_config: Any, role: KVConnectorRole) -> None:
+        super().__init__(engine_config, role)
+        self.num_cpu_blocks = int(self.extra_config.get("num_cpu_blocks", _DEFAULT_NUM_CPU_BLOCKS))
+        if self.num_cpu_blocks < 1:
+            raise ValueError(f"num_cpu_blocks must be at least 1, got {self.num_cpu_blocks}.")
+        self.root = model_identity(engine_config)
+        # Scheduler side: digest -> slot, least recently used first.
+        self.index: OrderedDict[str, int] = OrderedDict()
+        self.free_slots = list(range(self.num_cpu_blocks))
+        self._loads: dict[str, list[tuple[int, int]]] = {}
+
+    # ==================================================================== scheduler side
+    def _digests(self, request: Any) -> list[str]:
+        return block_digests(request.first_seq.get_token_ids(), self.block_size, self.root)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_consumer:
+            return 0, False
+        num_matched = 0
+        for digest in self._digests(request)[num_computed_tokens // self.block_size:]:
+            if digest not in self.index:
+                break
+            num_matched += 1
+        return num_matched * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        digests = self._digests(request)
+        start = request.first_seq.get_num_computed_tokens() // self.block_size
+        loads = []
+        for i in range(start, start + num_external_tokens // self.block_size):
+            self.index.move_to_end(digests[i])  # used now
+            loads.append((i, self.index[digests[i]]))
+        self._loads[request.request_id] = loads
+
+    def build_connector_meta(self, scheduler_outputs: Any) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata()
+        busy = {slot for loads in self._loads.values() for _, slot in loads}  # read this step
+        for scheduled in scheduler_outputs.scheduled_seq_groups:
+            request = scheduled.seq_group
+            load = self._loads.pop(request.request_id, [])
+            save = self._slots_to_save(scheduled, busy) if self.is_producer else []
+            if load or save:
+                meta.requests.append(ReqMeta(request.request_id, load, save))
+        self._loads.clear()
+        return meta
+
+    def _slots_to_save(self, scheduled: Any, busy: set[int]) -> list[tuple[int, int]]:
+        request = scheduled.seq_group
+        if not request.is_prefill():
+            return []
+        digests = self._digests(request)
+        computed = request.first_seq.get_num_computed_tokens()
+        first, end = computed // self.block_size, (computed + scheduled.token_chunk_size) // self.block_size
+        saves = []
+        for i in range(first, min(end, len(digests))):
+            if digests[i] in self.index:
+                self.index.move_to_end(digests[i])
+                continue
+            slot = self._take_slot(busy)
+            if slot is None:
+                break
+            self.index[digests[i]] = slot
+            busy.add(slot)
+            saves.append((i, slot))
+        return saves
+
+    def _take_slot(self, busy: set[int]) -> int | None:
+        """A free slot, else the least recently used one no transfer of this step touches."""
+        if self.free_slots:
+            return self.free_slots.pop()
+        for digest, slot in self.index.items():
+            if slot not in busy:
+                del self.index[digest]
+                return slot
+        return None
+
+    # ==================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.transfer = LayerwiseTransfer(kv_caches)
+        self.pool = self.transfer.host_empty(self.num_cpu_blocks)  # [layers, slots, 2, ...]
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._save_slots = [slot for r in connector_metadata.requests for _, slot in r.save]
+        self.transfer.start_save([b for r in connector_metadata.requests for b in r.save_block_ids])
+
+    def start_load_kv(self) -> None:
+        requests = self._get_connector_metadata().requests
+        block_ids = [b for r in requests for b in r.load_block_ids]
+        slots = [slot for r in requests for _, slot in r.load]
+        with Timer(self.stats, "load_time_s"):
+            if block_ids:
+                self.transfer.start_load(block_ids, self.pool[:, slots])
+        self.stats.num_tokens_loaded += len(block_ids) * self.block_size
+        self.stats.bytes_loaded += len(block_ids) * self.transfer.block_nbytes
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.transfer.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.transfer.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        with Timer(self.stats, "save_time_s"):
+            blocks = self.transfer.finish_save()
+            if blocks is None:
+                return
+            self.pool[:, self._save_slots] = blocks
+        self.stats.num_tokens_saved += len(self._save_slots) * self.block_size
+        self.stats.bytes_saved += len(self._save_slots) * self.transfer.block_nbytes

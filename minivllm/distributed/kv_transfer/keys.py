@@ -1,0 +1,56 @@
+"""Store keys: the prefix cache's hash chain, made to mean the same thing everywhere.
+
+A block's key must name its tokens AND every token before it (the KV of a token depends on
+its whole prefix), exactly what the block manager's chain `hash_block_tokens(parent, tokens)`
+does. A store outlives the process and is shared by engines and machines, so the chain here
+uses SHA-256 instead of Python's `hash`: 64 bits are too few for a store every engine writes
+into, and Python's hash of `None` (the chain's root) differed between processes before 3.12.
+
+    key of block i = sha256(key of block i-1 || tokens of block i), the root seeded with the
+                     model's identity, so two models (or dtypes) never share a block.
+
+Each rank of a tensor-parallel worker holds its own shard of every block (its KV heads), so a
+full key adds the shard: "<identity>/tp<rank>of<size>/<digest>".
+
+    >>> len(block_digests([1, 2, 3, 4, 5], block_size=2, root="m"))   # the block of token 5: no
+    2
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from minivllm.config import EngineConfig
+
+_DIGEST_CHARS = 32  # 128 bits of SHA-256: no collision in any store's lifetime
+
+
+def model_identity(engine_config: EngineConfig) -> str:
+    """A short digest of what makes KV bytes comparable: the checkpoint, its revision, the
+    dtype setting, the device type ("auto" dtype means fp32 on a CPU, the checkpoint's on a
+    GPU) and the block size (a block's shape)."""
+    model = engine_config.model_config
+    parts = [str(model.model), str(model.revision), model.dtype, engine_config.device_config.device_type,
+             str(engine_config.cache_config.block_size)]
+    return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def shard_name(tp_rank: int, tp_size: int) -> str:
+    return f"tp{tp_rank}of{tp_size}"
+
+
+def block_digests(token_ids: list[int], block_size: int, root: str) -> list[str]:
+    """The chain's digest of every full block that may be reused: all but the block holding
+    the last token (a prefill must compute at least one token to produce logits), the block
+    manager's rule."""
+    num_blocks = (len(token_ids) - 1) // block_size
+    digests, parent = [], root.encode()
+    for i in range(num_blocks):
+        block = token_ids[i * block_size:(i + 1) * block_size]
+        h = hashlib.sha256(parent)
+        h.update(b",".join(str(t).encode() for t in block))
+        parent = h.hexdigest()[:_DIGEST_CHARS].encode()
+        digests.append(parent.decode())
+    return digests

@@ -1,0 +1,220 @@
+"""What a connector to a shared key-value store does, whatever the store (files, Redis).
+
+Scheduler side: a request's prompt blocks get their chain keys (`keys.block_digests`); the
+leading ones that every tensor-parallel shard has in the store are matches; the blocks a step
+computes are listed for saving. Worker side: each block is one value, all of this rank's
+layers, framed with a checksum:
+
+    b"MVKVBLK1" | payload length (u64) | crc32 of payload (u32) | payload (raw K/V bytes)
+
+A value that is missing, short, or fails its checksum is a load error: the block is
+recomputed, with a warning. A store that stops answering (a dead Redis, a full disk) is
+skipped for `retry_interval_s` seconds at a time: requests recompute, the engine goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+import zlib
+from abc import abstractmethod
+from typing import Any
+
+import torch
+
+from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
+                                                   Timer)
+from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, shard_name
+from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"MVKVBLK1"
+_HEADER = struct.Struct("<QI")  # payload length, crc32
+_DEFAULT_RETRY_INTERVAL_S = 5.0
+
+
+def encode_block(block: torch.Tensor) -> bytes:
+    """One block [num_layers, 2, block_size, heads, head_dim] -> framed bytes."""
+    payload = block.contiguous().view(torch.uint8).numpy().tobytes()
+    return MAGIC + _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_block(data: bytes | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Framed bytes -> the block, or None if they are not a whole, intact block of `shape`."""
+    head = len(MAGIC) + _HEADER.size
+    if data is None or len(data) < head or data[:len(MAGIC)] != MAGIC:
+        return None
+    length, crc = _HEADER.unpack(data[len(MAGIC):head])
+    payload = data[head:]
+    expected = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
+    if length != expected or len(payload) != expected or zlib.crc32(payload) != crc:
+        return None
+    return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
+
+
+class KVStore:
+    """A key -> bytes store. `errors`: the exceptions that mean "the store is unavailable"."""
+
+    errors: tuple[type[BaseException], ...] = (OSError,)
+
+    @abstractmethod
+    def exists(self, keys: list[str]) -> bool:
+        """Do all `keys` exist?"""
+
+    @abstractmethod
+    def get(self, key: str) -> bytes | None:
+        """The value, or None if there is none (a read also counts as a use, for LRU)."""
+
+    @abstractmethod
+    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+        """Store every (key, value); a key already there is only marked as used."""
+
+
+class StoreConnector(KVConnectorBase):
+    """A connector over a `KVStore`; subclasses say which (`make_store`)."""
+
+    def __init__(self, engine_config: Any, role: KVConnectorRole) -> None:
+        super().__init__(engine_config, role)
+        self.root = model_identity(engine_config)
+        parallel = engine_config.parallel_config
+        self.shards = [shard_name(r, parallel.tensor_parallel_size) for r in range(parallel.tensor_parallel_size)]
+        self.shard = shard_name(parallel.tp_rank, parallel.tensor_parallel_size)  # the worker's own
+        self.retry_interval_s = float(self.extra_config.get("retry_interval_s", _DEFAULT_RETRY_INTERVAL_S))
+        self.store = self.make_store()
+        self._unavailable_until = 0.0
+        # Scheduler side: request id -> its prompt blocks' digests; this step's loads.
+        self._digests: dict[str, list[str]] = {}
+        self._loads: dict[str, list[tuple[int, str]]] = {}
+        # Worker side.
+        self._load_errors: set[int] = set()
+        self._save_keys: list[str] = []
+
+    @abstractmethod
+    def make_store(self) -> KVStore:
+        """The store this connector talks to."""
+
+    # ------------------------------------------------------------------ store calls
+    def _call(self, what: str, fn, *args, default=None):
+        """`fn(*args)`, or `default` while the store is unavailable (one warning per outage)."""
+        now = time.monotonic()
+        if now < self._unavailable_until:
+            return default
+        try:
+            return fn(*args)
+        except self.store.errors as error:
+            logger.warning("KV store unavailable (%s: %r); recomputing instead, retrying in %.0f s",
+                           what, error, self.retry_interval_s)
+            self._unavailable_until = now + self.retry_interval_s
+            return default
+
+    def _key(self, shard: str, digest: str) -> str:
+        return f"{self.root}/{shard}/{digest}"
+
+    # ==================================================================== scheduler side
+    def _request_digests(self, request: Any) -> list[str]:
+        if request.request_id not in self._digests:
+            tokens = request.first_seq.get_token_ids()
+            self._digests[request.request_id] = block_digests(tokens, self.block_size, self.root)
+        return self._digests[request.request_id]
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        if not self.is_consumer:
+            return 0, False
+        self._digests.pop(request.request_id, None)  # (re)admission: its tokens may have grown
+        digests = self._request_digests(request)
+        num_matched = 0
+        for digest in digests[num_computed_tokens // self.block_size:]:
+            keys = [self._key(shard, digest) for shard in self.shards]
+            if not self._call("exists", self.store.exists, keys, default=False):
+                break
+            num_matched += 1
+        return num_matched * self.block_size, False
+
+    def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
+        if num_external_tokens == 0:
+            return
+        digests = self._request_digests(request)
+        start = request.first_seq.get_num_computed_tokens() // self.block_size
+        end = start + num_external_tokens // self.block_size
+        self._loads[request.request_id] = [(i, digests[i]) for i in range(start, end)]
+
+    def build_connector_meta(self, scheduler_outputs: Any) -> KVConnectorMetadata:
+        meta = KVConnectorMetadata()
+        for scheduled in scheduler_outputs.scheduled_seq_groups:
+            request = scheduled.seq_group
+            load = self._loads.pop(request.request_id, [])
+            save = self._blocks_to_save(scheduled) if self.is_producer else []
+            if load or save:
+                meta.requests.append(ReqMeta(request.request_id, load, save))
+        self._loads.clear()
+        return meta
+
+    def _blocks_to_save(self, scheduled: Any) -> list[tuple[int, str]]:
+        """Prompt blocks that become full and computed in this step."""
+        request = scheduled.seq_group
+        if not request.is_prefill():
+            return []
+        digests = self._request_digests(request)
+        computed = request.first_seq.get_num_computed_tokens()
+        first, end = computed // self.block_size, (computed + scheduled.token_chunk_size) // self.block_size
+        return [(i, digests[i]) for i in range(first, min(end, len(digests)))]
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        self._digests.pop(request.request_id, None)
+        self._loads.pop(request.request_id, None)
+        return False, None
+
+    # ==================================================================== worker side
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        super().register_kv_caches(kv_caches)
+        self.transfer = LayerwiseTransfer(kv_caches)
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        saves = [(block_id, digest) for r in connector_metadata.requests
+                 for block_id, (_, digest) in zip(r.save_block_ids, r.save)]
+        self._save_keys = [self._key(self.shard, digest) for _, digest in saves]
+        self.transfer.start_save([block_id for block_id, _ in saves])
+
+    def start_load_kv(self) -> None:
+        self._load_errors = set()
+        block_ids, blocks = [], []
+        with Timer(self.stats, "load_time_s"):
+            for r in self._get_connector_metadata().requests:
+                for block_id, (_, digest) in zip(r.load_block_ids, r.load):
+                    block = decode_block(self._call("get", self.store.get, self._key(self.shard, digest)),
+                                         self.transfer.block_shape, self.transfer.dtype)
+                    if block is None:
+                        self._load_errors.add(block_id)
+                    else:
+                        block_ids.append(block_id)
+                        blocks.append(block)
+            if self._load_errors:
+                logger.warning("%d KV block(s) missing or damaged in the store: recomputing them",
+                               len(self._load_errors))
+            if blocks:
+                self.transfer.start_load(block_ids, torch.stack(blocks, dim=1))
+        self.stats.num_load_errors += len(self._load_errors)
+        self.stats.num_tokens_loaded += len(block_ids) * self.block_size
+        self.stats.bytes_loaded += len(block_ids) * self.transfer.block_nbytes
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._load_errors
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.transfer.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.transfer.save_layer(layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        with Timer(self.stats, "save_time_s"):
+            blocks = self.transfer.finish_save()
+            if blocks is None:
+                return
+            items = [(key, encode_block(blocks[:, i])) for i, key in enumerate(self._save_keys)]
+            self._call("put", self.store.put_many, items)
+        self.stats.num_tokens_saved += len(items) * self.block_size
+        self.stats.bytes_saved += len(items) * self.transfer.block_nbytes

@@ -1,0 +1,123 @@
+"""The model runner with a KV connector: loads and saves KV blocks inside the forward pass.
+
+An optional mode in a file of its own, wrapping the plain `ModelRunner` (vLLM's pattern; vLLM
+v1 puts the same calls in `KVConnectorModelRunnerMixin` and the attention layer). One step:
+
+    bind_connector_metadata(meta)       the step's loads and saves, with physical block ids
+    start_load_kv()                     read the store, start copying into the cache
+    (a failed load: recompute those blocks now, in an extra forward that samples nothing)
+    forward:  for each attention layer  wait_for_layer_load(name)   <- a forward pre-hook
+                                        attention (writes the new K/V into the cache)
+                                        save_kv_layer(name, kv, md) <- a forward hook
+    wait_for_save()                     the step's blocks are in the store
+    clear_connector_metadata()
+
+The hooks sit on the model's `Attention` modules, so the model file knows nothing of
+connectors. The runner is eager (no CUDA-graph replay: a replayed graph would run no hooks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import torch
+
+from minivllm.attention import Attention
+from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorMetadata, KVConnectorRole
+from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
+from minivllm.worker.model_runner import ModelRunner
+
+
+class KVConnectorModelRunner(ModelRunner):
+    """`ModelRunner` plus the worker side of the engine's KV connector (`kv_connector`)."""
+
+    def __init__(self, engine_config, device=None) -> None:
+        super().__init__(engine_config, device)
+        self.kv_connector = KVConnectorFactory.create_connector(engine_config, KVConnectorRole.WORKER)
+        self._connector_metadata: KVConnectorMetadata | None = None
+        self._hooks_load = self._hooks_save = False  # hooks act only inside a step that transfers
+
+    def load_model(self) -> None:
+        super().load_model()
+        self.attention_layers = [(name, m) for name, m in self.model.named_modules() if isinstance(m, Attention)]
+        for name, module in self.attention_layers:
+            module.register_forward_pre_hook(partial(self._before_attention, name))
+            module.register_forward_hook(partial(self._after_attention, name))
+
+    def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
+        """The cache exists now: give the connector each layer's cache, by layer name."""
+        super().capture_model(kv_caches)
+        self.kv_connector.register_kv_caches(
+            {name: kv_cache for (name, _), kv_cache in zip(self.attention_layers, kv_caches)})
+
+    def _before_attention(self, layer_name: str, module, args) -> None:
+        if self._hooks_load:
+            self.kv_connector.wait_for_layer_load(layer_name)
+
+    def _after_attention(self, layer_name: str, module, args, output) -> None:
+        if self._hooks_save:
+            _, _, _, kv_cache, attn_metadata = args
+            self.kv_connector.save_kv_layer(layer_name, kv_cache, attn_metadata)
+
+    # ------------------------------------------------------------------ a step
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata | None) -> None:
+        """The worker hands over the step's metadata before `execute_model`."""
+        self._connector_metadata = connector_metadata
+
+    @torch.inference_mode()
+    def execute_model(self, seq_group_metadata_list: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor],
+                      finished_requests_ids: list[str] | None = None,
+                      intermediate_tensors=None) -> SamplerOutput:
+        meta, self._connector_metadata = self._connector_metadata, None
+        if meta is None or not seq_group_metadata_list:  # the profile run, an empty step
+            return super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids,
+                                         intermediate_tensors)
+        tables = {m.request_id: next(iter(m.block_tables.values())) for m in seq_group_metadata_list}
+        bound = meta.with_block_tables(tables)
+        connector = self.kv_connector
+        connector.bind_connector_metadata(bound)
+        try:
+            connector.start_load_kv()
+            self._hooks_load = True
+            self._recompute_failed_loads(bound, seq_group_metadata_list, kv_caches)
+            self._hooks_save = True
+            output = super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids,
+                                           intermediate_tensors)
+            self._hooks_load = self._hooks_save = False
+            connector.wait_for_save()
+        finally:
+            self._hooks_load = self._hooks_save = False
+            connector.clear_connector_metadata()
+        if isinstance(output, SamplerOutput):
+            output.kv_transfer_stats = connector.stats.copy()
+        return output
+
+    def _recompute_failed_loads(self, bound: KVConnectorMetadata, seq_group_metadata_list: list[SequenceGroupMetadata],
+                                kv_caches: list[torch.Tensor]) -> None:
+        """Recompute the loaded region of every request with a failed block, so the step sees
+        exactly the K/V the scheduler counted as computed. Tensor-parallel ranks agree first
+        (one all-reduce): the extra forward is a collective, all run it or none."""
+        failed_blocks = self.kv_connector.get_block_ids_with_load_errors()
+        loading = [r for r in bound.requests if r.load]
+        flags = torch.tensor([float(bool(failed_blocks & set(r.load_block_ids))) for r in loading])
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            # With a connector the world is one tensor-parallel group (no pipeline stages).
+            flags = flags.to(self.device)
+            torch.distributed.all_reduce(flags)
+            flags = flags.cpu()
+        failed = {r.request_id: r.load[0][0] for r, flag in zip(loading, flags.tolist()) if flag > 0}
+        if not failed:
+            return
+        redo = [self._recompute_metadata(m, failed[m.request_id]) for m in seq_group_metadata_list
+                if m.request_id in failed]
+        super().execute_model(redo, kv_caches)
+
+    def _recompute_metadata(self, metadata: SequenceGroupMetadata, first_block: int) -> SequenceGroupMetadata:
+        """A prefill of the tokens from block `first_block` up to where this step starts,
+        which samples nothing (a copy: the scheduler's sequence data stays as it is)."""
+        (seq_id, data), = metadata.seq_data.items()
+        start = first_block * self.block_size
+        redo = SequenceData(list(data.prompt_token_ids), list(data.output_token_ids), num_computed_tokens=start)
+        return dataclasses.replace(metadata, is_prompt=True, seq_data={seq_id: redo},
+                                   token_chunk_size=data.num_computed_tokens - start, do_sample=False)
