@@ -17,6 +17,7 @@ shows the traceback instead.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import os
 import random
@@ -24,7 +25,6 @@ import sys
 import time
 from dataclasses import dataclass
 
-import minivllm
 from minivllm.engine.arg_utils import EngineArgs
 
 DEBUG_ENV = "MINIVLLM_DEBUG"
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="minivllm", description="minivllm: a small, readable vLLM.")
-    parser.add_argument("--version", action="version", version=f"minivllm {minivllm.__version__}")
+    parser.add_argument("--version", action="version", version=f"minivllm {_installed_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true",
@@ -115,6 +115,15 @@ def make_parser() -> argparse.ArgumentParser:
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
     return parser
+
+
+def _installed_version() -> str:
+    # From the installed package's metadata (pyproject.toml's version), not `minivllm.__version__`:
+    # an entry point imports nothing above it (tests/test_architecture.py).
+    try:
+        return importlib.metadata.version("minivllm")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
 
 
 # ----------------------------------------------------------------------------- generate
