@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from minivllm import LLM, SamplingParams
+from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 
 pytestmark = [
     pytest.mark.gpu,
@@ -32,7 +33,9 @@ def greedy_run(**engine_args) -> tuple[list[list[int]], list[int], bool]:
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     engine = llm.llm_engine
-    graph_sizes = sorted(engine.model_executor.driver_worker.model_runner.graph_runners)
+    runner = engine.model_executor.driver_worker.model_runner
+    # An eager engine runs the plain ModelRunner; a graphed one the CUDA-graph subclass.
+    graph_sizes = sorted(runner.graph_runners) if isinstance(runner, CUDAGraphModelRunner) else []
     all_free = engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
     return tokens, graph_sizes, all_free
 
