@@ -16,8 +16,9 @@ residual add, before the RMSNorm weight). The rotary kernel asks for the same ro
 H100: Triton folds the bf16 round trip away), so its bf16 outputs may differ from PyTorch's
 by one bf16 step; that is rounding, not a different formula, and fp32 agrees exactly.
 
-The layers (`minivllm.model_executor.layers`) call these on CUDA tensors only; set
-`MINIVLLM_FUSED_OPS=0` to use the PyTorch code everywhere (before/after comparisons).
+The layers (`minivllm.model_executor.layers`) call these from their `forward_triton`, bound when
+the model is built for the "triton" backend (`model_executor/custom_op.py`); their
+`forward_native` is the PyTorch code (before/after comparisons: `CustomOp.use_backend`).
 Importing this module imports triton: import it lazily, as `get_ops("triton")` does.
 """
 
