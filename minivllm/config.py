@@ -69,13 +69,44 @@ class ModelConfig:
                 f"got {self.max_model_len}."
             )
 
-    # Shapes the cache engine needs.
-    def get_num_layers(self) -> int:
-        return self.hf_config.num_hidden_layers
+    # Shapes the cache engine needs: the whole model's, or one worker's share of it when a
+    # `ParallelConfig` is given (vLLM's signatures).
+    def get_num_layers(self, parallel_config: ParallelConfig | None = None) -> int:
+        total = self.hf_config.num_hidden_layers
+        if parallel_config is None:
+            return total
+        start, end = get_pp_indices(total, parallel_config.pp_rank, parallel_config.pipeline_parallel_size)
+        return end - start
 
-    def get_num_kv_heads(self) -> int:
+    def get_num_kv_heads(self, parallel_config: ParallelConfig | None = None) -> int:
+        """KV heads per rank; at least 1 (with more TP ranks than KV heads each rank keeps a
+        replica of one head)."""
         cfg = self.hf_config
-        return getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        total = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        if parallel_config is None:
+            return total
+        return max(1, total // parallel_config.tensor_parallel_size)
+
+    def verify_with_parallel_config(self, parallel_config: ParallelConfig) -> None:
+        """ValueError unless the model splits into `parallel_config`'s shards (vLLM's check).
+
+        Query heads and MLP columns split evenly over TP ranks; KV heads split evenly, or each
+        is replicated over a whole number of ranks; every pipeline stage gets a layer."""
+        cfg, tp, pp = self.hf_config, parallel_config.tensor_parallel_size, parallel_config.pipeline_parallel_size
+        num_heads, num_kv_heads = cfg.num_attention_heads, self.get_num_kv_heads()
+        if num_heads % tp:
+            raise ValueError(f"the model's {num_heads} attention heads do not divide over "
+                             f"tensor_parallel_size={tp} ranks.")
+        if num_kv_heads % tp and tp % num_kv_heads:
+            raise ValueError(f"the model's {num_kv_heads} KV heads neither divide over tensor_parallel_size={tp} "
+                             f"ranks nor replicate evenly over them ({tp} must divide or be a multiple of "
+                             f"{num_kv_heads}).")
+        intermediate = getattr(cfg, "intermediate_size", 0)
+        if intermediate % tp:
+            raise ValueError(f"the model's intermediate_size {intermediate} does not divide over "
+                             f"tensor_parallel_size={tp} ranks.")
+        if cfg.num_hidden_layers < pp:
+            raise ValueError(f"pipeline_parallel_size={pp} stages but only {cfg.num_hidden_layers} layers.")
 
     def get_head_size(self) -> int:
         cfg = self.hf_config
@@ -252,25 +283,79 @@ class SchedulerConfig:
             raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
 
 
+DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")
+
 
 @dataclass
 class ParallelConfig:
-    """Tensor and pipeline parallel sizes. minivllm runs one process; the executor interface
-    leaves room for a multi-process tensor-parallel executor."""
+    """How the model is split over workers (vLLM's `ParallelConfig`).
+
+    Args:
+        tensor_parallel_size: ranks that split every layer (heads, MLP columns, vocabulary).
+        pipeline_parallel_size: stages that split the stack of layers.
+        distributed_executor_backend: "mp" (one process per extra rank on this machine),
+            "ray" (Ray actors, on one machine or a Ray cluster), "uni" (one process: world
+            size 1 only), or None: "uni" for one rank, "mp" for more (vLLM's default on one
+            node).
+        rank: this worker's global rank. The engine's copy says 0; each worker gets a copy
+            with its own (`dataclasses.replace`), never a shared config changed in place.
+
+    Ranks are laid out TP-major as in vLLM: rank = pp_rank * tensor_parallel_size + tp_rank,
+    so the ranks of one pipeline stage are neighbours (on a GPU node: NVLink neighbours).
+    """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
+    rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            raise ValueError(
-                "minivllm runs on one device: tensor_parallel_size and pipeline_parallel_size "
-                f"must be 1, got {self.tensor_parallel_size} and {self.pipeline_parallel_size}."
-            )
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+        backend = self.distributed_executor_backend
+        if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
+            raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS} "
+                             f"or None, got {backend!r}.")
+        if backend is None:
+            self.distributed_executor_backend = "uni" if self.world_size == 1 else "mp"
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one process, but the world size is "
+                             f"{self.world_size}: use 'mp' or 'ray'.")
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"rank must be in [0, {self.world_size}), got {self.rank}.")
 
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tensor_parallel_size
+
+    @property
+    def pp_rank(self) -> int:
+        return self.rank // self.tensor_parallel_size
+
+    @property
+    def output_rank(self) -> int:
+        """The rank whose step results the engine reads: TP rank 0 of the last stage, the
+        one that holds the gathered logits and samples."""
+        return (self.pipeline_parallel_size - 1) * self.tensor_parallel_size
+
+
+def get_pp_indices(num_hidden_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """[start, end) of the layers that pipeline stage `pp_rank` runs: as even as possible,
+    the first stages taking one more when the layers do not divide (vLLM's
+    `vllm/distributed/utils.py`; here because the cache sizing in this module needs it).
+
+    >>> [get_pp_indices(5, r, 2) for r in range(2)]
+    [(0, 3), (3, 5)]
+    """
+    base, extra = divmod(num_hidden_layers, pp_size)
+    start = pp_rank * base + min(pp_rank, extra)
+    return start, start + base + (pp_rank < extra)
 
 
 @dataclass
@@ -464,6 +549,19 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self._check_kv_transfer()
+        parallel = self.parallel_config
+        if parallel.world_size == 1:
+            return
+        self.model_config.verify_with_parallel_config(parallel)
+        if self.device_config.device_type == "cuda":
+            import torch  # deferred: keeps this module torch-free
+
+            if parallel.world_size > torch.cuda.device_count():
+                raise ValueError(f"world size {parallel.world_size} (tensor_parallel_size x pipeline_parallel_size) "
+                                 f"but this machine has {torch.cuda.device_count()} GPU(s): one rank per GPU.")
+        if self.scheduler_config.num_scheduler_steps > 1:
+            raise ValueError("num_scheduler_steps > 1 (multi-step) runs on one worker only in minivllm; "
+                             "use num_scheduler_steps=1 with tensor or pipeline parallelism.")
 
     def _check_kv_transfer(self) -> None:
         """A connector moves blocks inside the plain model runner's forward pass: the modes

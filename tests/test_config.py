@@ -87,10 +87,16 @@ def test_chunked_prefill_allows_a_budget_below_max_model_len():
 
 
 # ------------------------------------------------------------ parallel/device
-def test_parallel_config_is_single_device():
-    assert ParallelConfig().world_size == 1
-    with pytest.raises(ValueError):
-        ParallelConfig(tensor_parallel_size=2)
+def test_parallel_config_sizes_and_backend():
+    assert ParallelConfig().world_size == 1 and ParallelConfig().distributed_executor_backend == "uni"
+    config = ParallelConfig(tensor_parallel_size=2, pipeline_parallel_size=2)
+    assert config.world_size == 4 and config.distributed_executor_backend == "mp"  # vLLM's one-node default
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="distributed_executor_backend"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mpi")
+    with pytest.raises(ValueError, match="one process"):
+        ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
 
 
 def test_device_config(monkeypatch):

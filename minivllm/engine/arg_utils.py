@@ -21,11 +21,16 @@ from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransfer
                              SchedulerConfig, SpeculativeConfig)
 
 
-def _arg(default, help: str, choices: tuple[str, ...] | None = None):
-    """A field whose `metadata` describes its command-line flag (help text, allowed values).
+def _arg(default, help: str, choices: tuple[str, ...] | None = None, short: str | None = None):
+    """A field whose `metadata` describes its command-line flag (help text, allowed values,
+    a short alias such as "-tp").
 
     A field whose default is None says in `help` what None means, "(default: ...)"."""
-    metadata = {"help": help} if choices is None else {"help": help, "choices": choices}
+    metadata = {"help": help}
+    if choices is not None:
+        metadata["choices"] = choices
+    if short is not None:
+        metadata["short"] = short
     return dataclasses.field(default=default, metadata=metadata)
 
 
@@ -66,6 +71,11 @@ class EngineArgs:
     attention_backend: str | None = _arg(None, "torch (PyTorch reference) or triton (default: "
                                                "triton on a GPU, torch on a CPU)", choices=("torch", "triton"))
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
+    tensor_parallel_size: int = _arg(1, "ranks that split every layer (heads, MLP columns, vocabulary)", short="-tp")
+    pipeline_parallel_size: int = _arg(1, "pipeline stages that split the stack of layers", short="-pp")
+    distributed_executor_backend: str | None = _arg(
+        None, "how workers run: uni (one process), mp (one process per rank on this machine), ray (Ray "
+              "actors, on a Ray cluster) (default: uni for one rank, mp for more)", choices=("uni", "mp", "ray"))
     speculative_model: str | None = _arg(None, "speculative decoding: a draft model (folder, hub id, or "
                                                "the bundled tiny-shakespeare-draft) or [ngram] for "
                                                "prompt lookup (default: no speculation)")
@@ -113,7 +123,8 @@ class EngineArgs:
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(self.device),
-            parallel_config=ParallelConfig(),
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                           self.distributed_executor_backend),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
@@ -128,7 +139,7 @@ class EngineArgs:
         types = typing.get_type_hints(EngineArgs)
         group = parser.add_argument_group("engine arguments")
         for field in dataclasses.fields(EngineArgs):
-            flag = "--" + field.name.replace("_", "-")
+            flags = ["--" + field.name.replace("_", "-"), *([field.metadata["short"]] if "short" in field.metadata else [])]
             help_text = field.metadata["help"]
             if field.default is not None:
                 help_text += " (default: %(default)s)"
@@ -136,10 +147,10 @@ class EngineArgs:
                 help_text += " (default: not set)"
             arg_type = _cli_type(types[field.name])
             if arg_type is bool:
-                group.add_argument(flag, action="store_true", help=help_text)
+                group.add_argument(*flags, action="store_true", help=help_text)
             else:
                 # None is a default, never a choice: the flag's value is always a real one.
-                group.add_argument(flag, type=arg_type, default=field.default,
+                group.add_argument(*flags, type=arg_type, default=field.default,
                                    choices=field.metadata.get("choices"), help=help_text)
         return parser
 

@@ -36,8 +36,9 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import Detokenizer
 from minivllm.engine.metrics import StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
+from minivllm.executor import get_executor_class
+from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.executor_base import ExecutorBase
-from minivllm.executor.uniproc_executor import UniProcExecutor
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, Sequence, SequenceGroup,
@@ -74,7 +75,7 @@ class LLMEngine:
     the engine through them).
     """
 
-    def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] = UniProcExecutor) -> None:
+    def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -86,7 +87,8 @@ class LLMEngine:
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.seq_counter = itertools.count()
-        self.model_executor = executor_class(engine_config)
+        # None: the one `distributed_executor_backend` names (uni, mp or ray).
+        self.model_executor = (executor_class or get_executor_class(engine_config))(engine_config)
         self._initialize_kv_caches()
         # The scheduler side of a KV connector (each worker builds its own worker side).
         self.kv_connector = None if engine_config.kv_transfer_config is None else \
@@ -122,6 +124,16 @@ class LLMEngine:
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def shutdown(self) -> None:
+        """Stop the executor's workers (processes, Ray actors); a no-op for one in-process worker."""
+        executor = getattr(self, "model_executor", None)
+        if executor is not None:
+            executor.shutdown()
+            self.model_executor = None
+
+    def __del__(self) -> None:
+        self.shutdown()
 
     # ================================================================== requests
     def add_request(
@@ -343,6 +355,8 @@ class LLMEngine:
                     stats.kv_transfer_stats = self.kv_transfer_stats = sampler_output.kv_transfer_stats
                 self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
                 num_processed += 1
+        except WorkerDiedError:  # the engine's failure, not a request's: no retry can help
+            raise
         except Exception as error:
             if num_processed:
                 logger.warning("step %d failed after %d model steps; the rest runs next step: %r",

@@ -2,9 +2,12 @@
 
 Mirrors `vllm/executor/executor_base.py` (v0). The engine never touches a `Worker`
 directly; it calls these five methods. With one device the executor just forwards them to
-one in-process worker (`UniProcExecutor`). A tensor-parallel executor would start one worker
-process per GPU, broadcast each call to all of them (every shard runs the same step on its
-slice of the heads) and return the driver's result — with no change to the engine.
+one in-process worker (`UniProcExecutor`). The distributed executors (`mp`: processes on
+this machine, `ray`: Ray actors; `distributed_executor.py`) start one worker per rank,
+broadcast each call to all of them (every shard runs the same step on its slice of the
+heads, or its stage of the layers) and return the output rank's result — with no change
+to the engine. `minivllm.executor.get_executor_class` picks one from
+`distributed_executor_backend`.
 """
 
 from __future__ import annotations

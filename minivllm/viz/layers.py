@@ -71,12 +71,12 @@ MAY_IMPORT: dict[str, set[str]] = {
     "executor": {"foundation", "distributed", *_STACK[:5]},
     "core": {"foundation", "core"},
     "transformers_utils": {"foundation", "transformers_utils"},
-    "engine": {"foundation", *_STACK, "core", "transformers_utils", "engine"},
-    "entrypoints": {"foundation", *_STACK, "core", "transformers_utils", "engine", "entrypoints"},
+    "engine": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine"},
+    "entrypoints": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints"},
     "viz": {"foundation", "core", "engine", "executor", "viz"},
     # The root __init__ re-exports the public API (LLM, SamplingParams, ...), never viz: a
     # plain `import minivllm` must not pull in matplotlib.
-    "package": {"foundation", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
+    "package": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
                 "package"},
 }
 # The KV connectors (`minivllm.distributed.kv_transfer`) sit beside the compute stack: they move

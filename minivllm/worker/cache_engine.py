@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.config import CacheConfig, ModelConfig
+from minivllm.config import CacheConfig, ModelConfig, ParallelConfig
 from minivllm.kernels import get_ops
 
 # Keys and values: the leading dimension of every layer's cache tensor.
@@ -36,6 +36,8 @@ class CacheEngine:
         device: where the "GPU" pool lives (a CUDA device, or the CPU when there is no GPU).
         dtype: the cache's element type (the model's dtype).
         attn_backend: "torch" or "triton": whose `copy_blocks` / `swap_blocks` to call.
+        parallel_config: with tensor / pipeline parallelism, this worker's share: its
+            stage's layers and its KV heads (None: the whole model).
     """
 
     def __init__(
@@ -45,14 +47,15 @@ class CacheEngine:
         device: torch.device | str,
         dtype: torch.dtype,
         attn_backend: str = "torch",
+        parallel_config: ParallelConfig | None = None,
     ) -> None:
         if not cache_config.num_gpu_blocks:
             raise ValueError("num_gpu_blocks must be set (run the profile) before the cache exists.")
         self.block_size = cache_config.block_size
         self.num_gpu_blocks = cache_config.num_gpu_blocks
         self.num_cpu_blocks = cache_config.num_cpu_blocks or 0
-        self.num_layers = model_config.get_num_layers()
-        self.num_kv_heads = model_config.get_num_kv_heads()
+        self.num_layers = model_config.get_num_layers(parallel_config)
+        self.num_kv_heads = model_config.get_num_kv_heads(parallel_config)
         self.head_size = model_config.get_head_size()
         self.device = torch.device(device)
         self.dtype = dtype
@@ -88,11 +91,13 @@ class CacheEngine:
         self.ops.copy_blocks(self.gpu_cache, block_mapping)
 
     @staticmethod
-    def get_cache_block_size(block_size: int, model_config: ModelConfig, dtype: torch.dtype) -> int:
-        """Bytes one block takes across all layers: keys and values of `block_size` tokens.
+    def get_cache_block_size(block_size: int, model_config: ModelConfig, dtype: torch.dtype,
+                             parallel_config: ParallelConfig | None = None) -> int:
+        """Bytes one block takes across all layers (of this worker): keys and values of
+        `block_size` tokens.
 
         = 2 x num_layers x block_size x num_kv_heads x head_size x bytes per element.
         """
         element_size = torch.tensor([], dtype=dtype).element_size()
-        per_token_per_layer = KV_PAIR * model_config.get_num_kv_heads() * model_config.get_head_size()
-        return per_token_per_layer * model_config.get_num_layers() * block_size * element_size
+        per_token_per_layer = KV_PAIR * model_config.get_num_kv_heads(parallel_config) * model_config.get_head_size()
+        return per_token_per_layer * model_config.get_num_layers(parallel_config) * block_size * element_size

@@ -63,9 +63,10 @@ class CUDAGraphModelRunner(ModelRunner):
         return sizes
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
+                  kv_caches: list[torch.Tensor], intermediate_tensors=None) -> torch.Tensor:
         batch_size = attn_metadata.num_decode_tokens
         # A decode-only batch replays the graph of the smallest captured size that holds it.
+        # (Graphs are captured only with one pipeline stage: intermediate_tensors is None.)
         if attn_metadata.num_prefills == 0 and batch_size <= max(self.graph_runners, default=0):
             runner = self.graph_runners[min(s for s in self.graph_runners if s >= batch_size)]
             return runner.replay(input_ids, positions, attn_metadata)

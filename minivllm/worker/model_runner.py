@@ -32,6 +32,7 @@ from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
 from minivllm.model_executor import get_model
 from minivllm.model_executor.layers.sampler import Sampler
+from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
@@ -131,22 +132,36 @@ class ModelRunner:
         seq_group_metadata_list: list[SequenceGroupMetadata],
         kv_caches: list[torch.Tensor],
         finished_requests_ids: list[str] | None = None,
-    ) -> SamplerOutput:
-        """One step: the sampler's output for each group, in the order given."""
+        intermediate_tensors: IntermediateTensors | None = None,
+    ) -> SamplerOutput | IntermediateTensors:
+        """One step: the sampler's output for each group, in the order given.
+
+        Split over ranks: a pipeline stage before the last returns the `IntermediateTensors`
+        for the next stage (and a later stage takes them in); a tensor-parallel rank other
+        than 0 returns an empty output (rank 0 gathered the logits and sampled).
+        """
         self.release_requests(finished_requests_ids or [])
         if not seq_group_metadata_list:
             return SamplerOutput([])
         model_input = self.prepare_model_input(seq_group_metadata_list)
         hidden_states = self.run_model(model_input.input_ids, model_input.positions,
-                                       model_input.attn_metadata, kv_caches)
+                                       model_input.attn_metadata, kv_caches, intermediate_tensors)
+        if isinstance(hidden_states, IntermediateTensors):
+            return hidden_states
         selected = hidden_states[model_input.sampling_metadata.selected_token_indices]
         logits = self.model.compute_logits(selected)
+        if logits is None:
+            return SamplerOutput([])
         return self.sampler(logits, model_input.sampling_metadata)
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """The forward pass: `[num_tokens]` ids and positions -> `[num_tokens, hidden]`."""
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                  kv_caches: list[torch.Tensor],
+                  intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        """The forward pass: `[num_tokens]` ids and positions -> `[num_tokens, hidden]`
+        (or, on a pipeline stage before the last, the tensors for the next stage)."""
+        if intermediate_tensors is None:
+            return self.model(input_ids, positions, kv_caches, attn_metadata)
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def release_requests(self, finished_requests_ids: list[str]) -> None:
         """Forget per-request state (seeded generators) of requests that ended."""
@@ -177,8 +192,18 @@ class ModelRunner:
             metadata_list.append(SequenceGroupMetadata(
                 str(i), True, {i: data}, params, {i: [_PROFILE_BLOCK] * -(-length // self.block_size)}, length
             ))
-        empty_caches = [torch.empty(0, device=self.device) for _ in range(self.model_config.get_num_layers())]
-        self.execute_model(metadata_list, empty_caches)
+        parallel_config = self.engine_config.parallel_config
+        empty_caches = [torch.empty(0, device=self.device)
+                        for _ in range(self.model_config.get_num_layers(parallel_config))]
+        self.execute_model(metadata_list, empty_caches, intermediate_tensors=self._dummy_intermediate(max_tokens))
         if self.device.type == "cuda":
             torch.cuda.synchronize()
+
+    def _dummy_intermediate(self, num_tokens: int) -> IntermediateTensors | None:
+        """A later pipeline stage's profile input (what the previous stage would send)."""
+        if self.engine_config.parallel_config.pp_rank == 0:
+            return None
+        shape = (num_tokens, self.model_config.hf_config.hidden_size)
+        return IntermediateTensors({name: torch.zeros(shape, dtype=self.dtype, device=self.device)
+                                    for name in ("hidden_states", "residual")})
 

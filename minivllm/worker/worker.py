@@ -26,6 +26,13 @@ How many blocks fit (`determine_num_available_blocks`):
           millions of blocks for the Python block manager to track). The swap pool is allocated
           uninitialised, so its pages cost RAM only once blocks are swapped out.
     `num_gpu_blocks_override` replaces the GPU figure (tests use it to force preemption).
+
+Split over ranks (tensor / pipeline parallelism), there is one worker per rank, built by the
+executor with its `rank` (and `local_rank`: its GPU on this machine). `init_device` joins
+the process groups (`minivllm.distributed`) before the model is built, since the parallel
+layers read their rank when constructed; each worker counts blocks for its own share of the
+model and the executor takes the minimum. A pipeline stage after the first receives the
+previous stage's tensors before its forward pass, and one before the last sends its own.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ import os
 import torch
 
 from minivllm.config import EngineConfig
+from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
+                                  initialize_model_parallel)
+from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
@@ -59,20 +69,38 @@ _PARAMS_PER_CPU_THREAD = 25_000_000
 
 
 class Worker:
-    """Runs the model on one device and holds its KV cache."""
+    """Runs the model on one device and holds its KV cache.
 
-    def __init__(self, engine_config: EngineConfig) -> None:
+    Args (vLLM's): engine_config; local_rank (this rank's GPU index on its machine), rank
+    (global), distributed_init_method ("tcp://host:port", where the ranks meet; needed when
+    the world size is above 1), is_driver_worker (the rank the engine's process holds).
+    """
+
+    def __init__(self, engine_config: EngineConfig, local_rank: int = 0, rank: int = 0,
+                 distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+        # This worker's own copy of the parallel config, carrying its rank (never written into
+        # the engine's shared config).
+        parallel_config = dataclasses.replace(engine_config.parallel_config, rank=rank)
+        engine_config = dataclasses.replace(engine_config, parallel_config=parallel_config)
         self.engine_config = engine_config
+        self.parallel_config = parallel_config
+        self.local_rank, self.rank = local_rank, rank
+        self.distributed_init_method = distributed_init_method
+        self.is_driver_worker = is_driver_worker
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
         self.scheduler_config = engine_config.scheduler_config
         self.device = torch.device(engine_config.device_config.device)
         if self.device.type == "cuda" and self.device.index is None:
             # "cuda" means the current GPU; CUDA calls such as set_device need its index.
-            self.device = torch.device("cuda", torch.cuda.current_device())
+            # With several ranks each takes the GPU of its local rank.
+            index = local_rank if parallel_config.world_size > 1 else torch.cuda.current_device()
+            self.device = torch.device("cuda", index)
         # Decode steps replay CUDA graphs on a GPU unless told to run eagerly (the mode lives
-        # in its own runner class; see cuda_graph_runner.py).
-        use_graphs = self.device.type == "cuda" and not engine_config.enforce_eager
+        # in its own runner class; see cuda_graph_runner.py). Graphs hold the TP all-reduces;
+        # with pipeline stages the steps run eagerly (no graph of the send / receive).
+        use_graphs = (self.device.type == "cuda" and not engine_config.enforce_eager
+                      and parallel_config.pipeline_parallel_size == 1)
         runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
         if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward (eager)
             runner_class = KVConnectorModelRunner
@@ -94,13 +122,21 @@ class Worker:
             _limit_cpu_threads(self.model_config)
         # Unseeded requests draw from the global RNG: seed it so runs are repeatable.
         torch.manual_seed(self.model_config.seed)
+        parallel = self.parallel_config
+        if parallel.world_size > 1:
+            if self.distributed_init_method is None:
+                raise ValueError("a worker of a world larger than 1 needs distributed_init_method.")
+            init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method,
+                                         self.local_rank, backend="nccl" if self.device.type == "cuda" else "gloo")
+            initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     def load_model(self) -> None:
         self.model_runner.load_model()
 
     # ------------------------------------------------------------------ memory
     def get_cache_block_size_bytes(self) -> int:
-        return CacheEngine.get_cache_block_size(self.cache_config.block_size, self.model_config, self.model_runner.dtype)
+        return CacheEngine.get_cache_block_size(self.cache_config.block_size, self.model_config, self.model_runner.dtype,
+                                                self.parallel_config)
 
     @torch.inference_mode()
     def determine_num_available_blocks(self) -> tuple[int, int]:
@@ -150,7 +186,7 @@ class Worker:
         cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
                                            num_cpu_blocks=num_cpu_blocks)
         self.cache_engine = CacheEngine(cache_config, self.model_config, self.device, self.model_runner.dtype,
-                                        self.model_runner.backend)
+                                        self.model_runner.backend, self.parallel_config)
         self.model_runner.capture_model(self.cache_engine.gpu_cache)
 
     # ------------------------------------------------------------------ a step
@@ -161,10 +197,24 @@ class Worker:
         multi-step worker returns several).
         """
         self.apply_block_moves(execute_model_req)
+        metadata_list = execute_model_req.seq_group_metadata_list
+        pp_group = get_pp_group()
+        intermediate_tensors = None
+        if metadata_list and not pp_group.is_first_rank:  # (every stage skips an empty step)
+            intermediate_tensors = IntermediateTensors(pp_group.recv_tensor_dict(device=self.device))
         if execute_model_req.kv_connector_metadata is not None:
             self.model_runner.bind_connector_metadata(execute_model_req.kv_connector_metadata)
-        return [self.model_runner.execute_model(execute_model_req.seq_group_metadata_list, self.kv_caches,
-                                                execute_model_req.finished_requests_ids)]
+        output = self.model_runner.execute_model(metadata_list, self.kv_caches, execute_model_req.finished_requests_ids,
+                                                 intermediate_tensors)
+        if isinstance(output, IntermediateTensors):  # a stage before the last: pass it on
+            pp_group.send_tensor_dict(output.tensors)
+            return []
+        return [output]
+
+    def shutdown(self) -> None:
+        """Leave the process groups (a world of one has none)."""
+        if self.parallel_config.world_size > 1:
+            destroy_distributed_environment()
 
     @torch.inference_mode()
     def apply_block_moves(self, req: ExecuteModelRequest) -> None:

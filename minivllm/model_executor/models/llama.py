@@ -11,6 +11,13 @@ Unlike Hugging Face's model, this one takes ONE flattened batch: every sequence'
 back to back (prompt chunks first, then one token per decoding sequence), their positions,
 and the metadata that tells the attention layer where each sequence's keys live in the
 paged KV cache. There is no [batch, seq_len] padding anywhere.
+
+Split over ranks (vLLM's scheme): with tensor parallelism every projection is a
+column-parallel / row-parallel pair (`layers/linear.py`: each rank holds its heads and MLP
+columns, two all-reduces per layer) and the embedding and LM head split the vocabulary
+(`layers/vocab_parallel_embedding.py`); with pipeline parallelism each stage builds only its
+layers (`get_pp_indices`), the others are `PPMissingLayer`s, and a stage that is not the last
+returns `IntermediateTensors` for the next. With one rank all of it is the plain model.
 """
 
 from __future__ import annotations
@@ -23,51 +30,36 @@ import torch
 from torch import nn
 
 from minivllm.attention import Attention, AttentionMetadata
+from minivllm.config import get_pp_indices
+from minivllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from minivllm.model_executor.layers.activation import SiluAndMul
 from minivllm.model_executor.layers.layernorm import RMSNorm
+from minivllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
-
-
-class MergedLinear(nn.Linear):
-    """Several linear layers with the same input, fused into one matmul.
-
-    `output_sizes` names the parts in output order, e.g. {"q": 512, "k": 128, "v": 128}: the
-    output is their concatenation, and `load_shard` copies a checkpoint's separate q_proj /
-    k_proj / v_proj weight into its rows. One big matmul beats three small ones on a GPU.
-    """
-
-    def __init__(self, in_features: int, output_sizes: dict[str, int], bias: bool) -> None:
-        super().__init__(in_features, sum(output_sizes.values()), bias=bias)
-        self.output_sizes = output_sizes
-        self.shard_offsets, offset = {}, 0
-        for name, size in output_sizes.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
-
-    def load_shard(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: str) -> None:
-        """Copy one part (weight rows or bias entries) into the fused parameter."""
-        offset, size = self.shard_offsets[shard_id]
-        expected = (size, *param.shape[1:])
-        if tuple(loaded.shape) != expected:
-            raise ValueError(f"shard {shard_id!r} has shape {tuple(loaded.shape)}, expected {expected}.")
-        param.data[offset : offset + size].copy_(loaded)
+from minivllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from minivllm.model_executor.models.utils import IntermediateTensors, PPMissingLayer, missing_layer_prefixes
+from minivllm.model_executor.weight_utils import default_weight_loader
 
 
 class LlamaAttention(nn.Module):
-    """Project to q/k/v (one fused matmul), rotate q and k, attend over the paged cache."""
+    """Project to q/k/v (one fused matmul), rotate q and k, attend over the paged cache.
+
+    With TP ranks, this rank's heads only (`num_heads`, `num_kv_heads` are per rank): the
+    column-parallel qkv_proj makes them, o_proj (row-parallel) sums the ranks' outputs."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: str,
                  qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = getattr(config, "num_key_value_heads", None) or self.num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
+        total_num_heads = config.num_attention_heads
+        total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_num_heads
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
+                                          bias=qkv_bias)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size}, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size,
-                                bias=getattr(config, "attention_bias", False))
+        self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size,
+                                        bias=getattr(config, "attention_bias", False))
         # Qwen3 normalizes each head's query and key: it keeps attention logits in range
         # without the q/k biases Qwen2 used.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
@@ -92,7 +84,8 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul (column
+    parallel: each rank its columns of both) and down row-parallel (one all-reduce)."""
 
     def __init__(self, config: Any, backend: str) -> None:
         super().__init__()
@@ -100,9 +93,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {"gate": size, "up": size}, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
         self.act_fn = SiluAndMul(backend)
-        self.down_proj = nn.Linear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
@@ -136,26 +129,47 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers, the final norm."""
+    """Embedding, the decoder layers, the final norm: on one pipeline stage, its share of them.
+
+    Stage s builds layers [start_layer, end_layer) (`get_pp_indices`); the first stage the
+    embedding, the last the final norm (and the embedding too when the LM head is tied to it).
+    """
 
     def __init__(self, config: Any, attn_backend: str, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        pp_group = get_pp_group()
+        self.is_first_stage, self.is_last_stage = pp_group.is_first_rank, pp_group.is_last_rank
+        tied = getattr(config, "tie_word_embeddings", False)
+        if self.is_first_stage or (tied and self.is_last_stage):
+            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        else:
+            self.embed_tokens = PPMissingLayer()
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config),
                                      attn_backend)
+        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp_group.rank_in_group,
+                                                          pp_group.world_size)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm)
-            for _ in range(config.num_hidden_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend)
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend) if self.is_last_stage \
+            else PPMissingLayer()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"need one kv_cache per layer ({len(self.layers)}), got {len(kv_caches)}.")
-        hidden_states, residual = self.embed_tokens(input_ids), None
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden_states, residual = layer(positions, hidden_states, kv_cache, attn_metadata, residual)
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        num_layers = self.end_layer - self.start_layer
+        if len(kv_caches) != num_layers:
+            raise ValueError(f"need one kv_cache per layer ({num_layers}), got {len(kv_caches)}.")
+        if self.is_first_stage:
+            hidden_states, residual = self.embed_tokens(input_ids), None
+        else:  # the previous stage's residual stream
+            hidden_states, residual = intermediate_tensors["hidden_states"], intermediate_tensors["residual"]
+        for i, kv_cache in zip(range(self.start_layer, self.end_layer), kv_caches):
+            hidden_states, residual = self.layers[i](positions, hidden_states, kv_cache, attn_metadata, residual)
+        if not self.is_last_stage:
+            return IntermediateTensors({"hidden_states": hidden_states, "residual": residual})
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -164,10 +178,12 @@ class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head (tied to the embedding when the config says so).
 
     forward(input_ids [num_tokens], positions [num_tokens], kv_caches (one
-    [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer), attn_metadata)
-    -> hidden_states [num_tokens, hidden]; compute_logits(hidden_states [n, hidden]) ->
-    fp32 logits [n, vocab]. The model runner picks the rows it samples from before the
-    LM head, so the vocab-sized matmul runs only for them.
+    [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer of this stage),
+    attn_metadata, intermediate_tensors (stages after the first)) -> hidden_states
+    [num_tokens, hidden] (the last stage) or `IntermediateTensors` (the others);
+    compute_logits(hidden_states [n, hidden]) -> fp32 logits [n, vocab] (None on TP ranks
+    other than 0). The model runner picks the rows it samples from before the LM head, so
+    the vocab-sized matmul runs only for them.
     """
 
     # Family switches; subclasses below flip them. None = read the config's attention_bias.
@@ -179,8 +195,8 @@ class LlamaForCausalLM(nn.Module):
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
         ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", "gate"),
-        ("gate_up_proj", "up_proj", "up"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
     ]
 
     def __init__(self, config: Any, attn_backend: str = "torch") -> None:
@@ -188,19 +204,26 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = getattr(config, "attention_bias", False) if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, attn_backend, qkv_bias, self.qk_norm)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, read both ways
+        if not get_pp_group().is_last_rank:
+            self.lm_head = PPMissingLayer()
+        else:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, read both ways
+        self._missing_prefixes = missing_layer_prefixes(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
-                attn_metadata: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, kv_caches, attn_metadata)
+                attn_metadata: AttentionMetadata,
+                intermediate_tensors: IntermediateTensors | None = None) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """`[n, vocab]` logits, in fp32 for the sampler (a softmax over 150k bf16 logits loses
         the small probabilities). `upcast=False` keeps the model's dtype, for readers that
         accumulate in fp32 themselves (the greedy kernel: the copy costs ~0.1 ms a step)."""
         logits = self.lm_head(hidden_states)
+        if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
+            return None
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
@@ -210,25 +233,30 @@ class LlamaForCausalLM(nn.Module):
         rows of `...self_attn.qkv_proj.weight` (see stacked_params_mapping). Returns the names
         of our parameters that were fully loaded (a fused one once all its parts arrived);
         raises on a name we do not know.
+
+        Each parameter's `weight_loader` copies what this rank holds: a tensor-parallel layer
+        its slice; weights of layers on other pipeline stages are skipped.
         """
         params = dict(self.named_parameters())
         loaded, shards_seen = set(), defaultdict(set)
         for name, tensor in weights:
-            if _is_ignored(name, self.config):
+            if _is_ignored(name, self.config) or name.startswith(self._missing_prefixes):
                 continue
             target, shard_id = self.map_weight_name(name)
             param = _lookup(params, target)
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                if shard_id is None:
+                    weight_loader(param, tensor)
+                else:
+                    weight_loader(param, tensor, shard_id)
+            except ValueError as err:
+                raise ValueError(f"{name}: {err}") from err
             if shard_id is None:
-                if param.shape != tensor.shape:
-                    raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)}, "
-                                     f"model {tuple(param.shape)}.")
-                param.data.copy_(tensor)
                 loaded.add(target)
                 continue
-            fused = self.get_submodule(target.rsplit(".", 1)[0])
-            fused.load_shard(param, tensor, shard_id)
             shards_seen[target].add(shard_id)
-            if shards_seen[target] == set(fused.output_sizes):
+            if shards_seen[target] == set(self.get_submodule(target.rsplit(".", 1)[0]).shard_ids):
                 loaded.add(target)
         return loaded
 

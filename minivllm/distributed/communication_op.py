@@ -1,0 +1,26 @@
+"""The collectives the parallel layers call, on this rank's tensor-parallel group.
+
+Mirrors `vllm/distributed/communication_op.py`. With one TP rank each returns its input
+untouched (no copy, no communication).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minivllm.distributed.parallel_state import get_tp_group
+
+
+def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
+    """Sum the partial results of every TP rank (RowParallelLinear, VocabParallelEmbedding)."""
+    return get_tp_group().all_reduce(input_)
+
+
+def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """Concatenate every TP rank's slice along `dim` (ColumnParallelLinear, gather_output=True)."""
+    return get_tp_group().all_gather(input_, dim)
+
+
+def tensor_model_parallel_gather(input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
+    """Concatenate along `dim` on TP rank `dst` only (the logits, for the rank that samples)."""
+    return get_tp_group().gather(input_, dst, dim)

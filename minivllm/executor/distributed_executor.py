@@ -1,0 +1,57 @@
+"""What every multi-worker executor shares: one call to all ranks, one result back.
+
+Mirrors `vllm/executor/distributed_gpu_executor.py`. With tensor and pipeline parallelism
+every rank must run every step, in the same order (each holds a slice of every layer, or a
+stage of the stack, and they meet in collectives). So each executor call is sent to ALL
+workers, and the engine gets back what the output rank returned: TP rank 0 of the last
+pipeline stage, the one that gathers the logits and samples.
+
+    determine_num_available_blocks   min over workers (the scheduler hands out one set of
+                                     block numbers, which must exist on every rank)
+    initialize_cache                 every worker, the same counts
+    execute_model                    every worker; the output rank's result
+
+A subclass says how to reach the workers (`_run_workers`): processes on this machine
+(`mp`) or Ray actors (`ray`). Workers are called with the `Worker` method itself
+(`Worker.execute_model`), not a name in a string: a typo fails where it is written.
+"""
+
+from __future__ import annotations
+
+from abc import abstractmethod
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from minivllm.executor.executor_base import ExecutorBase
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
+from minivllm.worker.worker import Worker
+
+
+class WorkerDiedError(RuntimeError):
+    """A worker process or actor is gone: the engine cannot go on (every rank holds part of
+    the model), so this is raised to the caller rather than treated as one request's failure."""
+
+
+class DistributedExecutorBase(ExecutorBase):
+    """Broadcasts each call to every rank; subclasses implement `_run_workers`."""
+
+    @abstractmethod
+    def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        """Run `method(worker, *args)` on every rank at once; the results in rank order."""
+
+    def _init_workers(self) -> None:
+        # Both steps must run on all ranks together: init_device meets the other ranks (a
+        # rendezvous), load_model's parallel layers read the groups it made.
+        self._run_workers(Worker.init_device)
+        self._run_workers(Worker.load_model)
+
+    def determine_num_available_blocks(self) -> tuple[int, int]:
+        counts = self._run_workers(Worker.determine_num_available_blocks)
+        return min(gpu for gpu, _ in counts), min(cpu for _, cpu in counts)
+
+    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
+        self._run_workers(Worker.initialize_cache, num_gpu_blocks, num_cpu_blocks)
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+        results = self._run_workers(Worker.execute_model, execute_model_req)
+        return results[self.engine_config.parallel_config.output_rank]

@@ -1,0 +1,128 @@
+"""The `mp` executor: one process per rank on this machine; rank 0 in the engine's process.
+
+Mirrors `vllm/executor/multiproc_gpu_executor.py`. Rank 0 (the "driver worker") runs
+in-process, so a TP=2 engine starts one extra process. Every call is sent to the other
+ranks' task queues first, then run on the driver (so all ranks enter their collectives
+together), then every rank's answer is collected: each step is also a health check.
+
+A worker that dies makes the next (or current) call raise `WorkerDiedError` within about
+`POLL_INTERVAL_S`, or as soon as the driver's collective sees its peer's socket close;
+`shutdown()` stops every process (and a worker whose engine process was killed exits by
+itself), so no process outlives its engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+from torch.distributed import DistNetworkError
+
+from minivllm.distributed.utils import get_distributed_init_method, get_open_port
+from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError
+from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper
+from minivllm.worker.worker import Worker
+
+logger = logging.getLogger(__name__)
+
+
+_RENDEZVOUS_ATTEMPTS = 3
+# After the driver's collective fails, how long to wait for a dying peer to be reaped.
+_DEATH_GRACE_S = 1.0
+# Imported once by the fork server, so each worker starts with torch, minivllm and the
+# configs of the supported families loaded (a worker unpickles the checkpoint's config;
+# importing its transformers module alone takes over a second).
+_PRELOAD = ["minivllm.worker.worker", "minivllm.executor.multiproc_worker_utils",
+            *(f"transformers.models.{family}.configuration_{family}" for family in ("llama", "mistral", "qwen2", "qwen3"))]
+
+
+def _process_context():
+    """"forkserver": a clean server process (no threads, no CUDA context, unlike forking the
+    engine's process) that has imported torch once; each worker forks from it in well under
+    a second instead of spending seconds on imports as a spawned interpreter would."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(_PRELOAD)
+    return context
+
+
+class MultiprocessingDistributedExecutor(DistributedExecutorBase):
+    """Rank 0 in this process, ranks 1..world_size-1 in spawned processes."""
+
+    def _init_executor(self) -> None:
+        # The rendezvous port is picked free, then bound by the driver a moment later; on a
+        # busy machine another process can take it in between (EADDRINUSE): try another.
+        for attempt in range(1, _RENDEZVOUS_ATTEMPTS + 1):
+            try:
+                self._start_workers(get_distributed_init_method("127.0.0.1", get_open_port()))
+                return
+            except DistNetworkError as error:
+                if "EADDRINUSE" not in str(error) or attempt == _RENDEZVOUS_ATTEMPTS:
+                    raise
+                logger.warning("rendezvous port taken (%s); retrying with another", error)
+
+    def _start_workers(self, init_method: str) -> None:
+        world_size = self.engine_config.parallel_config.world_size
+        context = _process_context()
+        self.workers: list[ProcessWorkerWrapper] = []
+        self.driver_worker: Worker | None = None
+        try:
+            self.workers = [ProcessWorkerWrapper(context, self.engine_config, rank, rank, init_method)
+                            for rank in range(1, world_size)]
+            self.driver_worker = Worker(self.engine_config, local_rank=0, rank=0,
+                                        distributed_init_method=init_method, is_driver_worker=True)
+            for worker in self.workers:  # each child says it started before anyone waits to meet it
+                worker.result(WorkerDiedError)
+            self._init_workers()
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("mp executor: driver in process, %d worker process(es) %s", len(self.workers),
+                    [w.process.pid for w in self.workers])
+
+    def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        self.check_health()
+        for worker in self.workers:
+            worker.submit(method, args)
+        try:
+            driver_result = method(self.driver_worker, *args)
+        except Exception as error:
+            # A collective that fails ("connection reset by peer") usually means a peer died:
+            # that is the cause worth reporting. It may take a moment to be reaped.
+            for worker in self.workers:
+                worker.process.join(_DEATH_GRACE_S / max(1, len(self.workers)))
+            self.check_health()
+            self._collect()  # the live workers' answers to this call, so none is read later
+            raise error
+        results, errors = self._collect()
+        if errors:
+            raise errors[0]
+        return [driver_result, *results]
+
+    def _collect(self) -> tuple[list[Any], list[Exception]]:
+        """Every worker's answer to the last call (all of them, even after a failure)."""
+        results, errors = [], []
+        for worker in self.workers:
+            try:
+                results.append(worker.result(WorkerDiedError))
+            except WorkerDiedError:
+                raise
+            except RuntimeError as error:
+                errors.append(error)
+        return results, errors
+
+    def check_health(self) -> None:
+        dead = [w for w in self.workers if not w.is_alive()]
+        if dead:
+            raise WorkerDiedError(", ".join(f"worker rank {w.rank} (pid {w.process.pid}) died with exit code "
+                                            f"{w.process.exitcode}" for w in dead)
+                                  + "; the engine cannot continue without it.")
+
+    def shutdown(self) -> None:
+        for worker in self.workers:
+            worker.stop()
+        self.workers = []
+        if self.driver_worker is not None:
+            self.driver_worker.shutdown()
+            self.driver_worker = None

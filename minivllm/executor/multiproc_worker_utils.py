@@ -1,0 +1,106 @@
+"""One worker in a process of its own, reached through two queues (vLLM's
+`vllm/executor/multiproc_worker_utils.py`, without its result-handler thread).
+
+The parent puts `(method, args)` on the task queue; the child runs `method(worker, *args)`
+and puts `(ok, result or traceback text)` on the result queue. `None` asks it to stop. The
+first answer, before any task, says the worker was built (imports and config fine), so a
+child that fails to start is reported at once instead of as a rendezvous timeout. A child
+whose parent is gone (killed without a chance to clean up) exits by itself: no orphans.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import traceback
+from typing import Any
+
+from minivllm.config import EngineConfig
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting side checks that the other is still alive, in seconds.
+POLL_INTERVAL_S = 0.5
+# How long shutdown waits for a worker to exit by itself before terminating it.
+JOIN_TIMEOUT_S = 5.0
+
+
+class ProcessWorkerWrapper:
+    """A `Worker` of rank `rank` in a child process of `context` (forkserver or spawn: never a
+    fork of the engine's process, whose threads and CUDA state a child must not inherit)."""
+
+    def __init__(self, context, engine_config: EngineConfig, rank: int, local_rank: int,
+                 distributed_init_method: str) -> None:
+        self.rank = rank
+        self.tasks = context.Queue()
+        self.results = context.Queue()
+        self.process = context.Process(
+            target=_worker_main, name=f"minivllm-worker-{rank}", daemon=True,
+            args=(engine_config, rank, local_rank, distributed_init_method, self.tasks, self.results, os.getpid()))
+        self.process.start()
+
+    def submit(self, method, args: tuple) -> None:
+        self.tasks.put((method, args))
+
+    def result(self, died_error: type[Exception]) -> Any:
+        """Wait for the answer to the last `submit`; `died_error` if the process is gone."""
+        while True:
+            try:
+                ok, value = self.results.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise died_error(f"worker rank {self.rank} (pid {self.process.pid}) died with exit code "
+                                     f"{self.process.exitcode}; the engine cannot continue without it.") from None
+                continue
+            if not ok:
+                raise RuntimeError(f"worker rank {self.rank} failed:\n{value}")
+            return value
+
+    def is_alive(self) -> bool:
+        return self.process.is_alive()
+
+    def stop(self) -> None:
+        """Ask the process to exit; terminate it if it does not within JOIN_TIMEOUT_S."""
+        if self.process.is_alive():
+            try:
+                self.tasks.put(None)
+            except (OSError, ValueError):  # queue already closed
+                pass
+            self.process.join(JOIN_TIMEOUT_S)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(JOIN_TIMEOUT_S)
+        self.tasks.close()
+        self.results.close()
+
+
+def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str,
+                 tasks, results, parent_pid: int) -> None:
+    """The child process: build the worker, then serve calls until told to stop."""
+    from minivllm.worker.worker import Worker  # in the child: torch is imported here
+
+    try:
+        worker = Worker(engine_config, local_rank=local_rank, rank=rank,
+                        distributed_init_method=distributed_init_method, is_driver_worker=False)
+    except Exception:
+        results.put((False, traceback.format_exc()))
+        return
+    results.put((True, "ready"))
+    try:
+        while True:
+            try:
+                task = tasks.get(timeout=POLL_INTERVAL_S)
+            except queue.Empty:
+                if os.getppid() != parent_pid:  # the engine's process is gone: so are we
+                    return
+                continue
+            if task is None:
+                return
+            method, args = task
+            try:
+                results.put((True, method(worker, *args)))
+            except Exception:
+                results.put((False, traceback.format_exc()))
+    finally:
+        worker.shutdown()

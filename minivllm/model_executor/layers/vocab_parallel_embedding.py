@@ -1,0 +1,85 @@
+"""The embedding and the LM head split over tensor-parallel ranks by vocabulary rows
+(vLLM's `vllm/model_executor/layers/vocab_parallel_embedding.py`).
+
+Rank r holds rows [r * V/tp, (r + 1) * V/tp) of the `[vocab, hidden]` table:
+
+    VocabParallelEmbedding   each rank looks up the ids that fall in its rows, writes zeros
+                             for the others, and an all-reduce sums the ranks: every id was
+                             found on exactly one rank.
+    ParallelLMHead           each rank computes the logits of its vocabulary slice
+                             (hidden @ W_r^T); a gather concatenates them on TP rank 0, the
+                             rank that samples (the other ranks get None).
+
+The vocabulary is padded up to a multiple of the TP size (zero rows, logits trimmed off);
+vLLM pads further, to a multiple of 64, for GPU-friendly shapes. With one rank: a plain
+lookup and a plain matmul, no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from minivllm.distributed import (
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+    tensor_model_parallel_gather,
+)
+from minivllm.model_executor.weight_utils import check_shape, set_weight_loader
+
+
+def pad_vocab_size(vocab_size: int, multiple: int) -> int:
+    return -(-vocab_size // multiple) * multiple
+
+
+class VocabParallelEmbedding(nn.Module):
+    """ids `[num_tokens]` -> `[num_tokens, embedding_dim]`, identical on every TP rank."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        # This rank's real rows: [start, end); the last rank may own padding rows past end.
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
+        self.weight = set_weight_loader(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False),
+            self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
+        check_shape(loaded_weight.shape, (self.num_embeddings, self.embedding_dim))
+        rows = self.vocab_end_index - self.vocab_start_index
+        param.data[:rows].copy_(loaded_weight[self.vocab_start_index : self.vocab_end_index])
+        param.data[rows:].zero_()  # padding rows: never looked up, logits trimmed
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        output = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return tensor_model_parallel_all_reduce(output)
+
+    def extra_repr(self) -> str:
+        return (f"num_embeddings={self.num_embeddings_per_partition}, embedding_dim={self.embedding_dim}, "
+                f"num_embeddings_padded={self.num_embeddings_padded}, tp_size={self.tp_size}")
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """hidden `[n, hidden]` -> logits `[n, vocab]` on TP rank 0, None on the others.
+
+    vLLM computes this in a separate `LogitsProcessor`; here the head does it itself
+    (`forward`). Tie it to the embedding by sharing the weight (same split, same rows).
+    """
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        logits = F.linear(hidden_states, self.weight)  # [n, vocab / tp]
+        if self.tp_size == 1:
+            return logits
+        logits = tensor_model_parallel_gather(logits, dst=0, dim=-1)
+        return None if logits is None else logits[..., : self.num_embeddings]
