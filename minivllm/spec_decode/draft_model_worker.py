@@ -54,6 +54,9 @@ class DraftModelWorker(Worker):
         runner = self.model_runner
         model_input = runner.prepare_model_input(seq_group_metadata_list)
         runner.run_model(model_input.input_ids, model_input.positions, model_input.attn_metadata, self.kv_caches)
+        # The batch builder made seeded generators for seeded requests; the draft never samples
+        # for them (they do not speculate), so it keeps none.
+        runner.generators.clear()
 
     @torch.inference_mode()
     def propose(self, seq_group_metadata_list: list[SequenceGroupMetadata], num_proposals: list[int]) -> Proposals:

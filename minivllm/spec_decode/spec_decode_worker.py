@@ -90,6 +90,8 @@ class SpecDecodeWorker(Worker):
         req = execute_model_req
         metadata_list = req.seq_group_metadata_list
         self.apply_block_moves(req)
+        if not metadata_list:  # a step of block moves only (a swap-out)
+            return [self._plain_step(req)]
         if any(m.is_prompt for m in metadata_list):
             self.proposer.run_prefill(metadata_list)
             return [self._plain_step(req)]

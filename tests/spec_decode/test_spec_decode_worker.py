@@ -227,3 +227,13 @@ def test_acceptance_metrics_reach_the_log_line_and_prometheus_with_vllms_names(s
     assert samples["vllm:spec_decode_draft_acceptance_rate"] == metrics.accepted_tokens / metrics.draft_tokens
     assert 0 < samples["vllm:spec_decode_efficiency"] == metrics.system_efficiency <= 1
     assert f"Number of draft tokens: {metrics.draft_tokens}," in [line for line in lines if "Speculative" in line][-1]
+
+
+def test_a_step_of_block_moves_only_runs_no_model(spec_checkpoints):
+    """A step may only swap blocks out (no group scheduled): neither model runs."""
+    from minivllm.sequence import ExecuteModelRequest
+
+    engine, _ = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["target"],
+                            num_speculative_tokens=K)
+    outputs = engine.model_executor.execute_model(ExecuteModelRequest(seq_group_metadata_list=[]))
+    assert [len(o) for o in outputs] == [0]
