@@ -114,7 +114,25 @@ def make_parser() -> argparse.ArgumentParser:
 
     add_serve_args(serve)
     serve.set_defaults(func=run_serve)
+
+    proxy = add_command("proxy", "prefill-decode disaggregation: each request's prefill on one server, "
+                                 "its decode on another")
+    proxy.set_defaults(func=_run_proxy)
+    _add_proxy_args(proxy)
     return parser
+
+
+def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", required=True, help="the prefill server's URL (kv_role kv_producer)")
+    parser.add_argument("--decode", required=True, help="the decode server's URL (kv_role kv_consumer)")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+
+
+def _run_proxy(args: argparse.Namespace) -> int:
+    from minivllm.entrypoints.disagg_proxy import run_proxy  # deferred: FastAPI, httpx
+
+    return run_proxy(args)
 
 
 def _installed_version() -> str:
