@@ -176,6 +176,9 @@ class InvalidParameterError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self):  # picklable (a worker process may send it back)
+        return type(self), (self.param, str(self))
+
 
 def _as_list(name: str, value: object) -> list:
     """`stop` may be one string; both list fields may be None (empty) or any list or tuple."""

@@ -107,3 +107,12 @@ def test_the_extremes_that_fit_are_accepted_as_plain_python_numbers():
     assert type(p.max_tokens) is int and type(p.temperature) is float and type(p.stop_token_ids[0]) is int
     assert SamplingParams(seed=-(2**63)).seed == -(2**63)
     assert SamplingParams(early_stopping="never", use_beam_search=True, best_of=2, temperature=0).early_stopping == "never"
+
+
+def test_the_error_survives_pickling_with_its_field():
+    import pickle
+
+    with pytest.raises(InvalidParameterError) as refused:
+        SamplingParams(top_p=2.0)
+    copy = pickle.loads(pickle.dumps(refused.value))
+    assert (copy.param, str(copy)) == ("top_p", str(refused.value))
