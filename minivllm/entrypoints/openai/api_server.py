@@ -269,8 +269,9 @@ class ApiKeyMiddleware:
         if secrets.compare_digest(given, self.expected):  # constant time: no timing oracle
             await self.app(scope, receive, send)
             return
+        # OpenAI's own answer to a bad key: 401, invalid_request_error, code invalid_api_key.
         response = _error_response(401, "Missing or wrong API key: send `Authorization: Bearer <key>`.",
-                                   "authentication_error", code="invalid_api_key")
+                                   "invalid_request_error", code="invalid_api_key")
         await response(scope, receive, send)
 
 

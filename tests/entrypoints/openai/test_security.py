@@ -51,7 +51,7 @@ def test_every_route_but_health_needs_the_key(keyed_server, method, path):
     for headers in ({}, authorized("wrong"), {"Authorization": KEY}):  # none, wrong, not a Bearer
         response = httpx.request(method, keyed_server.url + path, headers=headers, json={})
         assert response.status_code == 401, (path, headers)
-        assert response.json()["error"]["type"] == "authentication_error"
+        assert response.json()["error"]["code"] == "invalid_api_key"
     assert httpx.request(method, keyed_server.url + path, headers=authorized(), json={}).status_code != 401
     assert httpx.get(keyed_server.url + "/health").status_code == 200  # probes carry no key
 
