@@ -4,6 +4,7 @@ Mirrors `vllm/entrypoints/openai/cli_args.py`: the server's own flags, then ever
 flag from `EngineArgs.add_cli_args`, with vLLM's names (`--model`, `--max-num-seqs`, ...).
 
     minivllm serve --host 127.0.0.1 --port 8000 --max-model-len 256
+    MINIVLLM_API_KEY=... minivllm serve --host 0.0.0.0      (shared: every route needs the key)
 """
 
 from __future__ import annotations
