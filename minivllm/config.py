@@ -418,7 +418,10 @@ class SpeculativeConfig:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
         if self.draft_model_config is None:
             lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
-            if hi is None or lo is None or not 1 <= lo <= hi:
+            if hi is None:
+                raise ValueError(f"speculative_model={NGRAM_MODEL!r} needs ngram_prompt_lookup_max (the longest "
+                                 "suffix of the sequence to look up earlier in it, e.g. 4).")
+            if lo is None or not 1 <= lo <= hi:
                 raise ValueError("n-gram lookup needs 1 <= ngram_prompt_lookup_min <= ngram_prompt_lookup_max, "
                                  f"got min={lo}, max={hi}.")
 

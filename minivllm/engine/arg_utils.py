@@ -82,7 +82,7 @@ class EngineArgs:
     num_speculative_tokens: int | None = _arg(None, "tokens the proposer guesses per step (needs "
                                                     "--speculative-model)")
     ngram_prompt_lookup_max: int | None = _arg(None, "[ngram]: longest suffix looked up in the sequence")
-    ngram_prompt_lookup_min: int | None = _arg(None, "[ngram]: shortest suffix looked up (default: 1)")
+    ngram_prompt_lookup_min: int | None = _arg(None, "[ngram]: shortest suffix looked up (1 when not set)")
     kv_transfer_config: KVTransferConfig | None = _arg(
         None, 'a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
               '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\' (default: none)')

@@ -180,7 +180,7 @@ def test_beam_search_is_refused_when_speculating(spec_checkpoints):
     (dict(speculative_model="{target}"), "needs num_speculative_tokens"),
     (dict(num_speculative_tokens=K), "need speculative_model"),
     (dict(ngram_prompt_lookup_max=3), "need speculative_model"),
-    (dict(speculative_model="[ngram]", num_speculative_tokens=K), "ngram_prompt_lookup_min <= ngram_prompt_lookup_max"),
+    (dict(speculative_model="[ngram]", num_speculative_tokens=K), "needs ngram_prompt_lookup_max"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           ngram_prompt_lookup_min=3), "ngram_prompt_lookup_min <= ngram_prompt_lookup_max"),
     (dict(speculative_model="{target}", num_speculative_tokens=K, ngram_prompt_lookup_max=2), "apply to"),
