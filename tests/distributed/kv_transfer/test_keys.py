@@ -1,0 +1,62 @@
+"""The store keys: the prefix cache's hash chain, stable across processes, one per shard."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kv_transfer_testing as kvt
+from minivllm.core.block_manager import hash_block_tokens
+from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, shard_name
+
+tokens = st.lists(st.integers(0, 50_000), max_size=40)
+
+
+@given(tokens, tokens, st.sampled_from([1, 2, 4, 8]))
+def test_digests_agree_exactly_on_the_shared_full_blocks(a, b, block_size):
+    """Block i has the same key in two sequences iff their first (i+1) blocks are equal: the
+    property of the block manager's chain, which the keys reproduce."""
+    da, db = block_digests(a, block_size, "m"), block_digests(b, block_size, "m")
+    for i in range(min(len(da), len(db))):
+        same_prefix = a[:(i + 1) * block_size] == b[:(i + 1) * block_size]
+        assert (da[i] == db[i]) == same_prefix
+        chain_a = chain_b = None
+        for j in range(i + 1):
+            chain_a = hash_block_tokens(chain_a, tuple(a[j * block_size:(j + 1) * block_size]))
+            chain_b = hash_block_tokens(chain_b, tuple(b[j * block_size:(j + 1) * block_size]))
+        assert (chain_a == chain_b) == (da[i] == db[i])
+
+
+@given(tokens, st.sampled_from([1, 4, 16]))
+def test_never_the_block_of_the_last_token(token_ids, block_size):
+    assert len(block_digests(token_ids, block_size, "m")) == max(0, (len(token_ids) - 1) // block_size)
+
+
+def test_the_root_separates_models():
+    assert block_digests([1, 2, 3], 2, "model-a") != block_digests([1, 2, 3], 2, "model-b")
+
+
+def test_digests_are_the_same_in_another_process():
+    import minivllm.distributed.kv_transfer.keys as keys  # loaded by path below: no torch, fast
+
+    code = ("import importlib.util as u; s = u.spec_from_file_location('k', %r); m = u.module_from_spec(s); "
+            "s.loader.exec_module(m); print(m.block_digests(list(range(33)), 8, 'root'))" % keys.__file__)
+    other = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert other.strip() == str(block_digests(list(range(33)), 8, "root"))
+
+
+def test_model_identity_depends_on_what_changes_the_bytes():
+    base = kvt.make_engine().engine_config
+    same = kvt.make_engine().engine_config
+    other_block = kvt.make_engine(block_size=16).engine_config
+    other_dtype = kvt.make_engine(dtype="bfloat16").engine_config
+    assert model_identity(base) == model_identity(same)
+    assert len({model_identity(base), model_identity(other_block), model_identity(other_dtype)}) == 3
+
+
+def test_each_tensor_parallel_rank_has_its_own_shard_key():
+    names = [shard_name(rank, 4) for rank in range(4)]
+    assert len(set(names)) == 4 and shard_name(0, 1) != shard_name(0, 2)
