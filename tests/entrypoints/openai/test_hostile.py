@@ -59,7 +59,9 @@ async def storm(url: str) -> tuple[list[str], list[httpx.Response]]:
             httpx.AsyncClient(base_url=url, timeout=60) as http:
         streams = [asyncio.ensure_future(good_stream(client, p)) for p in GOOD_PROMPTS]
         await asyncio.sleep(0.05)  # the streams are under way
-        responses = await asyncio.gather(*(hostile_request(http, body) for _, body, _ in HOSTILE))
+        rebinding = http.get("/v1/models", headers={"Host": "evil.example"})  # a DNS-rebinding page
+        *responses, rebound = await asyncio.gather(*(hostile_request(http, body) for _, body, _ in HOSTILE), rebinding)
+        assert rebound.status_code == 400
         return await asyncio.gather(*streams), responses
 
 
