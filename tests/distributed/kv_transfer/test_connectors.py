@@ -200,3 +200,22 @@ def test_aborted_requests_return_their_blocks(tmp_path):
     engine.step()
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
+
+
+def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path, reference):
+    """Two ranks (processes, gloo): each saves and loads its own shard of every block. When only
+    rank 1's files are damaged, both ranks recompute together (the extra forward is a
+    collective) and the tokens stay those of one process."""
+    engine = kvt.make_engine(kvt.shared_storage(tmp_path), tensor_parallel_size=2)
+    try:
+        assert kvt.tokens(kvt.run(engine)) == reference
+        shards = {path.parent.parent.name for path in _files(tmp_path)}
+        assert shards == {"tp0of2", "tp1of2"}
+        for path in _files(tmp_path):
+            if path.parent.parent.name == "tp1of2":
+                path.write_bytes(path.read_bytes()[:-1])
+        again = kvt.run(engine)
+        assert kvt.tokens(again) == reference
+        assert all(cached > 0 for _, cached in again.values())
+    finally:
+        engine.shutdown()
