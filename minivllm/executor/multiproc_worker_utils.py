@@ -92,7 +92,7 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
             try:
                 task = tasks.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
-                if os.getppid() != parent_pid:  # the engine's process is gone: so are we
+                if not _is_alive(parent_pid):  # the engine's process is gone: so are we
                     return
                 continue
             if task is None:
@@ -104,3 +104,15 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
                 results.put((False, traceback.format_exc()))
     finally:
         worker.shutdown()
+
+
+def _is_alive(pid: int) -> bool:
+    """Whether process `pid` exists (the engine's process; a forkserver child's parent is the
+    fork server, so os.getppid() cannot tell)."""
+    try:
+        os.kill(pid, 0)  # signal 0: no signal sent, only the existence check
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True

@@ -31,6 +31,8 @@ logger = logging.getLogger(__name__)
 
 # How long to wait for the cluster to grant the placement group, in seconds.
 PLACEMENT_TIMEOUT_S = 60
+# How long a health check waits for an actor's answer, in seconds.
+_PING_TIMEOUT_S = 10
 
 
 class RayDistributedExecutor(DistributedExecutorBase):
@@ -83,12 +85,22 @@ class RayDistributedExecutor(DistributedExecutorBase):
             return self.ray.get(refs)
         except self.ray.exceptions.RayActorError as err:
             raise WorkerDiedError(f"a Ray worker actor died; the engine cannot continue without it: {err}") from err
+        except self.ray.exceptions.RayTaskError as err:
+            # A live rank's collective fails when its peer dies ("connection closed by
+            # peer"): report the dead actor, the cause, if there is one.
+            self.check_health()
+            raise err
+
+    def check_health(self) -> None:
+        for rank, worker in enumerate(self.workers):
+            try:
+                self.ray.get(worker.get_node_ip.remote(), timeout=_PING_TIMEOUT_S)
+            except self.ray.exceptions.RayActorError as err:
+                raise WorkerDiedError(f"Ray worker actor of rank {rank} died; the engine cannot continue "
+                                      f"without it: {err}") from err
 
     def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         return self._get([worker.execute_method.remote(method, *args) for worker in self.workers])
-
-    def check_health(self) -> None:
-        self._get([worker.get_node_ip.remote() for worker in self.workers])
 
     def shutdown(self) -> None:
         """Kill the actors and free the placement group (a cluster we joined stays up)."""
