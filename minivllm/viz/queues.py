@@ -181,6 +181,14 @@ def _grid_by_request(snapshots: Sequence[StepSnapshot]) -> BatchGrid:
     return BatchGrid(kinds, labels, [f"req {rid}" for rid in rows])
 
 
+def _default_title(grid: BatchGrid) -> str:
+    # Utilization is a property of slots: a row per request is busy by construction whenever it
+    # is in the batch, so its "utilization" would read 100 % whatever the scheduler did.
+    if grid.row_names and all(name.startswith("req ") for name in grid.row_names):
+        return "one row per request (prompt / generated / finished)"
+    return f"slot utilization {grid.utilization():.0%}"
+
+
 def draw_batch_grid(grid: BatchGrid | Sequence[StepSnapshot], ax, num_slots: int | None = None,
                     by: str = "slot", upto_step: int | None = None, title: str | None = None) -> None:
     """Rows (slots or requests) x steps, coloured prompt / generated / finished / idle.
@@ -207,7 +215,7 @@ def draw_batch_grid(grid: BatchGrid | Sequence[StepSnapshot], ax, num_slots: int
     ax.set_yticks([len(grid.kinds) - 1 - r + 0.5 for r in range(len(grid.kinds))], grid.row_names,
                   fontsize=7)
     ax.set_xlabel("step (iteration)")
-    ax.set_title(title or f"slot utilization {grid.utilization():.0%}", fontsize=9, loc="left")
+    ax.set_title(title or _default_title(grid), fontsize=9, loc="left")
     ax.legend(handles=[Patch(facecolor=COLORS[k], label=k) for k in CELL_KINDS],
               loc="lower right", bbox_to_anchor=(1.0, 1.0), ncol=4, frameon=False, fontsize=7)
 
