@@ -19,9 +19,12 @@ lazily, inside `get_ops("triton")`.
 
 from __future__ import annotations
 
+import importlib
 from types import SimpleNamespace
 
-BACKENDS = ("torch", "triton")
+BACKENDS = ("torch", "triton")  # built in; `register_backend` adds more by name
+# name -> module defining the five ops, for backends registered from outside minivllm.
+_REGISTERED_BACKENDS: dict[str, str] = {}
 OP_NAMES = (
     "reshape_and_cache",
     "paged_attention_decode",
@@ -29,6 +32,18 @@ OP_NAMES = (
     "copy_blocks",
     "swap_blocks",
 )
+
+
+def register_backend(name: str, module_path: str) -> None:
+    """Make `attention_backend=name` use the five ops (`OP_NAMES`) of `module_path`, imported
+    when an engine first asks for it (vLLM selects attention backends by name the same way)."""
+    if name in BACKENDS:
+        raise ValueError(f"{name!r} is a built-in backend; choose another name.")
+    _REGISTERED_BACKENDS[name] = module_path
+
+
+def available_backends() -> tuple[str, ...]:
+    return BACKENDS + tuple(_REGISTERED_BACKENDS)
 
 
 def get_ops(backend: str) -> SimpleNamespace:
@@ -56,4 +71,10 @@ def get_ops(backend: str) -> SimpleNamespace:
             copy_blocks=copy_blocks,
             swap_blocks=swap_blocks,
         )
-    raise ValueError(f"unknown kernel backend {backend!r}; choose one of {BACKENDS}")
+    if backend in _REGISTERED_BACKENDS:
+        module = importlib.import_module(_REGISTERED_BACKENDS[backend])
+        missing = [name for name in OP_NAMES if not hasattr(module, name)]
+        if missing:
+            raise ValueError(f"backend {backend!r} ({module.__name__}) lacks ops {missing}.")
+        return SimpleNamespace(**{name: getattr(module, name) for name in OP_NAMES})
+    raise ValueError(f"unknown kernel backend {backend!r}; choose one of {available_backends()}")

@@ -19,6 +19,7 @@ _LAZY_EXPORTS = {
     "EngineArgs": "minivllm.engine.arg_utils",
     "RequestOutput": "minivllm.outputs",
     "CompletionOutput": "minivllm.outputs",
+    "ModelRegistry": "minivllm.model_executor.models",
 }
 __all__ = ["SamplingParams", "__version__", *_LAZY_EXPORTS]
 

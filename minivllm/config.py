@@ -219,6 +219,11 @@ class CacheConfig:
         return int(self.swap_space * _GiB)
 
 
+# Names `SchedulerConfig.policy` accepts: the built-in two, plus those registered with
+# `minivllm.core.policy.PolicyFactory.register` (which adds them here).
+SCHEDULING_POLICIES = {"fcfs", "priority"}
+
+
 @dataclass
 class SchedulerConfig:
     """Budgets and policies of the scheduler.
@@ -229,7 +234,7 @@ class SchedulerConfig:
         max_model_len: longest sequence (prompt plus output) the engine accepts.
         enable_chunked_prefill: mix decodes and prompt chunks in one step.
         preemption_mode: None (vLLM v0's rule), "recompute" or "swap".
-        policy: "fcfs" or "priority".
+        policy: "fcfs", "priority", or a name registered with `PolicyFactory.register`.
         num_scheduler_steps: decode steps the GPU runs per `schedule()` (vLLM v0's
             multi-step scheduling). Above 1, each decoding sequence gets slots reserved for
             its next `num_scheduler_steps` tokens, and a decode-only batch runs that many
@@ -279,8 +284,9 @@ class SchedulerConfig:
             raise ValueError(
                 f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}."
             )
-        if self.policy not in ("fcfs", "priority"):
-            raise ValueError(f"policy must be 'fcfs' or 'priority', got {self.policy!r}.")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy must be one of {sorted(SCHEDULING_POLICIES)}, got {self.policy!r} "
+                             "(minivllm.core.policy.PolicyFactory.register adds one).")
 
 
 DISTRIBUTED_EXECUTOR_BACKENDS = ("mp", "ray", "uni")

@@ -12,6 +12,7 @@ import copy
 import enum
 import math
 import numbers
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Below this temperature sampling is treated as greedy (as in vLLM): dividing logits by a
@@ -77,6 +78,10 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # vLLM's logits processors: each `f(output_token_ids, logits)` or
+    # `f(prompt_token_ids, output_token_ids, logits)` returns the row's `[vocab]` logits, applied
+    # before everything else the sampler does. Python callables: offline use (`LLM`), not the server.
+    logits_processors: list[Callable] | None = None
     # Filled in by the engine: EOS ids of the model that must count as stop tokens.
     all_stop_token_ids: set[int] = field(default_factory=set, repr=False)
 
@@ -85,6 +90,7 @@ class SamplingParams:
             self.best_of = self.n
         self.stop = _as_list("stop", self.stop)
         self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids)
+        self.logits_processors = _as_list("logits_processors", self.logits_processors)
         self._verify_args()
         self.all_stop_token_ids = set(self.stop_token_ids)
         if self.use_beam_search:
@@ -137,6 +143,9 @@ class SamplingParams:
         if any(not isinstance(s, str) for s in self.stop):
             raise InvalidParameterError("stop", f"stop must be a string or a list of strings, got {self.stop!r}.")
         self.stop_token_ids = [_check_int("stop_token_ids", t, 0, _INT64_MAX) for t in self.stop_token_ids]
+        if not all(callable(f) for f in self.logits_processors):
+            raise InvalidParameterError("logits_processors", "logits_processors must be callables, got "
+                                        f"{self.logits_processors!r:.200}.")
         if not isinstance(self.output_kind, RequestOutputKind):
             raise InvalidParameterError("output_kind", f"output_kind must be a RequestOutputKind, got {self.output_kind!r}.")
 
@@ -165,7 +174,9 @@ class SamplingParams:
         return SamplingType.RANDOM
 
     def clone(self) -> "SamplingParams":
-        return copy.deepcopy(self)
+        """A deep copy, except the logits processors: they may hold state or large tables and
+        are shared, as in vLLM."""
+        return copy.deepcopy(self, memo={id(f): f for f in self.logits_processors})
 
 
 class InvalidParameterError(ValueError):

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from minivllm.kernels import BACKENDS
+from minivllm.kernels import available_backends
 
 # Triton compiles for GPUs; on a CPU it only runs in its interpreter, which is switched on by
 # this environment variable before triton is first imported.
@@ -29,8 +29,9 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> str:
     device_type = torch.device(device).type
     if name is None:
         return "triton" if device_type == "cuda" else "torch"
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {BACKENDS}.")
+    if name not in available_backends():
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()} "
+                         "(minivllm.kernels.register_backend adds one).")
     if name == "triton" and device_type != "cuda" and os.environ.get(TRITON_INTERPRET_ENV) != "1":
         raise ValueError(
             "the triton backend needs a CUDA device; on a CPU it runs only in Triton's "

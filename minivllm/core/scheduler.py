@@ -88,6 +88,7 @@ from dataclasses import dataclass, field
 
 from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
+from minivllm.core.policy import PolicyFactory
 from minivllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 BlockMapping = list[tuple[int, int]]
@@ -248,6 +249,7 @@ class Scheduler:
         self.cache_config = cache_config
         self.clock = clock
         self.kv_connector = kv_connector
+        self.policy = PolicyFactory.get_policy(scheduler_config.policy)
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
             num_gpu_blocks=cache_config.num_gpu_blocks,
@@ -647,10 +649,9 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def _policy_key(self, seq_group: SequenceGroup) -> tuple:
-        """Lower sorts first. FCFS: arrival time; priority: (priority, arrival time)."""
-        if self.scheduler_config.policy == "priority":
-            return (seq_group.priority, seq_group.arrival_time)
-        return (seq_group.arrival_time,)
+        """Lower sorts first (`minivllm.core.policy`). FCFS: arrival time; priority:
+        (priority, arrival time); a registered policy: its own key."""
+        return self.policy.sort_key(seq_group)
 
     def _running_key(self, enable_chunking: bool) -> Callable[[SequenceGroup], tuple]:
         if not enable_chunking:
@@ -658,7 +659,7 @@ class Scheduler:
         # Decode first (within a priority level): a decode costs one token, a chunk many.
         if self.scheduler_config.policy == "priority":
             return lambda g: (g.priority, self._is_prefill(g), g.arrival_time)
-        return lambda g: (self._is_prefill(g), g.arrival_time)
+        return lambda g: (self._is_prefill(g), *self._policy_key(g))
 
     def _num_new_tokens(self, seq_group: SequenceGroup, status: SequenceStatus,
                         budget: SchedulingBudget, enable_chunking: bool) -> int:

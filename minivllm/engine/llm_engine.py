@@ -40,6 +40,7 @@ from minivllm.executor import get_executor_class
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.outputs import RequestOutput
+from minivllm.plugins import load_general_plugins
 from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, Sequence, SequenceGroup,
                                SequenceGroupMetadata, SequenceGroupOutput, SequenceStatus)
@@ -76,6 +77,7 @@ class LLMEngine:
     """
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
+        load_general_plugins()  # `minivllm.general_plugins` entry points, once per process
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config

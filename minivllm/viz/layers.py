@@ -38,6 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "minivllm.utils",
         "minivllm.logger",
         "minivllm.envs",
+        "minivllm.plugins",
         "minivllm.viz.style",
     ),
 }
@@ -98,6 +99,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.sampling_params": "vllm/sampling_params.py",
     "minivllm.config": "vllm/config.py",
     "minivllm.outputs": "vllm/outputs.py",
+    "minivllm.plugins": "vllm/plugins/__init__.py",
     "minivllm.core": "vllm/core/",
     "minivllm.core.scheduler": "vllm/core/scheduler.py",
     "minivllm.core.block_manager": "vllm/core/block_manager_v1.py",

@@ -48,6 +48,7 @@ from minivllm.config import EngineConfig
 from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
                                   initialize_model_parallel)
 from minivllm.model_executor.models.utils import IntermediateTensors
+from minivllm.plugins import load_general_plugins
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
@@ -78,6 +79,7 @@ class Worker:
 
     def __init__(self, engine_config: EngineConfig, local_rank: int = 0, rank: int = 0,
                  distributed_init_method: str | None = None, is_driver_worker: bool = True) -> None:
+        load_general_plugins()  # a worker process runs the plugins too (models, connectors)
         # This worker's own copy of the parallel config, carrying its rank (never written into
         # the engine's shared config).
         parallel_config = dataclasses.replace(engine_config.parallel_config, rank=rank)

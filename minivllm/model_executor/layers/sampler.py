@@ -3,6 +3,7 @@
 Mirrors `vllm/model_executor/layers/sampler.py` (v0). One call handles the whole batch, in
 the order vLLM v0 applies things:
 
+    0. logits processors  `SamplingParams.logits_processors`, each row's own (vLLM's hook)
     1. min_tokens       stop tokens (EOS, `stop_token_ids`) get -inf until enough tokens exist
     2. penalties        repetition (prompt + output), frequency and presence (output only)
     3. temperature      logits / T (greedy and beam rows use T = 1)
@@ -132,7 +133,7 @@ def needs_nothing_per_token(params: SamplingParams, seq_datas: list[SequenceData
     on the logits alone (and the temperature / top-k / top-p, applied on the device)."""
     return (params.logprobs is None and params.best_of == 1 and len(seq_datas) == 1
             and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0
+            and params.presence_penalty == 0.0 and not params.logits_processors
             and (params.min_tokens == 0 or seq_datas[0].get_output_len() >= params.min_tokens))
 
 
@@ -140,6 +141,7 @@ def needs_nothing_per_token(params: SamplingParams, seq_datas: list[SequenceData
 def process_logits(logits: torch.Tensor, groups: list[SequenceGroupToSample]) -> torch.Tensor:
     """Steps 1-5 of the module docstring on `[num_sample_rows, vocab]` logits (in place)."""
     rows = [(group, seq_id) for group in groups if group.do_sample for seq_id in _row_seq_ids(group)]
+    logits = apply_logits_processors(logits, rows)
     logits = apply_min_tokens(logits, rows)
     logits = apply_penalties(logits, rows)
     params = [group.sampling_params for group, _ in rows]
@@ -161,6 +163,26 @@ _RANDOM_TYPES = (SamplingType.RANDOM, SamplingType.RANDOM_SEED)
 def _row_seq_ids(group: SequenceGroupToSample) -> list[int]:
     """The sequence whose tokens each sample row continues (a prompt row: the one sequence)."""
     return group.seq_ids[: len(group.sample_indices)]
+
+
+def apply_logits_processors(logits: torch.Tensor, rows: list) -> torch.Tensor:
+    """Each row through its request's processors, in order: `f(output_ids, logits)` or
+    `f(prompt_ids, output_ids, logits)` (vLLM's two forms, told apart by their arity)."""
+    for i, (group, seq_id) in enumerate(rows):
+        data = group.seq_data[seq_id]
+        for processor in group.sampling_params.logits_processors:
+            if _num_positional(processor) == 3:
+                logits[i] = processor(list(data.prompt_token_ids), list(data.output_token_ids), logits[i])
+            else:
+                logits[i] = processor(list(data.output_token_ids), logits[i])
+    return logits
+
+
+def _num_positional(function) -> int:
+    import inspect
+
+    parameters = inspect.signature(function).parameters.values()
+    return sum(p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) for p in parameters)
 
 
 def apply_min_tokens(logits: torch.Tensor, rows: list) -> torch.Tensor:
