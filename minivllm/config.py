@@ -533,6 +533,34 @@ class KVTransferConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Multi-LoRA serving (vLLM's `LoRAConfig`; `minivllm/lora/`).
+
+    Args:
+        max_loras: adapters on the GPU at once, so at most this many distinct adapters in
+            one batch (the scheduler keeps to it).
+        max_lora_rank: the largest rank an adapter may have (every GPU slot is this wide).
+        max_cpu_loras: adapters kept loaded in CPU memory behind the GPU slots, least
+            recently used out first (default: max_loras).
+    """
+
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+        if self.max_cpu_loras is None:
+            self.max_cpu_loras = self.max_loras
+        if self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be at least max_loras "
+                             f"({self.max_loras}): every adapter on the GPU is also cached on the CPU.")
+
+
+@dataclass
 class EngineConfig:
     """All the configs of one engine, built once (by `EngineArgs.create_engine_config`) and
     passed down whole: engine -> executor -> worker -> model runner. vLLM keeps the same
@@ -543,6 +571,7 @@ class EngineConfig:
     all follow it. `enforce_eager`: never capture CUDA graphs. `speculative_config`: None, or
     speculative decoding's proposer and number of proposed tokens.
     `kv_transfer_config`: None, or a KV connector (`KVTransferConfig`).
+    `lora_config`: None, or multi-LoRA serving (`LoRAConfig`).
     """
 
     model_config: ModelConfig
@@ -554,10 +583,14 @@ class EngineConfig:
     enforce_eager: bool = False
     speculative_config: SpeculativeConfig | None = None
     kv_transfer_config: KVTransferConfig | None = None
+    lora_config: LoRAConfig | None = None
 
     def __post_init__(self) -> None:
         if self.kv_transfer_config is not None:
             self._check_kv_transfer()
+        if self.lora_config is not None and (self.speculative_config or self.kv_transfer_config):
+            # The draft model and the KV store's keys know nothing of adapters (vLLM 0.6 alike).
+            raise ValueError("enable_lora cannot be combined with speculative decoding or a KV connector.")
         parallel = self.parallel_config
         if parallel.world_size == 1:
             return

@@ -16,8 +16,12 @@ import enum
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # a plain dataclass; imported for the annotations only
+    from minivllm.lora.request import LoRARequest
 
 
 class SequenceStatus(enum.IntEnum):
@@ -135,6 +139,8 @@ class Sequence:
         prompt_token_ids: the prompt's token ids (never empty).
         block_size: tokens per KV-cache block; used to count the blocks this sequence needs.
         eos_token_id: the model's end-of-sequence id, or None.
+        lora_request: the adapter it runs with (None: the base model). Its id is part of the
+            prefix-cache hash: the same tokens under two adapters have different KV.
     """
 
     def __init__(
@@ -144,6 +150,7 @@ class Sequence:
         prompt_token_ids: list[int],
         block_size: int,
         eos_token_id: int | None = None,
+        lora_request: LoRARequest | None = None,
     ) -> None:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token.")
@@ -151,6 +158,7 @@ class Sequence:
         self.prompt = prompt
         self.block_size = block_size
         self.eos_token_id = eos_token_id
+        self.lora_request = lora_request
         self.data = SequenceData(list(prompt_token_ids))
         self.output_text = ""
         # One dict per generated token: {token_id: logprob} (the sampled token and the top-N).
@@ -163,6 +171,10 @@ class Sequence:
         self.tokens: list[str] | None = None
         self.prefix_offset = 0
         self.read_offset = 0
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
     # ------------------------------------------------------------ token view
     @property
@@ -284,8 +296,9 @@ class SequenceGroup:
 
     Lower `priority` values are served first (vLLM's convention); ties go to earlier arrival.
     The positional order is vLLM 0.6.3's `(request_id, seqs, arrival_time, sampling_params)`;
-    vLLM's LoRA / pooling / encoder arguments are left out, so `priority` is keyword-only
-    (in vLLM it comes after them). `arrival_time=None` means now (vLLM requires it).
+    vLLM's pooling / encoder arguments are left out, so `lora_request` (the adapter, None for
+    the base model) and `priority` are keyword-only (in vLLM they come after them).
+    `arrival_time=None` means now (vLLM requires it).
     """
 
     def __init__(
@@ -295,6 +308,7 @@ class SequenceGroup:
         arrival_time: float | None = None,
         sampling_params: SamplingParams | None = None,
         *,
+        lora_request: LoRARequest | None = None,
         priority: int = 0,
     ) -> None:
         if not seqs:
@@ -307,6 +321,7 @@ class SequenceGroup:
         self.sampling_params = sampling_params or SamplingParams()
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.priority = priority
+        self.lora_request = lora_request
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_ranks: list[int | None] | None = None
@@ -320,6 +335,10 @@ class SequenceGroup:
     @property
     def first_seq(self) -> Sequence:
         return self.seqs[0]
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
     @property
     def prompt(self) -> str | None:
@@ -408,6 +427,7 @@ class SequenceGroupMetadata:
         do_sample: False for a prefill chunk that does not reach the end of the prompt.
         num_lookahead_slots: slots reserved after the next token: a multi-step run may take
             `1 + num_lookahead_slots` decode steps for this group.
+        lora_request: the adapter this group runs with, or None (the base model).
     """
 
     request_id: str
@@ -418,6 +438,11 @@ class SequenceGroupMetadata:
     token_chunk_size: int
     do_sample: bool = True
     num_lookahead_slots: int = 0
+    lora_request: LoRARequest | None = None
+
+    @property
+    def lora_int_id(self) -> int:
+        return self.lora_request.lora_int_id if self.lora_request else 0
 
 
 @dataclass

@@ -51,8 +51,12 @@ class AllocStatus(enum.Enum):
     NEVER = enum.auto()
 
 
-def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...]) -> int:
+def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...], extra_hash: int = 0) -> int:
     """Chained content hash of one full block: it identifies the block AND every token before it.
+
+    `extra_hash`: what else decides the block's K/V besides the tokens: the LoRA adapter's id
+    (vLLM's `extra_hash`), so two adapters never share a block; 0 (the base model) leaves the
+    hash as it was.
 
     Python's `hash` of a tuple of ints is deterministic (only str/bytes hashes are salted per
     process), which is all a cache living inside one process needs. Collisions are
@@ -60,6 +64,8 @@ def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...])
 
     Example: hash_block_tokens(None, (1, 2)) == hash((None, (1, 2)))
     """
+    if extra_hash:
+        return hash((parent_block_hash, token_ids, extra_hash))
     return hash((parent_block_hash, token_ids))
 
 
@@ -344,7 +350,7 @@ class BlockSpaceManager:
         block_hash = None
         for i in range(self._cache_candidates(seq)):
             block_tokens = tuple(token_ids[i * size:(i + 1) * size])
-            block_hash = hash_block_tokens(block_hash, block_tokens)
+            block_hash = hash_block_tokens(block_hash, block_tokens, seq.lora_int_id)
             block = self.gpu_allocator.lookup(block_hash, block_tokens)
             if block is None:
                 break
@@ -381,7 +387,7 @@ class BlockSpaceManager:
                 return
             parent_hash = block_table[i - 1].block_hash if i > 0 else None
             block_tokens = tuple(token_ids[i * size:(i + 1) * size])
-            self.gpu_allocator.register(block, hash_block_tokens(parent_hash, block_tokens),
+            self.gpu_allocator.register(block, hash_block_tokens(parent_hash, block_tokens, seq.lora_int_id),
                                         block_tokens, (i + 1) * size)
 
     # ================================================================= queries

@@ -203,6 +203,8 @@ class _StepState:
     blocks_to_swap_out: BlockMapping = field(default_factory=list)
     blocks_to_copy: BlockMapping = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
+    # LoRA adapter ids of the running set after this step (at most max_loras of them).
+    curr_loras: set[int] = field(default_factory=set)
 
     @property
     def num_preempted(self) -> int:
@@ -219,7 +221,10 @@ class Scheduler:
     Args (vLLM 0.6.3's order):
         scheduler_config: budgets and policies.
         cache_config: block size, pool sizes (`num_gpu_blocks` must be set) and prefix caching.
-        lora_config: must be None (minivllm has no LoRA).
+        lora_config: None, or a `LoRAConfig`: at most `max_loras` distinct adapters among the
+            running groups (so in any batch); a waiting or swapped group whose adapter would
+            be one too many is passed over (the groups behind it may go first) until one
+            finishes. vLLM does the same in `_schedule_prefills` / `_schedule_swapped`.
         pipeline_parallel_size: must be 1 (one device).
         output_proc_callback: must be None: vLLM's asynchronous output processing hands
             outputs over through it; here the engine processes them itself.
@@ -234,8 +239,6 @@ class Scheduler:
                  lora_config: object | None = None, pipeline_parallel_size: int = 1,
                  output_proc_callback: Callable | None = None, *,
                  clock: Callable[[], float] = time.monotonic, kv_connector: object | None = None) -> None:
-        if lora_config is not None:
-            raise ValueError("minivllm has no LoRA: lora_config must be None.")
         if pipeline_parallel_size != 1:
             raise ValueError(f"minivllm runs on one device: pipeline_parallel_size must be 1, "
                              f"got {pipeline_parallel_size}.")
@@ -247,6 +250,7 @@ class Scheduler:
                              "run fills it in; a simulation sets it by hand).")
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
+        self.lora_config = lora_config
         self.clock = clock
         self.kv_connector = kv_connector
         self.policy = PolicyFactory.get_policy(scheduler_config.policy)
@@ -356,7 +360,7 @@ class Scheduler:
                                   self.scheduler_config.max_num_seqs)
         for seq_group in self.running:
             budget.add_num_seqs(seq_group.request_id, seq_group.get_max_num_running_seqs())
-        return _StepState(budget=budget)
+        return _StepState(budget=budget, curr_loras={g.lora_int_id for g in self.running if g.lora_int_id})
 
     def _finish_step(self, state: _StepState) -> SchedulerOutputs:
         """Put every group in its new queue and package the decision."""
@@ -381,8 +385,12 @@ class Scheduler:
     def _schedule_prefills(self, state: _StepState, enable_chunking: bool) -> None:
         """Admit waiting prompts in queue order until one does not fit (head-of-line)."""
         budget = state.budget
+        passed_over: list[SequenceGroup] = []  # one adapter too many: they keep their place
         while self.waiting:
             seq_group = self.waiting[0]
+            if self._one_lora_too_many(seq_group, state):
+                passed_over.append(self.waiting.popleft())
+                continue
             alloc_status = self.block_manager.can_allocate(seq_group)
             reason = self._why_never_admissible(seq_group, state, alloc_status)
             if reason is not None:
@@ -419,6 +427,15 @@ class Scheduler:
             state.prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
             budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             budget.add_num_seqs(seq_group.request_id, num_new_seqs)
+            if seq_group.lora_int_id:
+                state.curr_loras.add(seq_group.lora_int_id)
+        self.waiting.extendleft(reversed(passed_over))
+
+    def _one_lora_too_many(self, seq_group: SequenceGroup, state: _StepState) -> bool:
+        """Would admitting this group put max_loras + 1 distinct adapters in the running set?"""
+        lora_id = seq_group.lora_int_id
+        return (self.lora_config is not None and lora_id != 0 and lora_id not in state.curr_loras
+                and len(state.curr_loras) >= self.lora_config.max_loras)
 
     def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState,
                               alloc_status: AllocStatus) -> str | None:
@@ -534,8 +551,12 @@ class Scheduler:
     # ------------------------------------------------------------------ swapped
     def _schedule_swapped(self, state: _StepState, enable_chunking: bool) -> None:
         """Swap groups back in (queue order) while the GPU pool and the budget allow."""
+        passed_over: list[SequenceGroup] = []
         while self.swapped:
             seq_group = self.swapped[0]
+            if self._one_lora_too_many(seq_group, state):
+                passed_over.append(self.swapped.popleft())
+                continue
             status = self.block_manager.can_swap_in(seq_group)
             if status == AllocStatus.LATER and self._gpu_idle(state):
                 status = AllocStatus.NEVER  # the watermark alone keeps it out, forever
@@ -557,6 +578,9 @@ class Scheduler:
             self._swap_in(seq_group, state, num_new_tokens)
             state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             state.budget.add_num_seqs(seq_group.request_id, num_new_seqs)
+            if seq_group.lora_int_id:
+                state.curr_loras.add(seq_group.lora_int_id)
+        self.swapped.extendleft(reversed(passed_over))
 
     def _swap_in(self, seq_group: SequenceGroup, state: _StepState, num_new_tokens: int) -> None:
         state.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
@@ -718,4 +742,5 @@ class Scheduler:
             token_chunk_size=scheduled.token_chunk_size,
             do_sample=do_sample,
             num_lookahead_slots=scheduled.num_lookahead_slots,
+            lora_request=seq_group.lora_request,
         )

@@ -17,8 +17,8 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, ModelConfig, ParallelConfig,
-                             SchedulerConfig, SpeculativeConfig)
+from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig,
+                             ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 
 def _arg(default, help: str, choices: tuple[str, ...] | None = None, short: str | None = None):
@@ -86,6 +86,10 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | None = _arg(
         None, 'a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
               '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\' (default: none)')
+    enable_lora: bool = _arg(False, "serve LoRA adapters (a request names one with a LoRARequest)")
+    max_loras: int = _arg(1, "LoRA: adapters on the GPU at once, the most distinct adapters in one batch")
+    max_lora_rank: int = _arg(16, "LoRA: the largest adapter rank accepted")
+    max_cpu_loras: int | None = _arg(None, "LoRA: adapters cached in CPU memory (default: max_loras)")
 
     def create_engine_config(self) -> EngineConfig:
         model_config = ModelConfig(
@@ -129,7 +133,15 @@ class EngineArgs:
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
             kv_transfer_config=self.kv_transfer_config,
+            lora_config=self._lora_config(),
         )
+
+    def _lora_config(self) -> LoRAConfig | None:
+        if not self.enable_lora:
+            if (self.max_loras, self.max_lora_rank, self.max_cpu_loras) != (1, 16, None):
+                raise ValueError("max_loras, max_lora_rank and max_cpu_loras need enable_lora.")
+            return None
+        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
 
     # ------------------------------------------------------------------ command line
     @staticmethod

@@ -39,6 +39,8 @@ from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopC
 from minivllm.executor import get_executor_class
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.executor_base import ExecutorBase
+from minivllm.lora.peft_helper import load_peft_helper
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.plugins import load_general_plugins
 from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
@@ -96,7 +98,9 @@ class LLMEngine:
         self.kv_connector = None if engine_config.kv_transfer_config is None else \
             KVConnectorFactory.create_connector(engine_config, KVConnectorRole.SCHEDULER)
         self.kv_transfer_stats = None  # the driver worker's connector counts, after each step
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, kv_connector=self.kv_connector)
+        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, engine_config.lora_config,
+                                   kv_connector=self.kv_connector)
+        self._loras: dict[int, LoRARequest] = {}  # adapters checked by add_lora, by id
         self.output_processor = SequenceGroupOutputProcessor(
             self.scheduler,
             self.detokenizer,
@@ -145,8 +149,9 @@ class LLMEngine:
         params: SamplingParams | None = None,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request. `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
+        """Queue a request (with `lora_request`: through that adapter, checked by `add_lora`). `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
         "prompt"). Raises ValueError (an `InvalidParameterError` naming the field where there is
         one) for an empty prompt, unknown token ids, sampling values the model cannot honour
         (see `_finalize_params`), a duplicate id, or a priority without the priority policy;
@@ -167,11 +172,42 @@ class LLMEngine:
             raise InvalidParameterError("priority", f"priority={priority} needs scheduling_policy='priority'.")
         prompt_text, prompt_token_ids = self._process_prompt(prompt)
         params = self._finalize_params(params, len(prompt_token_ids))
+        if lora_request is not None:
+            self.add_lora(lora_request)
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
-                         self.cache_config.block_size, self.eos_token_id)]
+                         self.cache_config.block_size, self.eos_token_id, lora_request)]
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
-        seq_group = SequenceGroup(request_id, seqs, arrival_time, params, priority=priority)
+        seq_group = SequenceGroup(request_id, seqs, arrival_time, params, lora_request=lora_request,
+                                  priority=priority)
         self.scheduler.add_seq_group(seq_group)
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the base model (ValueError naming the problem: see
+        `minivllm.lora.peft_helper`) and remember it; False if this id was already added. The
+        workers read its weights when a batch first needs it."""
+        lora_config = self.engine_config.lora_config
+        if lora_config is None:
+            raise ValueError("a lora_request needs an engine with enable_lora=True.")
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
+        known = self._loras.get(lora_request.lora_int_id)
+        if known is not None:
+            if known != lora_request:
+                raise ValueError(f"lora_int_id {known.lora_int_id} already names adapter {known.lora_name!r} "
+                                 f"at {known.lora_path!r}: one id per adapter.")
+            return False
+        load_peft_helper(lora_request.lora_path, self.model_config.hf_config, lora_config.max_lora_rank)
+        self._loras[lora_request.lora_int_id] = lora_request
+        return True
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already queued with it still finish); False if unknown.
+        Its id must not be reused for another adapter: the workers' caches are keyed by it."""
+        return self._loras.pop(lora_int_id, None) is not None
+
+    def list_loras(self) -> set[int]:
+        return set(self._loras)
 
     def _process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str) and self.tokenizer is None:

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
+from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -44,6 +45,7 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: list[int] | list[list[int]] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: list[int] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; returns the finished outputs in the prompts' order.
@@ -54,6 +56,8 @@ class LLM:
             prompt_token_ids: vLLM's older keyword form, token ids instead of `prompts`: one
                 list of ids, or a list of them (give one of the two; vLLM lets text win).
             use_tqdm: show a progress bar with prompt and generation throughput.
+            lora_request: with `enable_lora=True`, one adapter for all prompts, or a list with one
+                per prompt (None for the base model).
             priority: one per prompt, with `scheduling_policy="priority"` (lower runs first).
         """
         prompts = _as_prompt_list(prompts, prompt_token_ids)
@@ -63,7 +67,11 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: give one per prompt.")
-        return self._generate(prompts, params_list, priorities, use_tqdm)
+        loras = [lora_request] * len(prompts) if lora_request is None or isinstance(lora_request, LoRARequest) \
+            else list(lora_request)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts: give one, or one per prompt.")
+        return self._generate(prompts, params_list, priorities, use_tqdm, loras)
 
     def chat(
         self,
@@ -94,14 +102,15 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _generate(self, prompts: list[PromptInput], params_list: list[SamplingParams], priorities: list[int],
-                  use_tqdm: bool) -> list[RequestOutput]:
+                  use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
         request_ids = []
+        loras = loras or [None] * len(prompts)
         try:
-            for prompt, params, priority in zip(prompts, params_list, priorities):
+            for prompt, params, priority, lora in zip(prompts, params_list, priorities, loras):
                 request_id = str(next(self.request_counter))
                 # Only finished outputs are kept: spare the engine a RequestOutput per step.
                 params = dataclasses.replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
-                self.llm_engine.add_request(request_id, prompt, params, priority=priority)
+                self.llm_engine.add_request(request_id, prompt, params, priority=priority, lora_request=lora)
                 request_ids.append(request_id)
         except BaseException:
             # One bad prompt (ValueError, TypeError, ... or Ctrl-C) rejects the whole call: take

@@ -24,7 +24,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "transformers_utils": ("minivllm.transformers_utils",),
     "executor": ("minivllm.executor",),
     "worker": ("minivllm.worker", "minivllm.spec_decode"),
-    "model_executor": ("minivllm.model_executor",),
+    "model_executor": ("minivllm.model_executor", "minivllm.lora"),
     "kv_transfer": ("minivllm.distributed.kv_transfer",),
     "attention": ("minivllm.attention",),
     "kernels": ("minivllm.kernels",),
@@ -40,6 +40,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "minivllm.envs",
         "minivllm.plugins",
         "minivllm.viz.style",
+        "minivllm.lora.request",  # plain data and file checks: the engine and the sequences use them
+        "minivllm.lora.peft_helper",
     ),
 }
 ROWS: tuple[tuple[str, ...], ...] = (
@@ -84,7 +86,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 # a worker's cache tensors but import none of the stack. The worker runs their worker side; the
 # engine builds their scheduler side (the scheduler itself only calls the methods it is given).
 MAY_IMPORT["kv_transfer"] = {"foundation", "kv_transfer"}
-for _layer in ("worker", "executor", "engine", "entrypoints", "package"):
+for _layer in ("worker", "executor", "engine", "entrypoints", "package", "viz"):
     MAY_IMPORT[_layer].add("kv_transfer")
 
 # The vLLM 0.6.3 file each minivllm module mirrors; paths are relative to vLLM's repo root
@@ -133,6 +135,13 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.worker.worker": "vllm/worker/worker.py",
     "minivllm.worker.cache_engine": "vllm/worker/cache_engine.py",
     "minivllm.worker.model_runner": "vllm/worker/model_runner.py",
+    "minivllm.lora": "vllm/lora/",
+    "minivllm.lora.request": "vllm/lora/request.py",
+    "minivllm.lora.peft_helper": "vllm/lora/models.py",
+    "minivllm.lora.layers": "vllm/lora/layers.py",
+    "minivllm.lora.models": "vllm/lora/models.py",
+    "minivllm.lora.punica_wrapper": "vllm/lora/punica.py",
+    "minivllm.lora.worker_manager": "vllm/lora/worker_manager.py",
     "minivllm.model_executor": "vllm/model_executor/",
     "minivllm.model_executor.sampling_metadata": "vllm/model_executor/sampling_metadata.py",
     "minivllm.model_executor.model_loader": "vllm/model_executor/model_loader/loader.py",
@@ -161,6 +170,8 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.kernels.prefill_attention": "vllm/attention/ops/prefix_prefill.py",
     "minivllm.kernels.reshape_and_cache": "csrc/cache_kernels.cu",
     "minivllm.kernels.cache_ops": "csrc/cache_kernels.cu",
+    "minivllm.kernels.lora_reference": "vllm/lora/ops/sgmv_shrink.py",
+    "minivllm.kernels.lora_ops": "vllm/lora/ops/sgmv_expand.py",
     "minivllm.entrypoints": "vllm/entrypoints/",
     "minivllm.entrypoints.llm": "vllm/entrypoints/llm.py",
     "minivllm.entrypoints.cli": "vllm/scripts.py",

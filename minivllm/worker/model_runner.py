@@ -84,10 +84,20 @@ class ModelRunner:
         self.sampler = Sampler(self.backend)
         # request_id -> seeded generator, kept across steps (see SamplingMetadata.prepare).
         self.generators: dict[str, torch.Generator] = {}
+        # With enable_lora: the adapters' caches and slots (`minivllm/lora/worker_manager.py`).
+        self.lora_manager = None
 
     def load_model(self) -> None:
         self.model = get_model(self.model_config, self.device, attn_backend=self.backend)
         self.dtype = next(self.model.parameters()).dtype
+        lora_config = self.engine_config.lora_config
+        if lora_config is not None:  # replaces the projections with their LoRA versions
+            from minivllm.lora.worker_manager import LRUCacheWorkerLoRAManager
+
+            max_num_tokens = max(self.scheduler_config.max_num_batched_tokens,
+                                 self.scheduler_config.max_num_seqs * (1 + self.scheduler_config.num_lookahead_slots))
+            self.lora_manager = LRUCacheWorkerLoRAManager(self.model, lora_config, self.model_config.hf_config,
+                                                          max_num_tokens, self.backend)
 
     # ------------------------------------------------------------------ batch building
     def prepare_model_input(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> ModelInput:
@@ -97,6 +107,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         context_lens: list[int] = []
         seq_query_lens: list[int] = []
+        token_lora_ids: list[int] = []  # the request's adapter per token (0: the base model)
         num_prefills = 0
         for metadata in seq_group_metadata_list:
             for seq_id, data in metadata.seq_data.items():
@@ -112,12 +123,15 @@ class ModelRunner:
                 tables.append(metadata.block_tables[seq_id])
                 context_lens.append(start)
                 seq_query_lens.append(len(tokens))
+                token_lora_ids.extend([metadata.lora_int_id] * len(tokens))
         attn_metadata = build_attn_metadata(tables, context_lens, seq_query_lens, num_prefills,
                                             self.block_size, self.device)
         # Every sequence of a group computes as many tokens (the group's chunk, or 1).
         group_query_lens = [m.token_chunk_size if m.is_prompt else 1 for m in seq_group_metadata_list]
         sampling_metadata = SamplingMetadata.prepare(
             seq_group_metadata_list, group_query_lens, self.device, self.generators)
+        if self.lora_manager is not None:  # this step's adapters into GPU slots, a slot per token
+            self.lora_manager.set_active_adapters(seq_group_metadata_list, token_lora_ids)
         return ModelInput(
             input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
             positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),

@@ -1,0 +1,127 @@
+"""Multi-LoRA shrink and expand in Triton: each row of a mixed batch through its own adapter,
+one launch per op. The spec, shapes and `LoRAMapping` are in `lora_reference.py`.
+
+How a launch is laid out (the segmented form of punica's SGMV, as vLLM's newer
+`lora_shrink` / `lora_expand` do it): the rows are grouped by slot (`sorted_token_ids`), and
+program (m, s) takes the m-th block of BLOCK_M rows OF SLOT s:
+
+    grid = (cdiv(T, BLOCK_M) [x cdiv(N, BLOCK_N) for expand], L)
+    slot s:  rows sorted_token_ids[slot_start[s] + m*BLOCK_M : ... + BLOCK_M]
+             a program past its slot's row count returns at once
+
+so every program multiplies a [BLOCK_M, K] tile of rows that share ONE adapter by that
+adapter's matrix with `tl.dot`, whatever the mix in the batch, and rows of the base model
+(slot -1) are never visited. The grid depends only on T and L, never on the mapping: a
+CUDA graph captured once replays for any mix of adapters.
+
+Products accumulate in fp32 (`input_precision="ieee"`: no TF32, so fp32 matches the
+reference to rounding). Importing this module imports triton: import it lazily.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from minivllm.kernels.lora_reference import LoRAMapping
+
+_BLOCK_K = 64
+_BLOCK_N = 64
+_MIN_DOT = 16  # tl.dot wants every dimension at least 16
+_SMALL_BATCH = 128  # up to this many rows, 16-row tiles (decode); above, 64 (prefill)
+
+
+def _block_m(num_tokens: int) -> int:
+    return _MIN_DOT if num_tokens <= _SMALL_BATCH else 64
+
+
+@triton.jit
+def _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M: tl.constexpr):
+    """This program's rows: the pid_m-th block of the rows of `slot` (mask: which exist)."""
+    count = tl.load(count_ptr + slot)
+    start = tl.load(start_ptr + slot)
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask = offs < count
+    rows = tl.load(sorted_ptr + start + offs, mask=mask, other=0)
+    return rows, mask, count
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, buf_ptr, sorted_ptr, count_ptr, start_ptr, K, R,
+                   stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_bm, stride_br,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid_m, slot = tl.program_id(0), tl.program_id(1)
+    rows, row_mask, count = _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M)
+    if pid_m * BLOCK_M >= count:
+        return
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = k < K
+        # x tile [BLOCK_M, BLOCK_K]: gathered rows (they need not be neighbours in the batch).
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :] * stride_xk,
+                    mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+        # A^T tile [BLOCK_K, BLOCK_R] of this slot's adapter (ranks past R read as 0).
+        a = tl.load(a_ptr + slot * stride_al + r[None, :] * stride_ar + k[:, None] * stride_ak,
+                    mask=r_mask[None, :] & k_mask[:, None], other=0.0)
+        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
+    tl.store(buf_ptr + rows[:, None] * stride_bm + r[None, :] * stride_br, acc,
+             mask=row_mask[:, None] & r_mask[None, :])
+
+
+@triton.jit
+def _expand_kernel(buf_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, N, R, offset,
+                   stride_bm, stride_br, stride_bl, stride_bn, stride_bk, stride_ym, stride_yn,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    pid, slot = tl.program_id(0), tl.program_id(1)
+    num_n_blocks = tl.cdiv(N, BLOCK_N)
+    pid_m, pid_n = pid // num_n_blocks, pid % num_n_blocks
+    rows, row_mask, count = _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M)
+    if pid_m * BLOCK_M >= count:
+        return
+    r = tl.arange(0, BLOCK_R)
+    r_mask = r < R
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = n < N
+    buf = tl.load(buf_ptr + rows[:, None] * stride_bm + r[None, :] * stride_br,
+                  mask=row_mask[:, None] & r_mask[None, :], other=0.0)            # [BLOCK_M, BLOCK_R]
+    b = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None] * stride_bk,
+                mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # B^T [BLOCK_R, BLOCK_N]
+    delta = tl.dot(buf.to(tl.float32), b.to(tl.float32), input_precision="ieee")
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + n)[None, :] * stride_yn
+    mask = row_mask[:, None] & n_mask[None, :]
+    y = tl.load(y_ptrs, mask=mask, other=0.0)
+    # Each row belongs to one slot, so no two programs write the same element.
+    tl.store(y_ptrs, (y.to(tl.float32) + delta).to(y.dtype), mask=mask)
+
+
+def _rank_block(rank: int) -> int:
+    return max(_MIN_DOT, triton.next_power_of_2(rank))
+
+
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, buf: torch.Tensor, mapping: LoRAMapping) -> None:
+    """Same contract as `lora_reference.lora_shrink`."""
+    num_tokens, k = x.shape
+    num_slots, rank, _ = lora_a.shape
+    block_m = _block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, block_m), num_slots)
+    _shrink_kernel[grid](x, lora_a, buf, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
+                         mapping.slot_start, k, rank, x.stride(0), x.stride(1), *lora_a.stride(),
+                         buf.stride(0), buf.stride(1),
+                         BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_K=_BLOCK_K)
+
+
+def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int,
+                mapping: LoRAMapping) -> None:
+    """Same contract as `lora_reference.lora_expand`."""
+    num_tokens = buf.shape[0]
+    num_slots, n, rank = lora_b.shape
+    block_m = _block_m(num_tokens)
+    grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(n, _BLOCK_N), num_slots)
+    _expand_kernel[grid](buf, lora_b, y, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
+                         mapping.slot_start, n, rank, offset, buf.stride(0), buf.stride(1),
+                         *lora_b.stride(), y.stride(0), y.stride(1),
+                         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=_rank_block(rank))
