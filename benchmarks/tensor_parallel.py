@@ -1,0 +1,169 @@
+"""Tensor parallelism on two GPUs: TP=2 against TP=1 on a Llama-3-8B-shaped model.
+
+Two measurements, each system in its own process (so one's GPU memory never limits the next):
+
+    throughput     nano-vllm's offline workload (the one benchmarks/throughput.py builds: 256
+                   requests, prompts of 100-1024 random token ids, 100-1024 new tokens each,
+                   EOS ignored, greedy), output tokens per second, every request checked to
+                   get exactly its max_tokens
+    batch-1 decode one request with a 1024-token prompt; the median wall time of
+                   LLMEngine.step() over 32 decode steps (CUDA graphs on: at TP=2 the graph
+                   holds the two all-reduces of every layer)
+
+The model: benchmarks/configs/llama-3-8b (random weights, transformers `from_config`, seed 0,
+bf16), saved once to a temporary directory. Targets (issue 16): batch-1 decode step at TP=2
+<= 0.6x TP=1, throughput at TP=2 >= 1.5x TP=1.
+
+    python benchmarks/tensor_parallel.py --out benchmarks/results/        # needs 2 GPUs
+
+NCCL on these machines needs NVLink multicast off; the script sets NCCL_NVLS_ENABLE=0,
+TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _name, _value in NCCL_ENV.items():
+    os.environ.setdefault(_name, _value)
+
+sys.path.insert(0, str(Path(__file__).parent))
+import throughput  # noqa: E402  (the workload and the checkpoint builder, shared)
+
+MODEL = "llama-3-8b"
+TP_SIZES = (1, 2)
+DECODE_PROMPT_LEN, DECODE_STEPS, DECODE_WARMUP = 1024, 32, 4
+TARGET_DECODE_RATIO, TARGET_THROUGHPUT_RATIO = 0.6, 1.5
+
+
+def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> dict:
+    from minivllm import LLM, SamplingParams
+
+    prompts, max_tokens = throughput.make_workload(num_seqs)
+    start = time.perf_counter()
+    llm = LLM(model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
+              max_model_len=throughput.MAX_MODEL_LEN, max_num_seqs=throughput.MAX_NUM_SEQS,
+              max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
+              gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager)
+    startup_s = time.perf_counter() - start
+    inputs = [{"prompt_token_ids": p} for p in prompts]
+    warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS, detokenize=False)
+    llm.generate(inputs[: throughput.WARMUP_REQUESTS], warmup, use_tqdm=False)
+    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    start = time.perf_counter()
+    outputs = llm.generate(inputs, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks)
+    llm.llm_engine.shutdown()
+    return result
+
+
+def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> dict:
+    from minivllm import EngineArgs, LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_model_len=2048,
+        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager))
+    prompt = {"prompt_token_ids": list(range(100, 100 + DECODE_PROMPT_LEN))}
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
+                                                   max_tokens=DECODE_WARMUP + DECODE_STEPS + 2, detokenize=False))
+    engine.step()  # the prefill
+    for _ in range(DECODE_WARMUP):
+        engine.step()
+    times = []
+    for _ in range(DECODE_STEPS):
+        start = time.perf_counter()
+        engine.step()  # returns once the token is on the host: the step is complete
+        times.append(time.perf_counter() - start)
+    engine.shutdown()
+    return {"median_step_ms": round(1e3 * statistics.median(times), 3), "min_step_ms": round(1e3 * min(times), 3),
+            "steps": DECODE_STEPS, "prompt_len": DECODE_PROMPT_LEN}
+
+
+def run_one(args) -> int:
+    ckpt = Path(args.ckpt)
+    if args.kind == "throughput":
+        result = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager)
+    else:
+        result = run_decode(ckpt, args.tp, args.enforce_eager)
+    Path(args.result).write_text(json.dumps(result))
+    print(json.dumps(result), flush=True)
+    return 0
+
+
+def run_all(args) -> int:
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()}.")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix="minivllm-tp-"))
+    print("== building the checkpoint", flush=True)
+    ckpt = throughput.build_checkpoint(MODEL, tmp, "cuda")
+    report = {"environment": throughput._environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
+              "cuda_graphs": not args.enforce_eager,
+              "nccl_env": NCCL_ENV, "results": {}}
+    for kind in ("decode", "throughput"):
+        for tp in TP_SIZES:
+            result_file = tmp / f"{kind}-tp{tp}.json"
+            cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
+                   "--result", str(result_file), "--num-seqs", str(args.num_seqs),
+                   *(["--enforce-eager"] if args.enforce_eager else [])]
+            print(f"== {kind}, TP={tp}", flush=True)
+            try:
+                subprocess.run(cmd, timeout=args.timeout, check=False)
+            except subprocess.TimeoutExpired:
+                pass
+            report["results"][f"{kind}-tp{tp}"] = (json.loads(result_file.read_text()) if result_file.exists()
+                                                   else {"error": "failed or timed out"})
+            (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
+    report["summary"] = summary(report["results"])
+    (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
+    print(json.dumps(report["summary"], indent=1))
+    return 0
+
+
+def summary(results: dict) -> dict:
+    def get(key, field):
+        return results.get(key, {}).get(field)
+
+    decode = [get(f"decode-tp{tp}", "median_step_ms") for tp in TP_SIZES]
+    tput = [get(f"throughput-tp{tp}", "output_tokens_per_s") for tp in TP_SIZES]
+    out = {"decode_step_ms": dict(zip(("tp1", "tp2"), decode)), "output_tokens_per_s": dict(zip(("tp1", "tp2"), tput))}
+    if all(decode):
+        out["decode_ratio_tp2_over_tp1"] = round(decode[1] / decode[0], 3)
+        out["decode_target_met"] = out["decode_ratio_tp2_over_tp1"] <= TARGET_DECODE_RATIO
+    if all(tput):
+        out["throughput_ratio_tp2_over_tp1"] = round(tput[1] / tput[0], 3)
+        out["throughput_target_met"] = out["throughput_ratio_tp2_over_tp1"] >= TARGET_THROUGHPUT_RATIO
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", nargs="?", default="all", choices=("all", "one"))
+    parser.add_argument("--out", default="benchmarks/results")
+    parser.add_argument("--num-seqs", type=int, default=throughput.NUM_SEQS)
+    parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
+    parser.add_argument("--kind", choices=("throughput", "decode"))
+    parser.add_argument("--tp", type=int)
+    parser.add_argument("--ckpt")
+    parser.add_argument("--result")
+    args = parser.parse_args(argv)
+    return run_one(args) if args.command == "one" else run_all(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
