@@ -113,7 +113,8 @@ def test_bad_shapes_raise():
 def test_the_backend_is_bound_once_at_construction():
     norm = RMSNorm(8, backend="triton")
     assert norm.backend == "triton" and norm._forward == norm.forward_triton
-    assert SiluAndMul()._forward == SiluAndMul().forward_native  # "torch" by default
+    act = SiluAndMul()
+    assert act.backend == "torch" and act._forward == act.forward_native  # "torch" by default
     with pytest.raises(ValueError, match="unknown backend"):
         RMSNorm(8, backend="cuda")
 

@@ -87,7 +87,7 @@ class LlamaMLP(nn.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul (column
     parallel: each rank its columns of both) and down row-parallel (one all-reduce)."""
 
-    def __init__(self, config: Any, backend: str) -> None:
+    def __init__(self, config: Any, backend: str = "torch") -> None:
         super().__init__()
         if config.hidden_act != "silu":
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
