@@ -17,7 +17,7 @@ also preempts lower-priority running requests for it). Add one by name:
 
 from __future__ import annotations
 
-from minivllm import config
+from minivllm.config import SCHEDULING_POLICIES
 from minivllm.sequence import SequenceGroup
 
 
@@ -49,7 +49,7 @@ class PolicyFactory:
         if name in ("fcfs", "priority"):
             raise ValueError(f"{name!r} is a built-in policy; choose another name.")
         cls._POLICY_REGISTRY[name] = policy_class
-        config.SCHEDULING_POLICIES.add(name)  # the config's check reads this set
+        SCHEDULING_POLICIES.add(name)  # the config's check reads this set
 
     @classmethod
     def get_policy(cls, name: str) -> Policy:
