@@ -10,14 +10,17 @@ the bundled tiny-shakespeare model (or `--model`) three ways:
 on two workloads:
 
     repeat   "edit a given text": the prompt is a passage the target wrote, followed by the
-             passage's first 16 tokens again; the target continues copying the passage, which
-             n-gram lookup predicts (the repetition the brief asks for)
+             passage's first 16 tokens again: a model that copies its context continues the
+             passage, which n-gram lookup predicts (the tiny bundled model copies loosely but
+             repeats its own phrases)
     free     a speaker's name ("ROMEO:"), the model writing freely (no repetition to exploit)
 
 Reported per row: the decode latency per token (wall time of the decode steps / tokens per
 sequence: what one user waits per token at that batch), the measured speedup over `none`, the
-draft acceptance rate alpha and system efficiency (the engine's own metrics), and the
-speedup theory expects (Leviathan et al. 2023, Theorem 3.8):
+draft acceptance rate and system efficiency (the engine's own metrics, vLLM's names), alpha
+(accepted / checked guesses: a guess after a rejection is never checked, which vLLM's
+acceptance rate counts as rejected, so it understates the papers' alpha), and the speedup
+theory expects (Leviathan et al. 2023, Theorem 3.8):
 
     expected = (1 - alpha^(k+1)) / ((1 - alpha) (k c + 1))
 
@@ -97,14 +100,15 @@ def counts(engine: LLMEngine) -> dict:
     """The speculative worker's cumulative counts (`AcceptanceCounter`)."""
     counter = engine.model_executor.driver_worker.counter
     return {name: getattr(counter, name)
-            for name in ("draft_tokens", "accepted_tokens", "emitted_tokens", "max_emitted_tokens")}
+            for name in ("draft_tokens", "accepted_tokens", "emitted_tokens", "max_emitted_tokens", "checked_tokens")}
 
 
 def spec_metrics(before: dict, after: dict) -> dict:
     """The acceptance metrics of the run between two `counts` (the warm-up excluded)."""
     delta = {name: after[name] - before[name] for name in after}
     return delta | {"draft_acceptance_rate": delta["accepted_tokens"] / max(delta["draft_tokens"], 1),
-                    "system_efficiency": delta["emitted_tokens"] / max(delta["max_emitted_tokens"], 1)}
+                    "system_efficiency": delta["emitted_tokens"] / max(delta["max_emitted_tokens"], 1),
+                    "alpha": delta["accepted_tokens"] / max(delta["checked_tokens"], 1)}
 
 
 def run_row(args, kind: str, batch: int, proposer: str, prompts, baseline) -> dict:
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
                 row = run_row(args, kind, batch, proposer, prompts, baseline)
                 row["cost_ratio"] = 0.0 if proposer == "ngram" else c
                 row["speedup"] = baseline["ms_per_token"] / row["ms_per_token"]
-                row["expected_speedup"] = expected_speedup(row["draft_acceptance_rate"], args.k, row["cost_ratio"])
+                row["expected_speedup"] = expected_speedup(row["alpha"], args.k, row["cost_ratio"])
                 rows.append(row)
                 print(format_row(row), flush=True)
     print(table(rows))
@@ -170,19 +174,19 @@ def main(argv: list[str] | None = None) -> None:
 
 def format_row(row: dict) -> str:
     return (f"{row['workload']:6s} batch {row['batch']:3d} {row['proposer']:5s}: {row['ms_per_token']:.3f} ms/token, "
-            f"alpha {row['draft_acceptance_rate']:.3f}, speedup {row['speedup']:.2f}x "
+            f"acceptance {row['draft_acceptance_rate']:.3f} (alpha {row['alpha']:.3f}), speedup {row['speedup']:.2f}x "
             f"(expected {row['expected_speedup']:.2f}x, c = {row['cost_ratio']:.2f}), agreement {row['agreement']:.2f}")
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| workload | batch | proposer | ms / token | alpha | efficiency | speedup | expected | c | agreement |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| workload | batch | proposer | ms / token | acceptance rate | alpha | efficiency | speedup | expected | c | agreement |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if r["proposer"] == "none":
-            lines.append(f"| {r['workload']} | {r['batch']} | none | {r['ms_per_token']:.3f} | | | 1.00× | | | |")
+            lines.append(f"| {r['workload']} | {r['batch']} | none | {r['ms_per_token']:.3f} | | | | 1.00× | | | |")
         else:
             lines.append(f"| {r['workload']} | {r['batch']} | {r['proposer']} (k={r['k']}) | {r['ms_per_token']:.3f} | "
-                         f"{r['draft_acceptance_rate']:.3f} | {r['system_efficiency']:.3f} | {r['speedup']:.2f}× | "
+                         f"{r['draft_acceptance_rate']:.3f} | {r['alpha']:.3f} | {r['system_efficiency']:.3f} | {r['speedup']:.2f}× | "
                          f"{r['expected_speedup']:.2f}× | {r['cost_ratio']:.2f} | {r['agreement']:.2f} |")
     return "\n".join(lines)
 

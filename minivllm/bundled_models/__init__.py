@@ -1,8 +1,9 @@
 """Models that ship inside the package, so minivllm runs offline on a fresh machine.
 
 `resolve_model(None)` and `resolve_model("tiny-shakespeare")` give the bundled checkpoint's
-folder; any other name (a local directory or a Hugging Face hub id) passes through unchanged
-for transformers to resolve.
+folder, `resolve_model("tiny-shakespeare-draft")` its speculative-decoding draft's; any other
+name (a local directory or a Hugging Face hub id) passes through unchanged for transformers to
+resolve.
 """
 
 from __future__ import annotations
@@ -10,7 +11,10 @@ from __future__ import annotations
 from pathlib import Path
 
 DEFAULT_MODEL = "tiny-shakespeare"
-BUNDLED_MODELS = {DEFAULT_MODEL: Path(__file__).parent / DEFAULT_MODEL}
+# A 6x smaller model with the same tokenizer, distilled from tiny-shakespeare: the draft model
+# of speculative decoding (`speculative_model="tiny-shakespeare-draft"`).
+DRAFT_MODEL = "tiny-shakespeare-draft"
+BUNDLED_MODELS = {name: Path(__file__).parent / name for name in (DEFAULT_MODEL, DRAFT_MODEL)}
 
 
 def resolve_model(model: str | None) -> str:

@@ -5,6 +5,14 @@
                             (k + 1 per sequence per speculative step: every draft accepted
                             plus the bonus token)
 
+and one of minivllm's own, the acceptance rate of the papers' formulas:
+
+    alpha = accepted_tokens / checked_tokens
+
+A guess after the first rejected one is never checked, yet vLLM's draft_acceptance_rate
+counts it as not accepted; Leviathan et al.'s alpha is the probability that a *checked* guess
+is accepted, so `expected_tokens_per_step(alpha, k)` predicts the emitted tokens per step.
+
 Plain Python (no torch): the engine's `Stats` and the Prometheus logger read it. Counts are
 cumulative since the engine started, as vLLM's are; a logger that wants per-interval numbers
 takes differences.
@@ -25,6 +33,12 @@ class SpecDecodeWorkerMetrics:
     emitted_tokens: int
     accepted_tokens: int
     num_spec_tokens: int
+    checked_tokens: int = 0  # minivllm's: guesses the rejection sampler looked at
+
+    @property
+    def alpha(self) -> float:
+        """Accepted / checked guesses: the papers' per-guess acceptance rate (nan before any)."""
+        return _ratio(self.accepted_tokens, self.checked_tokens)
 
 
 class AcceptanceCounter:
@@ -33,6 +47,7 @@ class AcceptanceCounter:
     def __init__(self, num_spec_tokens: int) -> None:
         self.num_spec_tokens = num_spec_tokens
         self.draft_tokens = self.accepted_tokens = self.emitted_tokens = self.max_emitted_tokens = 0
+        self.checked_tokens = 0
 
     def record(self, num_proposed: list[int], num_emitted: list[int]) -> None:
         """One step: per speculating sequence, the tokens proposed and the tokens emitted
@@ -43,6 +58,8 @@ class AcceptanceCounter:
                 self.accepted_tokens += emitted - 1
                 self.emitted_tokens += emitted
                 self.max_emitted_tokens += proposed + 1
+                # Guesses up to and including the first rejected one (all, if none was).
+                self.checked_tokens += min(emitted, proposed)
 
     def metrics(self) -> SpecDecodeWorkerMetrics:
         return SpecDecodeWorkerMetrics(
@@ -52,6 +69,7 @@ class AcceptanceCounter:
             emitted_tokens=self.emitted_tokens,
             accepted_tokens=self.accepted_tokens,
             num_spec_tokens=self.num_spec_tokens,
+            checked_tokens=self.checked_tokens,
         )
 
 
@@ -61,8 +79,8 @@ def _ratio(numerator: int, denominator: int) -> float:
 
 def expected_tokens_per_step(alpha: float, k: int) -> float:
     """Leviathan et al. (2023), eq. 1: the expected tokens one speculative step emits when
-    each draft token is accepted with probability `alpha` (independently): (1 - alpha^(k+1))
-    / (1 - alpha); k + 1 when alpha = 1."""
+    each checked guess is accepted with probability `alpha` (independently): (1 - alpha^(k+1))
+    / (1 - alpha); k + 1 when alpha = 1. (`SpecDecodeWorkerMetrics.alpha` estimates alpha.)"""
     if alpha >= 1.0:
         return k + 1.0
     return (1 - alpha ** (k + 1)) / (1 - alpha)

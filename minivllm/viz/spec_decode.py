@@ -27,10 +27,10 @@ TOKEN_COLORS = {
 
 @dataclass
 class SpecStep:
-    """One speculative step of one sequence: the proposals and what was emitted."""
+    """One speculative step of one request (one sequence): the proposals and what was emitted."""
 
     step: int
-    row: int  # the sequence's row among the step's speculating sequences
+    request_id: str
     proposed: list[int]
     emitted: list[int]
 
@@ -45,11 +45,12 @@ class SpecDecodeRecorder:
     def __init__(self, engine) -> None:
         worker = engine.model_executor.driver_worker
         self.steps: list[list[SpecStep]] = []
-        self._proposals = None
+        self._proposals, self._request_ids = None, []
         propose, sampler = worker.proposer.propose, worker.rejection_sampler
 
-        def recording_propose(*args, **kwargs):
-            self._proposals = propose(*args, **kwargs)
+        def recording_propose(seq_group_metadata_list, num_proposals):
+            self._request_ids = [m.request_id for m, n in zip(seq_group_metadata_list, num_proposals) if n]
+            self._proposals = propose(seq_group_metadata_list, num_proposals)
             return self._proposals
 
         def recording_sampler(*args, **kwargs):
@@ -64,8 +65,12 @@ class SpecDecodeRecorder:
         proposals = self._proposals
         tokens = proposals.token_ids.tolist()
         self.steps.append([
-            SpecStep(len(self.steps), row, tokens[row][:n], [t for t in accepted[row] if t >= 0])
-            for row, n in enumerate(proposals.num_proposed)])
+            SpecStep(len(self.steps), request_id, tokens[row][:n], [t for t in accepted[row] if t >= 0])
+            for row, (request_id, n) in enumerate(zip(self._request_ids, proposals.num_proposed))])
+
+    def of_request(self, request_id: str) -> list[SpecStep]:
+        """`request_id`'s speculative steps, in order."""
+        return [s for step in self.steps for s in step if s.request_id == request_id]
 
 
 def draw_spec_steps(ax, steps: list[SpecStep], decode: Callable[[int], str] | None = None,
