@@ -86,7 +86,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
 from minivllm.core.policy import PolicyFactory
 from minivllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
@@ -239,6 +239,8 @@ class Scheduler:
                  lora_config: object | None = None, pipeline_parallel_size: int = 1,
                  output_proc_callback: Callable | None = None, *,
                  clock: Callable[[], float] = time.monotonic, kv_connector: object | None = None) -> None:
+        if lora_config is not None and not isinstance(lora_config, LoRAConfig):
+            raise ValueError(f"lora_config must be a LoRAConfig or None, got {type(lora_config).__name__}.")
         if pipeline_parallel_size != 1:
             raise ValueError(f"minivllm runs on one device: pipeline_parallel_size must be 1, "
                              f"got {pipeline_parallel_size}.")
