@@ -56,9 +56,13 @@ DRAFT = "tiny-shakespeare-draft"
 
 
 def make_engine(args, model: str | None, batch: int, **spec) -> LLMEngine:
+    # A pool sized to the workload: a tiny model would otherwise get millions of blocks from
+    # the memory profile, and the block manager would spend seconds creating them.
+    tokens_per_seq = PASSAGE_TOKENS + REPEATED_PREFIX + 8 + args.max_tokens + args.k + 16
     return LLMEngine.from_engine_args(EngineArgs(
         model=model, device=args.device, max_num_seqs=max(batch, 8), enforce_eager=args.enforce_eager,
-        max_num_batched_tokens=max(2048, batch * (PASSAGE_TOKENS + REPEATED_PREFIX + 8)), **spec))
+        max_num_batched_tokens=max(2048, batch * (PASSAGE_TOKENS + REPEATED_PREFIX + 8)),
+        num_gpu_blocks_override=2 * batch * -(-tokens_per_seq // 16) + 64, **spec))
 
 
 def workload(kind: str, engine: LLMEngine, batch: int) -> list[list[int]]:

@@ -24,7 +24,7 @@ def greedy_run(**engine_args):
     """Greedy tokens of PROMPTS, the speculative metrics (or None), the block-count and
     all-blocks-free checks. The engine lives only inside this function (the next profile must
     see its memory freed)."""
-    llm = LLM(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.4,
+    llm = LLM(device="cuda", dtype="float32", max_num_seqs=8, max_model_len=256, num_gpu_blocks_override=256,
               **engine_args)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     tokens = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
