@@ -24,7 +24,7 @@ import torch
 
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
                                                    Timer)
-from minivllm.distributed.kv_transfer.keys import block_digests, model_identity
+from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root
 from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
 
 _DEFAULT_NUM_CPU_BLOCKS = 512
@@ -46,7 +46,8 @@ class CPUOffloadConnector(KVConnectorBase):
 
     # ==================================================================== scheduler side
     def _digests(self, request: Any) -> list[str]:
-        return block_digests(request.first_seq.get_token_ids(), self.block_size, self.root)
+        root = request_root(self.root, getattr(request, "lora_request", None))
+        return block_digests(request.first_seq.get_token_ids(), self.block_size, root)
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
         if not self.is_consumer:

@@ -19,7 +19,7 @@ full key adds the shard: "<identity>/tp<rank>of<size>/<digest>".
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
@@ -35,6 +35,16 @@ def model_identity(engine_config: EngineConfig) -> str:
     parts = [str(model.model), str(model.revision), model.dtype, engine_config.device_config.device_type,
              str(engine_config.cache_config.block_size)]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+
+def request_root(root: str, lora_request: Any | None) -> str:
+    """The chain's root for one request: the model's, or, for a request with a LoRA adapter
+    (whose KV differs from the base model's), the model's and the adapter's name and path (its
+    integer id is only unique within one engine)."""
+    if lora_request is None:
+        return root
+    adapter = f"{lora_request.lora_name}|{lora_request.lora_path}"
+    return hashlib.sha256(f"{root}|lora|{adapter}".encode()).hexdigest()[:16]
 
 
 def shard_name(tp_rank: int, tp_size: int) -> str:

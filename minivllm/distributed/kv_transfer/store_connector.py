@@ -25,7 +25,7 @@ import torch
 
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
                                                    Timer)
-from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, shard_name
+from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root, shard_name
 from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,8 @@ class StoreConnector(KVConnectorBase):
     def _request_digests(self, request: Any) -> list[str]:
         if request.request_id not in self._digests:
             tokens = request.first_seq.get_token_ids()
-            self._digests[request.request_id] = block_digests(tokens, self.block_size, self.root)
+            root = request_root(self.root, getattr(request, "lora_request", None))
+            self._digests[request.request_id] = block_digests(tokens, self.block_size, root)
         return self._digests[request.request_id]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:

@@ -59,5 +59,8 @@ def test_proxy_between_two_servers_matches_one_server(tmp_path):
         engines = [s.app.state.engine.engine for s in (prefill, decode)]
         assert engines[0].kv_transfer_stats.num_tokens_saved > 0
         assert engines[1].kv_transfer_stats.num_tokens_loaded > 0 and engines[1].kv_transfer_stats.num_tokens_saved == 0
+        loaded = engines[1].kv_transfer_stats.num_tokens_loaded
+        metrics = httpx.get(decode.url + "/metrics").text  # the Prometheus gauges follow the stats
+        assert f'vllm:kv_transfer_num_tokens_loaded{{model_name="tiny"}} {float(loaded)}' in metrics
         bad = httpx.post(proxy.url + "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400  # the prefill server's answer, passed through

@@ -60,3 +60,13 @@ def test_model_identity_depends_on_what_changes_the_bytes():
 def test_each_tensor_parallel_rank_has_its_own_shard_key():
     names = [shard_name(rank, 4) for rank in range(4)]
     assert len(set(names)) == 4 and shard_name(0, 1) != shard_name(0, 2)
+
+
+def test_a_lora_adapter_has_its_own_chain():
+    from minivllm.distributed.kv_transfer.keys import request_root
+    from minivllm.lora.request import LoRARequest
+
+    a, b = LoRARequest("a", 1, "/adapters/a"), LoRARequest("b", 1, "/adapters/b")
+    roots = {request_root("m", None), request_root("m", a), request_root("m", b)}
+    assert len(roots) == 3 and request_root("m", None) == "m"
+    assert request_root("m", a) == request_root("m", LoRARequest("a", 7, "/adapters/a"))  # the id is engine-local
