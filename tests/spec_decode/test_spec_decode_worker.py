@@ -189,6 +189,10 @@ def test_beam_search_is_refused_when_speculating(spec_checkpoints):
           enable_chunked_prefill=True), "chunked prefill"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           num_scheduler_steps=4), "multi-step"),
+    (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
+          tensor_parallel_size=2), "one device"),
+    (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
+          enable_lora=True), "enable_lora"),
 ])
 def test_impossible_combinations_are_value_errors(spec_checkpoints, kwargs, message):
     kwargs = {k: v.format(**spec_checkpoints) if isinstance(v, str) else v for k, v in kwargs.items()}
