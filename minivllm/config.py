@@ -440,14 +440,6 @@ class SpeculativeConfig:
         """Slots a speculating sequence needs beyond its next token: one per proposed token."""
         return self.num_speculative_tokens
 
-    def verify_with(self, parallel_config: ParallelConfig, lora_config: LoRAConfig | None) -> None:
-        """Speculation runs in the single-process worker, on a model without adapters."""
-        if parallel_config.world_size > 1:
-            raise ValueError("speculative decoding runs on one device here: tensor_parallel_size and "
-                             f"pipeline_parallel_size must be 1, got a world size of {parallel_config.world_size}.")
-        if lora_config is not None:
-            raise ValueError("speculative decoding cannot be combined with enable_lora (as in vLLM 0.6).")
-
     @staticmethod
     def maybe_create_spec_config(
         target_model_config: ModelConfig,
@@ -612,6 +604,9 @@ class EngineConfig:
         if self.scheduler_config.num_scheduler_steps > 1:
             raise ValueError("num_scheduler_steps > 1 (multi-step) runs on one worker only in minivllm; "
                              "use num_scheduler_steps=1 with tensor or pipeline parallelism.")
+        if self.speculative_config is not None:
+            raise ValueError("speculative decoding runs on one worker only in minivllm (its SpecDecodeWorker "
+                             "is the single-process executor's); use tensor and pipeline parallel sizes of 1.")
 
     def _check_kv_transfer(self) -> None:
         """A connector moves blocks inside the plain model runner's forward pass: the modes

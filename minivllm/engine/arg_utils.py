@@ -119,11 +119,7 @@ class EngineArgs:
         speculative_config = SpeculativeConfig.maybe_create_spec_config(
             model_config, scheduler_config, self.speculative_model, self.num_speculative_tokens,
             self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
-        parallel_config = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                         self.distributed_executor_backend)
-        lora_config = self._lora_config()
         if speculative_config is not None:
-            speculative_config.verify_with(parallel_config, lora_config)
             scheduler_config = dataclasses.replace(
                 scheduler_config, num_lookahead_slots=speculative_config.num_lookahead_slots)
         return EngineConfig(
@@ -131,12 +127,13 @@ class EngineArgs:
             cache_config=cache_config,
             scheduler_config=scheduler_config,
             device_config=DeviceConfig(self.device),
-            parallel_config=parallel_config,
+            parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                           self.distributed_executor_backend),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
             kv_transfer_config=self.kv_transfer_config,
-            lora_config=lora_config,
+            lora_config=self._lora_config(),
         )
 
     def _lora_config(self) -> LoRAConfig | None:

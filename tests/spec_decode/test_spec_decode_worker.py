@@ -190,7 +190,7 @@ def test_beam_search_is_refused_when_speculating(spec_checkpoints):
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           num_scheduler_steps=4), "multi-step"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
-          tensor_parallel_size=2), "one device"),
+          tensor_parallel_size=2, distributed_executor_backend="mp"), "one worker"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           enable_lora=True), "enable_lora"),
 ])
