@@ -170,6 +170,12 @@ class BlockAllocator:
         if self.enable_caching and block_hash not in self.cached_blocks:
             self.cached_blocks[block_hash] = block
 
+    def uncache(self, block: PhysicalTokenBlock) -> None:
+        """Take the block out of the prefix cache: its recorded content is not to be trusted."""
+        if self.cached_blocks.get(block.block_hash) is block:
+            del self.cached_blocks[block.block_hash]
+        block.forget_content()
+
     def is_cached(self, block: PhysicalTokenBlock) -> bool:
         return block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block
 

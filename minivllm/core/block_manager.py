@@ -329,6 +329,16 @@ class BlockSpaceManager:
                 num_computed = min(seq.get_num_computed_tokens() + token_chunk_size, seq.get_len())
                 self._register_computed_blocks(seq, num_computed)
 
+    def forget_computed_blocks(self, seq_group: SequenceGroup) -> None:
+        """Take the group's blocks out of the prefix cache (before freeing them) when the step
+        meant to compute them failed: `mark_blocks_as_computed` registered them at schedule
+        time, but their K/V may never have been written. Sequences already holding a block
+        keep it; only later lookups stop finding it."""
+        for seq in seq_group.get_seqs():
+            for block in self.block_tables.get(seq.seq_id, []):
+                if block.device is Device.GPU:
+                    self.gpu_allocator.uncache(block)
+
     def get_prefix_cache_hit_rate(self) -> float:
         """Reused blocks / looked-up blocks over all `allocate` calls.
 

@@ -428,6 +428,8 @@ class LLMEngine:
             logger.error("request %s failed inside engine step %d; finishing it", seq_group.request_id,
                          self.step_counter, exc_info=error)
             seq_group.finish_message = "failed inside an engine step; the details are in the engine's log."
+            # The failed step may have left its blocks' K/V unwritten: no later request may reuse them.
+            self.scheduler.block_manager.forget_computed_blocks(seq_group)
         self.abort_request([g.request_id for g in seq_groups])
 
     def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:

@@ -314,3 +314,20 @@ def test_any_sampling_params_and_prompt_is_refused_or_served_without_harm(engine
     # The engine is as good as new: a plain greedy request gets the same tokens as ever.
     engine.add_request("check", prompt(1), GREEDY)
     assert run(engine)["check"].outputs[0].token_ids == check_tokens
+
+
+def test_a_failed_prefill_leaves_nothing_uncomputed_in_the_prefix_cache(llama_path, monkeypatch):
+    """The scheduler registers a prefill's full blocks in the prefix cache when it schedules
+    them (the step is meant to compute them before anyone reads them). If the model fails
+    instead, those blocks hold no K/V: a later request with the same prompt must not reuse them."""
+    long_prompt = prompt(11, length=20)
+    fresh = LLMEngine.from_engine_args(EngineArgs(model=llama_path, **ENGINE_KWARGS))
+    fresh.add_request("ref", long_prompt, GREEDY)
+    expected = run(fresh)["ref"].outputs[0].token_ids
+    engine = LLMEngine.from_engine_args(EngineArgs(model=llama_path, enable_prefix_caching=True, **ENGINE_KWARGS))
+    poison_the_model(monkeypatch, engine, "poison")
+    engine.add_request("poison", long_prompt, GREEDY)
+    assert run(engine)["poison"].outputs[0].finish_reason == "abort"
+    engine.add_request("again", long_prompt, GREEDY)
+    assert run(engine)["again"].outputs[0].token_ids == expected
+    assert_all_blocks_free(engine)
