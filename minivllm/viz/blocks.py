@@ -37,7 +37,8 @@ _BLOCK_GAP = 0.35  # space between two logical blocks of a sequence
 _POOL_GAP = 3.0  # space between the logical side and the physical pool
 _ROWS_PER_COLUMN = 8  # physical blocks per column before wrapping to the next
 _COLUMN_GAP = 3.6  # room for the '#n' and 'ref n' labels between two columns of blocks
-_MAX_TOKEN_CHARS = 5
+_MAX_TOKEN_CHARS = 4  # characters that fit a cell at the full token font size
+_MIN_TOKEN_FONT = 3.5
 _HASH_DIGITS = 4  # hex digits of a block hash shown (enough to tell blocks apart)
 
 
@@ -49,7 +50,12 @@ def _label(token_id: int, token_labels: TokenLabels) -> str:
         text = token_labels(token_id)
     else:
         text = token_labels.get(token_id, str(token_id))
-    return text if len(text) <= _MAX_TOKEN_CHARS else text[: _MAX_TOKEN_CHARS - 1] + "…"
+    return text
+
+
+def _label_fontsize(text: str) -> float:
+    """Whole labels, never cut: longer tokens get a smaller font so they still fit their cell."""
+    return max(_MIN_TOKEN_FONT, min(6.0, 6.0 * _MAX_TOKEN_CHARS / max(len(text), 1)))
 
 
 def block_state(block: BlockSnapshot) -> str:
@@ -74,8 +80,9 @@ def _draw_slots(ax, x: float, y: float, block_size: int, tokens: Sequence[int], 
         ax.add_patch(Rectangle((x + i * _CELL, y), _CELL, _CELL, facecolor=face if filled else "white",
                                edgecolor=edge, linewidth=linewidth))
         if filled:
-            ax.text(x + (i + 0.5) * _CELL, y + 0.5 * _CELL, _label(tokens[i], token_labels),
-                    ha="center", va="center", fontsize=6)
+            text = _label(tokens[i], token_labels)
+            ax.text(x + (i + 0.5) * _CELL, y + 0.5 * _CELL, text, ha="center", va="center",
+                    fontsize=_label_fontsize(text))
 
 
 def _block_width(block_size: int) -> float:
@@ -154,10 +161,12 @@ def _draw_pool_blocks(ax, blocks: Sequence[BlockSnapshot], positions, device: st
         if block.cached and block.ref_count:  # registered in the prefix cache and in use
             ax.add_patch(Rectangle((x, y), _block_width(size), _CELL, fill=False,
                                    edgecolor=COLORS["cached"], linewidth=3.0))
-        ax.text(x - 0.2, y + 0.5, f"#{block.block_number}", ha="right", va="center", fontsize=7)
+        # Number and reference count stacked on the block's left: the gap to the next column
+        # holds one label only, so "ref 1" never runs into the next block's "#8".
+        ax.text(x - 0.2, y + 0.72, f"#{block.block_number}", ha="right", va="center", fontsize=6.5)
         if block.ref_count:
-            ax.text(x + _block_width(size) + 0.2, y + 0.5, f"ref {block.ref_count}", ha="left",
-                    va="center", fontsize=7, color=COLORS["shared"] if block.ref_count > 1 else COLORS["edge"],
+            ax.text(x - 0.2, y + 0.24, f"ref {block.ref_count}", ha="right",
+                    va="center", fontsize=6.5, color=COLORS["shared"] if block.ref_count > 1 else COLORS["edge"],
                     fontweight="bold" if block.ref_count > 1 else "normal")
 
 

@@ -22,7 +22,7 @@ from minivllm.viz.style import COLORS, REQUEST_PALETTE, request_color
 
 _CELL = 1.0  # one token slot is a unit square
 _BLOCK_GAP = 0.35  # space between two blocks of a row
-_FONT = 7
+_FONT = 8  # readable at 100 dpi in notebooks 10 and 11
 
 
 def slot_owners(

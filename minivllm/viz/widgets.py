@@ -18,6 +18,7 @@ The small-multiples figure is what GitHub and HTML exports show, since widgets n
 
 from __future__ import annotations
 
+import base64
 import io
 import math
 from collections.abc import Callable, Sequence
@@ -30,7 +31,7 @@ DrawFn = Callable[[Any, Any], Any]  # draw_fn(frame, ax) draws one frame on one 
 Titles = Sequence[str] | Callable[[int, Any], str] | None
 
 _DEFAULT_INTERVAL_MS = 800  # Play speed: slow enough to read a block table
-_DEFAULT_DPI = 90
+_DEFAULT_DPI = 100
 
 
 def _title(titles: Titles, index: int, frame: Any) -> str | None:
@@ -41,14 +42,17 @@ def _title(titles: Titles, index: int, frame: Any) -> str | None:
 
 def render_frame(frame: Any, draw_fn: DrawFn, figsize: tuple[float, float], title: str | None = None,
                  dpi: int = _DEFAULT_DPI) -> bytes:
-    """PNG bytes of `draw_fn(frame, ax)` on a fresh figure (closed afterwards)."""
-    fig, ax = plt.subplots(figsize=figsize)
+    """PNG bytes of `draw_fn(frame, ax)` on a fresh figure (closed afterwards).
+
+    Every frame has the same pixel size (`figsize` × `dpi`, no tight bounding box), so a stepper
+    never changes width or stretches its image from one frame to the next."""
+    fig, ax = plt.subplots(figsize=figsize, layout="constrained")
     try:
         draw_fn(frame, ax)
         if title:
             ax.set_title(title, fontsize=10)
         buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=dpi, bbox_inches="tight")
+        fig.savefig(buffer, format="png", dpi=dpi)
         return buffer.getvalue()
     finally:
         plt.close(fig)
@@ -86,7 +90,10 @@ class FrameStepper:
         self.slider = widgets.IntSlider(value=0, min=0, max=last, description=description)
         widgets.jslink((self.play, "value"), (self.slider, "value"))  # in the browser
         self.play.observe(self._on_play, names="value")  # and in Python, without a browser
-        self.image = widgets.Image(format="png", value=self._render(0))
+        # A fixed frame: the image's box is the PNG's own pixel size, never stretched.
+        width, height = (round(inches * _DEFAULT_DPI) for inches in figsize)
+        self.image = widgets.Image(format="png", value=self._render(0),
+                                   layout=widgets.Layout(width=f"{width}px", height=f"{height}px"))
         self.slider.observe(self._on_slider, names="value")
         self.widget = widgets.VBox([widgets.HBox([self.play, self.slider]), self.image])
 
@@ -111,10 +118,14 @@ class FrameStepper:
     def _on_play(self, change: dict) -> None:
         self.slider.value = change["new"]
 
-    def _ipython_display_(self) -> None:
-        from IPython.display import display
-
-        display(self.widget)
+    def _repr_mimebundle_(self, **kwargs) -> dict:
+        """The widget, plus the current frame as a PNG: a viewer without the widget's state
+        (GitHub, a static site, a notebook reopened without its kernel) shows the picture
+        instead of "VBox(children=...)"."""
+        bundle = self.widget._repr_mimebundle_(**kwargs)
+        bundle["image/png"] = base64.b64encode(self._render(self.index)).decode("ascii")
+        bundle["text/plain"] = f"<stepper over {len(self.frames)} frames, showing frame {self.index}>"
+        return bundle
 
 
 def draw_small_multiples(frames: Sequence[Any], draw_fn: DrawFn, *, titles: Titles = None,
