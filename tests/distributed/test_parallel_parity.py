@@ -104,3 +104,15 @@ def test_kv_heads_that_neither_divide_nor_replicate_are_refused(parallel_checkpo
 
     with pytest.raises(ValueError, match="KV heads"):
         config.model_config.verify_with_parallel_config(ParallelConfig(tensor_parallel_size=2))
+
+
+def test_command_line_flags_with_vllm_names():
+    import argparse
+
+    parser = EngineArgs.add_cli_args(argparse.ArgumentParser())
+    args = EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "-pp", "2", "--distributed-executor-backend", "ray"]))
+    assert (args.tensor_parallel_size, args.pipeline_parallel_size, args.distributed_executor_backend) == (2, 2, "ray")
+    long_form = parser.parse_args(["--tensor-parallel-size", "4"])
+    assert long_form.tensor_parallel_size == 4 and long_form.distributed_executor_backend is None
+    with pytest.raises(SystemExit):  # argparse refuses a backend it does not know
+        parser.parse_args(["--distributed-executor-backend", "threads"])
