@@ -9,7 +9,9 @@ backend, vLLM's `OffloadingConnector`.)
 Who decides what: the scheduler side keeps the index, digest -> pool slot, least recently used
 first out; it names the slots in each step's metadata. The worker side only copies, between
 its cache and its own pool (each tensor-parallel rank keeps its shard at the same slot). So
-the index and the pools agree without talking, and a lookup never fails.
+the index and the pools agree without talking, and a lookup never fails. A slot being written
+in a step joins the index only once that step is over (the next `schedule()`), and not at all
+if its request was aborted meanwhile (a step that failed for it may not have written it).
 
     KVTransferConfig(kv_connector="CPUOffloadConnector", kv_role="kv_both",
                      kv_connector_extra_config={"num_cpu_blocks": 1024})
@@ -26,6 +28,7 @@ from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorM
                                                    Timer)
 from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root
 from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
+from minivllm.sequence import SequenceStatus
 
 _DEFAULT_NUM_CPU_BLOCKS = 512
 
@@ -43,13 +46,26 @@ class CPUOffloadConnector(KVConnectorBase):
         self.index: OrderedDict[str, int] = OrderedDict()
         self.free_slots = list(range(self.num_cpu_blocks))
         self._loads: dict[str, list[tuple[int, int]]] = {}
+        # Saves of the last step, by request: (digest, slot), confirmed at the next schedule().
+        self._pending: dict[str, list[tuple[str, int]]] = {}
 
     # ==================================================================== scheduler side
     def _digests(self, request: Any) -> list[str]:
         root = request_root(self.root, getattr(request, "lora_request", None))
         return block_digests(request.first_seq.get_token_ids(), self.block_size, root)
 
+    def _confirm_pending(self) -> None:
+        """The step that wrote the pending slots is over: they may be read from now on."""
+        for saves in self._pending.values():
+            for digest, slot in saves:
+                if digest in self.index:  # another request saved the same block meanwhile
+                    self.free_slots.append(slot)
+                else:
+                    self.index[digest] = slot
+        self._pending.clear()
+
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
+        self._confirm_pending()
         if not self.is_consumer:
             return 0, False
         num_matched = 0
@@ -71,6 +87,7 @@ class CPUOffloadConnector(KVConnectorBase):
         self._loads[request.request_id] = loads
 
     def build_connector_meta(self, scheduler_outputs: Any) -> KVConnectorMetadata:
+        self._confirm_pending()
         meta = KVConnectorMetadata()
         busy = {slot for loads in self._loads.values() for _, slot in loads}  # read this step
         for scheduled in scheduler_outputs.scheduled_seq_groups:
@@ -89,7 +106,7 @@ class CPUOffloadConnector(KVConnectorBase):
         digests = self._digests(request)
         computed = request.first_seq.get_num_computed_tokens()
         first, end = computed // self.block_size, (computed + scheduled.token_chunk_size) // self.block_size
-        saves = []
+        saves, pending = [], self._pending.setdefault(request.request_id, [])
         for i in range(first, min(end, len(digests))):
             if digests[i] in self.index:
                 self.index.move_to_end(digests[i])
@@ -97,10 +114,17 @@ class CPUOffloadConnector(KVConnectorBase):
             slot = self._take_slot(busy)
             if slot is None:
                 break
-            self.index[digests[i]] = slot
+            pending.append((digests[i], slot))
             busy.add(slot)
             saves.append((i, slot))
         return saves
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict | None]:
+        """An aborted request's unconfirmed saves are dropped: its step may have failed."""
+        if request.first_seq.status == SequenceStatus.FINISHED_ABORTED:
+            self.free_slots.extend(slot for _, slot in self._pending.pop(request.request_id, []))
+        self._loads.pop(request.request_id, None)
+        return False, None
 
     def _take_slot(self, busy: set[int]) -> int | None:
         """A free slot, else the least recently used one no transfer of this step touches."""

@@ -219,3 +219,19 @@ def test_tensor_parallel_ranks_keep_their_own_shards(tmp_path, reference):
         assert all(cached > 0 for _, cached in again.values())
     finally:
         engine.shutdown()
+
+
+def test_cpu_offload_index_takes_a_block_only_after_its_step():
+    """Slots written in a step join the index at the next schedule(); a request aborted before
+    that (its step may have failed) gives its slots back unindexed."""
+    engine = kvt.make_engine(KVTransferConfig("CPUOffloadConnector", "kv_both", {"num_cpu_blocks": 8}))
+    connector = engine.kv_connector
+    engine.add_request("a", kvt.PROMPTS[0], kvt.SamplingParams(temperature=0.0, max_tokens=4))
+    _, outputs, _ = engine.scheduler.schedule()  # what a step would run: saves planned, not done
+    planned = sum(len(r.save) for r in outputs.kv_connector_metadata.requests)
+    assert planned > 0 and not connector.index and len(connector.free_slots) == 8 - planned
+    engine.abort_request("a")
+    assert not connector.index and len(connector.free_slots) == 8
+    engine.add_request("b", kvt.PROMPTS[0], kvt.SamplingParams(temperature=0.0, max_tokens=4))
+    kvt.run(engine, [])  # b runs whole steps: its saves are confirmed
+    assert len(connector.index) == planned
