@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 
 from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler, num_emitted
@@ -118,3 +120,26 @@ def test_no_proposals_at_all_draw_from_the_target():
                              torch.zeros(DRAWS, dtype=torch.long), generator=torch.Generator().manual_seed(5))
     assert out.shape == (DRAWS, 1)
     assert chi2(torch.bincount(out[:, 0], minlength=VOCAB).float(), p) < chi2_threshold(VOCAB - 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 4), st.integers(2, 7), st.booleans(), st.integers(0, 2**31 - 1))
+def test_output_is_an_accepted_prefix_then_one_token_then_nothing(batch, k, vocab, deterministic, seed):
+    """For any distributions: row b emits its first m guesses (m <= num_proposed[b]), then one
+    token the target gives positive probability to, then NO_TOKEN."""
+    g = torch.Generator().manual_seed(seed)
+    target = torch.rand(batch, k + 1, vocab, generator=g) * (torch.rand(batch, k + 1, vocab, generator=g) > 0.3)
+    target[..., 0] += 1e-3  # every row keeps some mass
+    target = target / target.sum(-1, keepdim=True)
+    draft = torch.rand(batch, k, vocab, generator=g) + 1e-3
+    draft = draft / draft.sum(-1, keepdim=True)
+    guesses = torch.randint(0, vocab, (batch, k), generator=g)
+    num_proposed = torch.randint(0, k + 1, (batch,), generator=g)
+    out = RejectionSampler()(target, guesses, num_proposed, None if deterministic else draft, generator=g)
+    emitted = num_emitted(out)
+    for b in range(batch):
+        m = int(emitted[b]) - 1
+        assert 0 <= m <= int(num_proposed[b])
+        assert out[b, :m].tolist() == guesses[b, :m].tolist()
+        assert target[b, m, out[b, m]] > 0
+        assert (out[b, m + 1:] == NO_TOKEN).all()

@@ -241,3 +241,73 @@ def test_a_step_of_block_moves_only_runs_no_model(spec_checkpoints):
                             num_speculative_tokens=K)
     outputs = engine.model_executor.execute_model(ExecuteModelRequest(seq_group_metadata_list=[]))
     assert [len(o) for o in outputs] == [0]
+
+
+POISON = 100.0  # a key this large would dominate any softmax that read it
+
+
+def poison_after_each_step(engine) -> None:
+    """After every worker step, overwrite every cache slot the next steps must not read:
+    in the target's cache, positions from the next input token on (rejected guesses' K/V and
+    the unwritten rest of the table); in the draft's, from the second-to-last token on (the
+    draft recomputes those two first). Finite values, so a masked-out slot stays harmless
+    (0 x NaN would not)."""
+    worker = engine.model_executor.driver_worker
+    execute = worker.execute_model
+
+    def poisoned(req):
+        outputs = list(execute(req))
+        for i, metadata in enumerate(req.seq_group_metadata_list):
+            emitted = sum(1 for out in outputs if out[i].samples)
+            for seq_id, data in metadata.seq_data.items():
+                new_len = data.get_len() + emitted  # (the engine appends the tokens after this)
+                table = metadata.block_tables[seq_id]
+                _poison(worker.kv_caches, table, new_len - 1, worker.cache_config.block_size)
+                if hasattr(worker.proposer, "kv_caches"):
+                    _poison(worker.proposer.kv_caches, table, new_len - 2, worker.cache_config.block_size)
+        return outputs
+
+    worker.execute_model = poisoned
+
+
+def _poison(caches, table, first_position: int, block_size: int) -> None:
+    for position in range(max(first_position, 0), len(table) * block_size):
+        block, offset = table[position // block_size], position % block_size
+        for layer in caches:
+            layer[:, block, offset] = POISON
+
+
+@pytest.mark.parametrize("proposer", ["copy", "unrelated"])
+def test_rejected_guesses_kv_is_never_read(spec_checkpoints, reference, proposer):
+    """Poisoning every slot past what each model must have computed changes no token, and the
+    copy draft is still always accepted: neither model reads a rejected guess's K/V or a slot
+    it has not rewritten."""
+    draft = spec_checkpoints["target" if proposer == "copy" else "unrelated"]
+    engine, recorder = make_engine(spec_checkpoints["target"], speculative_model=draft, num_speculative_tokens=K)
+    poison_after_each_step(engine)
+    assert tokens(run(engine, PROMPTS, GREEDY)) == reference
+    if proposer == "copy":
+        assert recorder.spec.draft_acceptance_rate == 1.0
+    else:
+        assert recorder.spec.accepted_tokens < recorder.spec.draft_tokens  # guesses were rejected
+
+
+def test_the_poison_is_strong_enough_to_show(spec_checkpoints, reference):
+    """The same poison one slot earlier (over the last computed token) changes the output:
+    the test above would catch a read."""
+    engine, _ = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["unrelated"],
+                            num_speculative_tokens=K)
+    worker = engine.model_executor.driver_worker
+    execute = worker.execute_model
+
+    def too_early(req):
+        outputs = list(execute(req))
+        for i, metadata in enumerate(req.seq_group_metadata_list):
+            emitted = sum(1 for out in outputs if out[i].samples)
+            for seq_id, data in metadata.seq_data.items():
+                _poison(worker.kv_caches, metadata.block_tables[seq_id], data.get_len() + emitted - 2,
+                        worker.cache_config.block_size)
+        return outputs
+
+    worker.execute_model = too_early
+    assert tokens(run(engine, PROMPTS, GREEDY)) != reference
