@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -38,12 +39,21 @@ _PRELOAD = ["minivllm.worker.worker", "minivllm.executor.multiproc_worker_utils"
             *(f"transformers.models.{family}.configuration_{family}" for family in ("llama", "mistral", "qwen2", "qwen3"))]
 
 
+# vLLM's VLLM_WORKER_MULTIPROC_METHOD: "forkserver" (the default here) or "spawn".
+MULTIPROC_METHOD_ENV = "MINIVLLM_WORKER_MULTIPROC_METHOD"
+
+
 def _process_context():
     """"forkserver": a clean server process (no threads, no CUDA context, unlike forking the
     engine's process) that has imported torch once; each worker forks from it in well under
-    a second instead of spending seconds on imports as a spawned interpreter would."""
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(_PRELOAD)
+    a second instead of spending seconds on imports as a spawned interpreter would. "spawn"
+    (set MINIVLLM_WORKER_MULTIPROC_METHOD=spawn): a fresh interpreter per worker."""
+    method = os.environ.get(MULTIPROC_METHOD_ENV, "forkserver")
+    if method not in ("forkserver", "spawn"):
+        raise ValueError(f"{MULTIPROC_METHOD_ENV} must be 'forkserver' or 'spawn', got {method!r}.")
+    context = multiprocessing.get_context(method)
+    if method == "forkserver":
+        context.set_forkserver_preload(_PRELOAD)
     return context
 
 
