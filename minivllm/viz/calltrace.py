@@ -24,7 +24,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable
 
-import minivllm
+# minivllm/ itself (this file is minivllm/viz/calltrace.py).
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Component (the class whose methods count as "the component") -> layer it is drawn in. The
 # layers are the rows of the figure, top to bottom; a class defined in another module with the
@@ -92,7 +93,7 @@ def _component(code) -> str | None:
 
 def trace_calls(fn: Callable[[], object], package_dir: str | None = None) -> CallTrace:
     """Run `fn()` and record which component calls which (methods and counts)."""
-    root = package_dir or os.path.dirname(minivllm.__file__)
+    root = package_dir or _PACKAGE_DIR
     skip = os.path.join(root, "viz") + os.sep  # the tooling itself is not part of the picture
     trace = CallTrace()
     stack: list[tuple[object, str | None]] = []  # (frame, component owning it)
@@ -187,12 +188,15 @@ def _draw_edge_legend(ax, edges) -> None:
     ax.axis("off")
 
 
-def record_llm_generate(prompts=("ROMEO:", "JULIET:"), max_tokens: int = 4, **llm_kwargs) -> tuple[CallTrace, CallTrace]:
-    """Trace building an `LLM` (the setup) and one greedy `generate`, on the bundled model."""
-    from minivllm import LLM, SamplingParams
+def record_llm_generate(make_llm: Callable[[], object], prompts=("ROMEO:", "JULIET:"),
+                        max_tokens: int = 4) -> tuple[CallTrace, CallTrace]:
+    """Trace `make_llm()` (the setup, e.g. `lambda: LLM(seed=0)`) and one greedy `generate`.
+
+    The caller builds the `LLM`: course tooling sits below the entry points in the layer map."""
+    from minivllm.sampling_params import SamplingParams
 
     built = {}
-    setup = trace_calls(lambda: built.setdefault("llm", LLM(seed=0, **llm_kwargs)))
+    setup = trace_calls(lambda: built.setdefault("llm", make_llm()))
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     run = trace_calls(lambda: built["llm"].generate(list(prompts), params, use_tqdm=False))
     return run, setup
@@ -206,11 +210,3 @@ def figure(run: CallTrace, setup: CallTrace | None = None):
     draw_call_graph(run, ax, setup=setup, legend_ax=legend_ax)
     fig.tight_layout()
     return fig
-
-
-if __name__ == "__main__":  # python -m minivllm.viz.calltrace docs/img/call_graph.png
-    import matplotlib
-
-    matplotlib.use("Agg")
-    fig = figure(*record_llm_generate(device="cpu"))
-    fig.savefig(sys.argv[1] if len(sys.argv) > 1 else "call_graph.png", dpi=100, bbox_inches="tight")

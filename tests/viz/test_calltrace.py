@@ -1,10 +1,11 @@
 """The call graph is recorded from a real run: the step's path down the stack is in it."""
 
+from minivllm import LLM
 from minivllm.viz.calltrace import COMPONENTS, POSITIONS, record_llm_generate
 
 
 def test_generate_walks_the_stack_top_down():
-    run, setup = record_llm_generate(max_tokens=3, device="cpu")
+    run, setup = record_llm_generate(lambda: LLM(seed=0, device="cpu"), max_tokens=3)
     for caller, callee, method in [("LLM", "LLMEngine", "step"), ("LLMEngine", "Scheduler", "schedule"),
                                    ("Scheduler", "BlockSpaceManager", "allocate"),
                                    ("LLMEngine", "UniProcExecutor", "execute_model"),
