@@ -97,6 +97,7 @@ class _PendingAdd:
     priority: int
     stream: AsyncStream
     accepted: asyncio.Future = field(repr=False)
+    lora_request: Any = None  # a LoRARequest, or None for the base model
 
 
 class RequestTracker:
@@ -247,6 +248,7 @@ class AsyncLLMEngine:
                 pending.params,
                 arrival_time=pending.arrival_time,
                 priority=pending.priority,
+                lora_request=pending.lora_request,
             )
         except Exception as e:  # a bad request: its caller alone hears about it
             self._tracker.streams.pop(pending.request_id, None)
@@ -280,6 +282,7 @@ class AsyncLLMEngine:
         params: SamplingParams,
         arrival_time: float | None = None,
         priority: int = 0,
+        lora_request: Any = None,
     ) -> AsyncStream:
         """Queue a request and wait until the engine has accepted it.
 
@@ -296,6 +299,7 @@ class AsyncLLMEngine:
             priority=priority,
             stream=AsyncStream(request_id, on_cancel=self._abort_now),
             accepted=loop.create_future(),
+            lora_request=lora_request,
         )
         self._tracker.add_request(pending)
         try:

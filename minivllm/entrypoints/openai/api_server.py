@@ -5,6 +5,7 @@ Mirrors `vllm/entrypoints/openai/api_server.py` (v0, ~0.6). Routes:
     POST /v1/completions        POST /v1/chat/completions      (JSON, or SSE with "stream": true)
     GET  /v1/models             GET  /health                   GET  /metrics  (Prometheus text)
     POST /tokenize              POST /detokenize
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (with --enable-lora; see serving_models.py)
 
 Any OpenAI client works against it:
 
@@ -62,14 +63,16 @@ from minivllm.entrypoints.openai.protocol import (
     DetokenizeResponse,
     ErrorInfo,
     ErrorResponse,
-    ModelCard,
+    LoadLoRAAdapterRequest,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    UnloadLoRAAdapterRequest,
 )
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import OpenAIError, internal_error
+from minivllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
 
 logger = logging.getLogger(__name__)
 
@@ -91,14 +94,18 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """A FastAPI app serving `engine`; registers a Prometheus stat logger on the engine.
 
     `served_model_name`: the name(s) clients put in `"model"` (default: the checkpoint folder's
     name, or the hub id). `allowed_hosts=None` accepts any Host header (a server bound to a
-    public address, behind its own name). The other arguments: see the module docstring.
+    public address, behind its own name). `lora_modules`: adapters served from the start
+    (their names pick them in `"model"`; the engine needs enable_lora). The other arguments:
+    see the module docstring.
     """
     names = _served_model_names(engine, served_model_name)
+    models = OpenAIServingModels(engine, names, list(lora_modules))  # checks the adapters first
     registry = CollectorRegistry()
     stat_logger = PrometheusStatLogger(registry, model_name=names[0])
     # One metrics logger per engine: a new app (a notebook cell run twice) takes it over.
@@ -116,8 +123,10 @@ def build_app(
     app.state.engine = engine
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
-    completion = OpenAIServingCompletion(engine, names, max_prompts_per_request)
-    _add_openai_routes(app, completion, OpenAIServingChat(engine, names))
+    completion = OpenAIServingCompletion(engine, names, max_prompts_per_request, models)
+    _add_openai_routes(app, completion, OpenAIServingChat(engine, names, models=models))
+    if models.lora_enabled:
+        _add_lora_routes(app, models)
     _add_server_routes(app, engine, stat_logger)
     # The last one added runs first: Host, then CORS (its preflight carries no key), then the key.
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=max_body_bytes)
@@ -151,10 +160,7 @@ def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: 
 
     @app.get("/v1/models")
     async def show_models() -> ModelList:
-        # `root` is the served name, never the checkpoint's path on this machine.
-        max_model_len = completion.max_model_len
-        names = completion.served_model_names
-        return ModelList(data=[ModelCard(id=name, root=names[0], max_model_len=max_model_len) for name in names])
+        return completion.models.show_available_models(completion.max_model_len)
 
     @app.post("/tokenize")
     async def tokenize(request: TokenizeRequest) -> TokenizeResponse:
@@ -172,6 +178,17 @@ def _add_openai_routes(app: FastAPI, completion: OpenAIServingCompletion, chat: 
         chat.check_model(request.model)
         chat.check_token_ids(request.tokens, param="tokens")
         return DetokenizeResponse(prompt=await chat.run_in_tokenizer_thread("decode", request.tokens))
+
+
+def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
+    """vLLM's run-time adapter routes (plain-text answers, as vLLM's)."""
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
+        return Response(models.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
+        return Response(models.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
 
 def _answer(result) -> Response:
@@ -371,7 +388,8 @@ def app_options(args: argparse.Namespace, environ) -> dict:
     if not api_key and not _is_loopback(args.host):
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     return dict(api_key=api_key, allowed_hosts=_allowed_hosts(args), allowed_origins=args.allowed_origins,
-                max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request)
+                max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                lora_modules=args.lora_modules or [])
 
 
 def _is_loopback(host: str) -> bool:

@@ -5,6 +5,7 @@ flag from `EngineArgs.add_cli_args`, with vLLM's names (`--model`, `--max-num-se
 
     minivllm serve --host 127.0.0.1 --port 8000 --max-model-len 256
     MINIVLLM_API_KEY=... minivllm serve --host 0.0.0.0      (shared: every route needs the key)
+    minivllm serve --enable-lora --lora-modules sql=/adapters/sql   (a request's "model": "sql")
 """
 
 from __future__ import annotations
@@ -44,6 +45,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         default=None,
         help="model name(s) clients use in requests (default: the checkpoint folder's name, or the hub id)",
     )
+    group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
+                       help="LoRA adapters to serve, each as name=path to a PEFT folder; a request's "
+                            "\"model\" picks one by name (needs --enable-lora; default: none)")
     group.add_argument(
         "--uvicorn-log-level",
         default="info",
@@ -54,6 +58,16 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
     EngineArgs.add_cli_args(parser)
     return parser
+
+
+def _lora_module(text: str):
+    """"name=path" -> LoRAModulePath (argparse turns the ValueError into a usage error)."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"expected name=path, got {text!r}")
+    from minivllm.entrypoints.openai.serving_models import LoRAModulePath  # FastAPI-free only at call time
+
+    return LoRAModulePath(name, path)
 
 
 def make_arg_parser() -> argparse.ArgumentParser:

@@ -331,7 +331,18 @@ class ModelCard(OpenAIBaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "minivllm"
     root: str | None = None
+    parent: str | None = None  # a LoRA adapter's base model
     max_model_len: int | None = None
+
+
+class LoadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str | None = None
+    lora_path: str | None = None
+
+
+class UnloadLoRAAdapterRequest(OpenAIBaseModel):
+    lora_name: str | None = None
+    lora_int_id: int | None = None
 
 
 class ModelList(OpenAIBaseModel):

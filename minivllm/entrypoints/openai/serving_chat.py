@@ -70,11 +70,11 @@ class OpenAIServingChat(OpenAIServing):
     async def create_chat_completion(
         self, request: ChatCompletionRequest, receive
     ) -> ChatCompletionResponse | AsyncIterator[str]:
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         prompt_ids = await self.render_chat(request.messages, request.add_generation_prompt)
         params = self.build_sampling_params(request, len(prompt_ids))
         request_id = f"chatcmpl-{random_uuid()}"
-        streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority)
+        streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority, lora_request)
         model = request.model
         if request.stream:
             return self.sse_stream(request_id, self._events(request, request_id, model, len(prompt_ids), streams), streams)

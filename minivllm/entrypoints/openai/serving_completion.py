@@ -46,11 +46,11 @@ class OpenAIServingCompletion(OpenAIServing):
 
         `receive` is the ASGI receive channel, used to notice a client that hangs up.
         """
-        self.check_model(request.model)
+        lora_request = self.check_model(request.model)
         prompts = await self._prompts_token_ids(request.prompt)
         params = [self.build_sampling_params(request, len(ids)) for ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
-        streams = await self.add_requests(request_id, prompts, params, request.priority)
+        streams = await self.add_requests(request_id, prompts, params, request.priority, lora_request)
         model = request.model
         if request.stream:
             return self.sse_stream(request_id, self._events(request, request_id, model, prompts, streams), streams)

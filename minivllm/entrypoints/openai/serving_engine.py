@@ -75,10 +75,12 @@ class OpenAIServing:
     """The parts of request handling that do not depend on the endpoint."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str], max_prompts_per_request: int = 64
+        self, engine: AsyncLLMEngine, served_model_names: list[str], max_prompts_per_request: int = 64,
+        models=None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
+        self.models = models  # an `OpenAIServingModels` (the LoRA adapters' names too), or None
         # One request may carry a batch of prompts; without a cap, one client could queue
         # thousands ahead of everybody else's requests.
         self.max_prompts_per_request = max_prompts_per_request
@@ -95,8 +97,11 @@ class OpenAIServing:
         self._thread_tokenizers = threading.local()
 
     # ------------------------------------------------------------ validation
-    def check_model(self, model: str | None) -> None:
-        """An unknown model is a 404, as in vLLM (None: a route where `model` is optional)."""
+    def check_model(self, model: str | None):
+        """An unknown model is a 404, as in vLLM (None: a route where `model` is optional).
+        Returns the LoRA adapter the name picks, or None for the base model."""
+        if self.models is not None:
+            return self.models.lora_request_for(model)
         if model is not None and model not in self.served_model_names:
             raise OpenAIError(f"The model `{model}` does not exist.", 404, param="model", code="model_not_found")
 
@@ -161,14 +166,16 @@ class OpenAIServing:
 
     # --------------------------------------------------------------- engine
     async def add_requests(
-        self, request_id: str, prompts_token_ids: list[list[int]], params: list[SamplingParams], priority: int
+        self, request_id: str, prompts_token_ids: list[list[int]], params: list[SamplingParams], priority: int,
+        lora_request=None,
     ) -> list[AsyncStream]:
         """Add one engine request per prompt; if one is refused, abort the others (-> 400)."""
         streams: list[AsyncStream] = []
         try:
             for i, (token_ids, sampling_params) in enumerate(zip(prompts_token_ids, params)):
                 prompt = {"prompt_token_ids": token_ids}
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, sampling_params, priority=priority))
+                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, sampling_params,
+                                                             priority=priority, lora_request=lora_request))
         except BaseException as e:
             await self.engine.abort([stream.request_id for stream in streams])
             if isinstance(e, ValueError):
