@@ -70,7 +70,7 @@ class CUDAGraphModelRunner(ModelRunner):
         if attn_metadata.num_prefills == 0 and batch_size <= max(self.graph_runners, default=0):
             runner = self.graph_runners[min(s for s in self.graph_runners if s >= batch_size)]
             return runner.replay(input_ids, positions, attn_metadata)
-        return super().run_model(input_ids, positions, attn_metadata, kv_caches)
+        return super().run_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
 
 
 class _GraphBuffers:
