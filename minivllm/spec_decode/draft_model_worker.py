@@ -27,6 +27,7 @@ right after a step), only its proposals suffer: acceptance decides what is emitt
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 
@@ -34,12 +35,21 @@ from minivllm.attention import build_attn_metadata
 from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.rejection_sampler import sample_from
-from minivllm.sequence import SequenceGroupMetadata
+from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals, sampling_probs
 from minivllm.worker.worker import Worker
 
 # The start of a decode step's proposal: the last two tokens (see the module docstring).
 _CATCH_UP_TOKENS = 2
+
+
+class _Seq(NamedTuple):
+    """One sequence of the batch, and how many guesses it wants (0: it only catches up)."""
+
+    metadata: SequenceGroupMetadata
+    seq_id: int
+    data: SequenceData
+    wanted: int
 
 
 class DraftModelWorker(Worker):
@@ -61,56 +71,49 @@ class DraftModelWorker(Worker):
     @torch.inference_mode()
     def propose(self, seq_group_metadata_list: list[SequenceGroupMetadata], num_proposals: list[int]) -> Proposals:
         """k = max(num_proposals) draft steps. Every sequence of the batch takes part in the
-        first (the catch-up); step s feeds token s to the groups still wanting more."""
+        first (the catch-up); step s feeds guess s of the sequences that want more than s."""
         k = max(num_proposals, default=0)
-        seqs = [(m, seq_id, data, wanted) for m, wanted in zip(seq_group_metadata_list, num_proposals)
+        seqs = [_Seq(m, seq_id, data, wanted) for m, wanted in zip(seq_group_metadata_list, num_proposals)
                 for seq_id, data in m.seq_data.items()]
-        spec = [i for i, (_, _, _, wanted) in enumerate(seqs) if wanted]
+        hidden = self._catch_up(seqs)
+        # Each sequence's last catch-up row predicts its first guess.
+        wanting = [(i, seq) for i, seq in enumerate(seqs) if seq.wanted]
+        hidden = hidden[[_CATCH_UP_TOKENS * i + _CATCH_UP_TOKENS - 1 for i, _ in wanting]]
+        spec = [seq for _, seq in wanting]
         token_ids = torch.zeros(len(spec), k, dtype=torch.long, device=self.device)
         probs = torch.zeros(len(spec), k, self.model_config.hf_config.vocab_size, device=self.device)
-        hidden = self._catch_up(seqs)
-        if not spec:
-            return Proposals(token_ids, [], probs)
-        rows = torch.arange(len(spec), device=self.device)
-        # Each sequence's last row of the catch-up predicts its first proposal.
-        last_rows = [_CATCH_UP_TOKENS * i + _CATCH_UP_TOKENS - 1 for i in spec]
-        self._sample_into(hidden[last_rows], [seqs[i][0].sampling_params for i in spec], rows, 0, token_ids, probs)
-        for step in range(1, k):
-            active = [r for r, i in enumerate(spec) if seqs[i][3] > step]
-            hidden = self._decode([seqs[spec[r]] for r in active], step, token_ids[active, step - 1])
-            self._sample_into(hidden, [seqs[spec[r]][0].sampling_params for r in active],
-                              torch.tensor(active, device=self.device), step, token_ids, probs)
-        return Proposals(token_ids, [seqs[i][3] for i in spec], probs)
+        active = list(range(len(spec)))  # rows still guessing
+        for step in range(k):
+            if step:  # feed the previous guesses (the catch-up fed the real last token)
+                active = [r for r in active if spec[r].wanted > step]
+                hidden = self._decode([spec[r] for r in active], step, token_ids[active, step - 1])
+            q, _ = sampling_probs(self.model_runner.model.compute_logits(hidden),
+                                  [spec[r].metadata.sampling_params for r in active])
+            rows = torch.tensor(active, device=self.device)
+            token_ids[rows, step] = sample_from(q)  # drawn from the draft's own (processed) distribution
+            probs[rows, step] = q
+        return Proposals(token_ids, [seq.wanted for seq in spec], probs)
 
-    def _catch_up(self, seqs) -> torch.Tensor:
+    def _catch_up(self, seqs: list[_Seq]) -> torch.Tensor:
         """Positions L-2 and L-1 of every sequence, as 2-token prefills: `[2 * num_seqs, hidden]`."""
         input_ids, positions, tables = [], [], []
-        for metadata, seq_id, data, _ in seqs:
-            length = data.get_len()
-            input_ids += data.get_token_ids()[length - _CATCH_UP_TOKENS:]
-            positions += [length - 2, length - 1]
-            tables.append(metadata.block_tables[seq_id])
-        context_lens = [p for p in positions[::_CATCH_UP_TOKENS]]
+        for seq in seqs:
+            length = seq.data.get_len()
+            input_ids += seq.data.get_token_ids()[length - _CATCH_UP_TOKENS:]
+            positions += range(length - _CATCH_UP_TOKENS, length)
+            tables.append(seq.metadata.block_tables[seq.seq_id])
+        context_lens = [seq.data.get_len() - _CATCH_UP_TOKENS for seq in seqs]
         md = build_attn_metadata(tables, context_lens, [_CATCH_UP_TOKENS] * len(seqs), len(seqs),
                                  self.cache_config.block_size, self.device)
-        return self._forward(input_ids, positions, md)
-
-    def _decode(self, seqs, step: int, input_ids: torch.Tensor) -> torch.Tensor:
-        """Proposal `step` (already on the device) of each sequence, at position L-1+step."""
-        positions = [data.get_len() - 1 + step for _, _, data, _ in seqs]
-        md = build_attn_metadata([m.block_tables[seq_id] for m, seq_id, _, _ in seqs], positions,
-                                 [1] * len(seqs), 0, self.cache_config.block_size, self.device)
-        return self.model_runner.run_model(input_ids, to_device(torch.tensor(positions), self.device), md,
-                                           self.kv_caches)
-
-    def _forward(self, input_ids: list[int], positions: list[int], md) -> torch.Tensor:
         return self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
                                            to_device(torch.tensor(positions, dtype=torch.long), self.device),
                                            md, self.kv_caches)
 
-    def _sample_into(self, hidden: torch.Tensor, params, rows: torch.Tensor, step: int,
-                     token_ids: torch.Tensor, probs: torch.Tensor) -> None:
-        """Draw each row's proposal from the draft's distribution (processed like the target's)."""
-        q, _ = sampling_probs(self.model_runner.model.compute_logits(hidden), params)
-        token_ids[rows, step] = sample_from(q)
-        probs[rows, step] = q
+    def _decode(self, seqs: list[_Seq], step: int, input_ids: torch.Tensor) -> torch.Tensor:
+        """Guess `step` (already on the device) of each sequence, at position L-1+step, as a
+        one-token decode (a CUDA-graph replay on a GPU): `[num_seqs, hidden]`."""
+        positions = [seq.data.get_len() - 1 + step for seq in seqs]
+        md = build_attn_metadata([seq.metadata.block_tables[seq.seq_id] for seq in seqs], positions,
+                                 [1] * len(seqs), 0, self.cache_config.block_size, self.device)
+        return self.model_runner.run_model(input_ids, to_device(torch.tensor(positions), self.device), md,
+                                           self.kv_caches)
