@@ -66,6 +66,15 @@ def module_shapes(hf_config: Any) -> dict[str, tuple[int, int]]:
             "gate_proj": (inter, hidden), "up_proj": (inter, hidden), "down_proj": (hidden, inter)}
 
 
+def adapter_num_params(hf_config: Any, r: int, target_modules=SUPPORTED_MODULES) -> int:
+    """Parameters of a rank-r adapter on `target_modules` of every layer: r (in + out) each.
+
+    For a projection of `[out, in]` that is r * (in + out) against in * out for the weight:
+    a rank-16 adapter on a 1024 x 1024 matrix is 1/32 of it."""
+    shapes = module_shapes(hf_config)
+    return hf_config.num_hidden_layers * sum(r * sum(shapes[m]) for m in target_modules)
+
+
 def load_peft_helper(lora_path: str, hf_config: Any, max_lora_rank: int) -> PEFTHelper:
     """Check the adapter at `lora_path` against the base model; ValueError naming the problem."""
     folder = Path(lora_path).expanduser()
