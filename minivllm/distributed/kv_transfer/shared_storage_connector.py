@@ -19,6 +19,7 @@ sharing a prefix share its files, and a prefix hit needs no request in common:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 from pathlib import Path
@@ -48,9 +49,10 @@ class FileKVStore(KVStore):
         path = self.path(key)
         try:
             data = path.read_bytes()
-            os.utime(path)  # used now: last in line for eviction
         except FileNotFoundError:
             return None
+        with contextlib.suppress(FileNotFoundError):  # evicted right after the read: the bytes are whole
+            os.utime(path)  # used now: last in line for eviction
         return data
 
     def put_many(self, items: list[tuple[str, bytes]]) -> None:
@@ -60,9 +62,11 @@ class FileKVStore(KVStore):
             self.evict(self.max_bytes)
 
     def _put(self, path: Path, data: bytes) -> None:
-        if path.is_file():
-            os.utime(path)
+        try:
+            os.utime(path)  # already there (same key, same bytes): only used now
             return
+        except FileNotFoundError:  # absent, or evicted by another engine a moment ago
+            pass
         path.parent.mkdir(parents=True, exist_ok=True)
         temporary = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
         try:
