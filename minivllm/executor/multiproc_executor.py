@@ -92,11 +92,19 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
                     [w.process.pid for w in self.workers])
 
     def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
+        return self._finish_call(self._start_call(method, args))
+
+    def _start_call(self, method: Callable[..., Any], args: tuple) -> Any:
+        """Send the call to every worker, then run it on the driver: the driver's result.
+
+        Split from `_finish_call` so that calls can overlap (pipeline virtual engines,
+        `executor/virtual_engine.py`): the driver's stage may start the next call while the
+        later stages still work on this one."""
         self.check_health()
         for worker in self.workers:
             worker.submit(method, args)
         try:
-            driver_result = method(self.driver_worker, *args)
+            return method(self.driver_worker, *args)
         except Exception as error:
             # A collective that fails ("connection reset by peer") usually means a peer died:
             # that is the cause worth reporting. It may take a moment to be reaped.
@@ -105,6 +113,9 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
             self.check_health()
             self._collect()  # the live workers' answers to this call, so none is read later
             raise error
+
+    def _finish_call(self, driver_result: Any) -> list[Any]:
+        """Every rank's result of the oldest unfinished call, in rank order."""
         results, errors = self._collect()
         if errors:
             raise errors[0]

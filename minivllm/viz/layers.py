@@ -121,6 +121,8 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.executor.multiproc_worker_utils": "vllm/executor/multiproc_worker_utils.py",
     "minivllm.executor.ray_executor": "vllm/executor/ray_gpu_executor.py",
     "minivllm.executor.ray_utils": "vllm/executor/ray_utils.py",
+    "minivllm.executor.virtual_engine": "vllm/executor/ray_gpu_executor.py",  # its pp_locks / virtual_engine calls
+    "minivllm.engine.pipeline_parallel_engine": "vllm/engine/async_llm_engine.py",  # engine_step per virtual engine
     "minivllm.distributed": "vllm/distributed/",
     "minivllm.distributed.parallel_state": "vllm/distributed/parallel_state.py",
     "minivllm.distributed.communication_op": "vllm/distributed/communication_op.py",
