@@ -110,3 +110,30 @@ def test_more_adapters_than_slots_and_cpu_cache(lora_base, adapters, requests, t
     assert generate(llm, prompts, loras) == expected
     manager = llm.llm_engine.model_executor.driver_worker.model_runner.lora_manager
     assert len(manager.cpu_cache) == 1 and len(manager.manager.slots) == 1
+
+
+def test_tensor_parallel_two_ranks_over_gloo(lora_base, adapters, requests):
+    """TP=2 in two processes (the mp executor, gloo): each rank applies its shard of the
+    adapters; the mixed batch still equals the merged models."""
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.engine.llm_engine import LLMEngine
+
+    _, base = lora_base
+    prompts = checkpoints.mixed_prompts(3, seed=6, max_len=12)
+    loras = [requests["all"], None, requests["some"]]
+    models = [adapters["all"].merged, base, adapters["some"].merged]
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=lora_base[0], device="cpu", dtype="float32", block_size=8, tensor_parallel_size=2, enable_lora=True,
+        max_loras=2, max_lora_rank=8))
+    try:
+        for i, (prompt, lora) in enumerate(zip(prompts, loras)):
+            engine.add_request(str(i), {"prompt_token_ids": prompt}, GREEDY, lora_request=lora)
+        results = {}
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    results[int(output.request_id)] = output.outputs[0].token_ids
+        assert [results[i] for i in range(3)] == [checkpoints.hf_greedy(m, p, MAX_TOKENS) for m, p in zip(models, prompts)]
+        checkpoints.assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
