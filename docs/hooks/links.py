@@ -1,0 +1,24 @@
+"""MkDocs hook: the docs link to notebooks as `../notebooks/X.ipynb` (right on GitHub); on the
+site the notebooks are `docs/notebooks/` (a symlink to the repository's `notebooks/`), so those
+links are rewritten to stay inside the site. A notebook not in the tree (yet) becomes plain
+text instead of a broken link."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+_NOTEBOOK_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./)+notebooks/([\w.-]+\.ipynb)(#[^)]*)?\)")
+_NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    depth = page.file.src_uri.count("/")  # 0 for docs/x.md, 1 for docs/zh/x.md
+
+    def rewrite(match: re.Match) -> str:
+        text, name, anchor = match.group(1), match.group(2), match.group(3) or ""
+        if not (_NOTEBOOKS / name).exists():
+            return f"{text} (notebook not in the tree yet)"
+        return f"[{text}]({'../' * depth}notebooks/{name}{anchor})"
+
+    return _NOTEBOOK_LINK.sub(rewrite, markdown)
