@@ -4,9 +4,9 @@ Course tooling (notebook 16), outside the runtime:
 
     CollectiveCounter   counts every torch.distributed call this process makes (and its
                         bytes) while active, by wrapping the torch.distributed functions
-    PipelineTimer       times a pipeline-parallel engine's steps from the driver's side: the
+    PipelineTimer       times a pipeline-parallel executor's calls from the driver's side: the
                         driver runs stage 0 in-process, so its model runner's forward gives
-                        stage 0's interval, and the executor call's end gives the last stage's
+                        stage 0's interval, and each call's collection the last stage's end
     overlapped_schedule the schedule the same stage times would give with several batches in
                         flight (vLLM v0's virtual engines)
     draw_pipeline_schedule  the Gantt chart: one row per stage, one box per (stage, batch)
@@ -63,23 +63,25 @@ class CollectiveCounter:
 
 
 class PipelineTimer:
-    """Times each step of a pipeline-parallel `mp` engine, from the driver (stage 0).
+    """Times a pipeline-parallel (PP=2) `mp` executor's calls from the driver (stage 0).
 
-    `intervals`: (stage, step, start, end), times in seconds from the first step. Stage 0's
-    interval is its forward pass; the last stage's runs from stage 0's end (the send) to the
-    result's arrival, so it includes the transfer. Two stages only (the driver sees no more).
+    `intervals`: (stage, call, start, end), seconds from the first call. The driver runs
+    stage 0 in this process, so its model runner's forward gives stage 0's interval exactly.
+    Stage 1 works on call k from when it has both stage 0's tensors and finished call k - 1,
+    until call k's results are collected: [max(stage 0's end, previous collection),
+    collection] (this includes the transfers). Works for the plain engine
+    (`engine.model_executor`) and for virtual engines (`engine.shared.executor`).
     """
 
-    def __init__(self, engine) -> None:
-        executor = engine.model_executor
-        if engine.engine_config.parallel_config.pipeline_parallel_size != 2 or not hasattr(executor, "driver_worker"):
-            raise ValueError("PipelineTimer times an mp engine with pipeline_parallel_size=2.")
-        self.intervals: list[Interval] = []
+    def __init__(self, executor) -> None:
+        if executor.engine_config.parallel_config.pipeline_parallel_size != 2 or not hasattr(executor, "driver_worker"):
+            raise ValueError("PipelineTimer times an mp executor with pipeline_parallel_size=2.")
         self._origin: float | None = None
+        self._stage0: list[tuple[float, float]] = []
+        self._collected: list[float] = []
         runner = executor.driver_worker.model_runner
-        self._runner_execute, self._executor_execute = runner.execute_model, executor.execute_model
-        runner.execute_model, executor.execute_model = self._timed_stage0, self._timed_step
-        self._step = 0
+        self._forward, self._finish = runner.execute_model, executor._finish_call
+        runner.execute_model, executor._finish_call = self._timed_forward, self._timed_finish
 
     def _now(self) -> float:
         now = time.perf_counter()
@@ -87,18 +89,24 @@ class PipelineTimer:
             self._origin = now
         return now - self._origin
 
-    def _timed_stage0(self, *args, **kwargs):
+    def _timed_forward(self, *args, **kwargs):
         start = self._now()
-        output = self._runner_execute(*args, **kwargs)
-        self._stage0_end = self._now()
-        self.intervals.append((0, self._step, start, self._stage0_end))
+        output = self._forward(*args, **kwargs)
+        self._stage0.append((start, self._now()))
         return output
 
-    def _timed_step(self, request):
-        outputs = self._executor_execute(request)
-        self.intervals.append((1, self._step, self._stage0_end, self._now()))
-        self._step += 1
-        return outputs
+    def _timed_finish(self, *args):
+        results = self._finish(*args)
+        self._collected.append(self._now())
+        return results
+
+    @property
+    def intervals(self) -> list[Interval]:
+        intervals, previous = [], 0.0
+        for call, ((start, end), collected) in enumerate(zip(self._stage0, self._collected)):
+            intervals += [(0, call, start, end), (1, call, max(end, previous), collected)]
+            previous = collected
+        return intervals
 
 
 def stage_durations(intervals: list[Interval]) -> list[list[float]]:
