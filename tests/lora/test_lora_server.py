@@ -84,6 +84,9 @@ def test_lora_modules_flag():
     args = make_arg_parser().parse_args(["--enable-lora", "--lora-modules", "a=/p/a", "b=/p/b", "--max-loras", "2"])
     assert args.lora_modules == [LoRAModulePath("a", "/p/a"), LoRAModulePath("b", "/p/b")]
     assert args.enable_lora and args.max_loras == 2
+    from minivllm.entrypoints.openai.api_server import app_options  # what `minivllm serve` hands build_app
+
+    assert app_options(args, {})["lora_modules"] == args.lora_modules
     with pytest.raises(SystemExit):
         make_arg_parser().parse_args(["--lora-modules", "no-equals-sign"])
 
