@@ -81,6 +81,7 @@ class LLM:
         chat_template: str | None = None,
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[RequestOutput]:
         """Generate replies to conversations, rendered with the tokenizer's chat template.
 
@@ -99,7 +100,7 @@ class LLM:
                 conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
                 continue_final_message=continue_final_message, tokenize=False)
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _generate(self, prompts: list[PromptInput], params_list: list[SamplingParams], priorities: list[int],
                   use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
