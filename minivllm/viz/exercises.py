@@ -392,3 +392,63 @@ def check_rejection_step(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[f
                           atol=1e-9)
             yield
     return _run("rejection_step", fn, cases)
+
+
+# ================================================================ notebook 16: tensor parallelism
+def check_tp_all_reduce_bytes(fn: Callable[[int, int, int], int]) -> bool:
+    """fn(num_layers, hidden_size, bytes_per_element) -> all-reduce payload per token of one TP
+    step: two all-reduces per layer (after o_proj and down_proj) plus one for the vocabulary-split
+    embedding, each of `hidden_size` elements."""
+    def cases(fn):
+        for args in [(32, 4096, 2), (4, 256, 4), (1, 8, 1), (80, 8192, 2)]:
+            layers, hidden, nbytes = args
+            _expect(fn(*args), (2 * layers + 1) * hidden * nbytes, f"num_layers, hidden_size, bytes = {args}")
+            yield
+    return _run("tp_all_reduce_bytes", fn, cases)
+
+
+# ================================================================ notebook 17: offload or recompute
+def check_flops_per_kv_byte(fn: Callable[[int, int], float]) -> bool:
+    """fn(num_params, kv_bytes_per_token) -> FLOPs it takes to recompute one token's KV (about
+    2 per parameter, attention's quadratic term left out) per byte of KV you would load instead."""
+    def cases(fn):
+        for args in [(8_000_000_000, 131072), (600_000_000, 114688), (1_000_000, 3072)]:
+            params, kv = args
+            got, expected = fn(*args), 2 * params / kv
+            if not math.isclose(float(got), expected, rel_tol=1e-9):
+                raise _Wrong(f"num_params, kv_bytes_per_token = {args}: expected {expected:.6g}, got {got!r}")
+            yield
+    return _run("flops_per_kv_byte", fn, cases)
+
+
+# ================================================================ notebook 18: expected speedup
+def check_expected_speedup(fn: Callable[[float, int, float], float]) -> bool:
+    """fn(alpha, k, c) -> Leviathan et al.'s expected speedup: expected tokens per target pass,
+    (1 - alpha**(k+1)) / (1 - alpha), over the cost of k draft steps and one target pass, k*c + 1."""
+    def cases(fn):
+        for args in [(0.7, 4, 0.1), (0.5, 1, 0.0), (0.9, 8, 0.2), (0.0, 3, 0.1)]:
+            alpha, k, c = args
+            expected = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
+            got = fn(*args)
+            if not math.isclose(float(got), expected, rel_tol=1e-9):
+                raise _Wrong(f"alpha, k, c = {args}: expected {expected:.6g}, got {got!r}")
+            yield
+    return _run("expected_speedup", fn, cases)
+
+
+# ================================================================ notebook 19: LoRA
+def check_lora_delta(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]) -> bool:
+    """fn(x [T, in], lora_a [r, in], lora_b [out, r], scaling) -> the LoRA term [T, out] added to
+    x @ W.T, so that the sum equals x through the merged weight W + scaling * B @ A (PEFT's layout)."""
+    def cases(fn):
+        gen = torch.Generator().manual_seed(2)
+        for tokens, d_in, d_out, r, scaling in [(3, 8, 6, 2, 2.0), (1, 16, 16, 4, 0.5), (5, 4, 12, 1, 1.0)]:
+            x = torch.randn(tokens, d_in, generator=gen, dtype=torch.float64)
+            w = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64)
+            a = torch.randn(r, d_in, generator=gen, dtype=torch.float64)
+            b = torch.randn(d_out, r, generator=gen, dtype=torch.float64)
+            got = x @ w.T + torch.as_tensor(fn(x, a, b, scaling), dtype=torch.float64)
+            _expect_close(got, x @ (w + scaling * b @ a).T, f"x {tuple(x.shape)}, rank {r}, scaling {scaling}: x @ W.T + delta",
+                          atol=1e-9)
+            yield
+    return _run("lora_delta", fn, cases)
