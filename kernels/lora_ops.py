@@ -11,7 +11,13 @@ program (m, s) takes the m-th block of BLOCK_M rows OF SLOT s:
 
 so every program multiplies a [BLOCK_M, K] tile of rows that share ONE adapter by that
 adapter's matrix with `tl.dot`, whatever the mix in the batch, and rows of the base model
-(slot -1) are never visited. The grid depends only on T and L, never on the mapping: a
+(slot -1) are never visited.
+
+Split-K for shrink on small batches: a decode batch of 256 rows over 8 adapters leaves ONE
+16..64-row tile per adapter, so only 8 programs would walk all of K (1024-3072) alone. Below
+`_SPLIT_K_MAX_TOKENS` rows the K loop is cut into `split_k` chunks (a third grid axis); each
+writes its partial [rows, r] into its own plane of a zeroed fp32 buffer and one sum adds the
+planes: deterministic (no atomics), so a CUDA-graph replay gives the eager bits. The grid depends only on T and L, never on the mapping: a
 CUDA graph captured once replays for any mix of adapters.
 
 Products accumulate in fp32 (`input_precision="ieee"`: no TF32, so fp32 matches the
@@ -30,6 +36,9 @@ _BLOCK_K = 64
 _BLOCK_N = 64
 _MIN_DOT = 16  # tl.dot wants every dimension at least 16
 _SMALL_BATCH = 128  # up to this many rows, 16-row tiles (decode); above, 64 (prefill)
+_SPLIT_K_MAX_TOKENS = 512  # split shrink's K loop only for batches up to this many rows
+_K_PER_SPLIT = 256  # about this much of K per program when split
+_MAX_SPLIT_K = 16
 
 
 def _block_m(num_tokens: int) -> int:
@@ -48,17 +57,20 @@ def _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M: tl.con
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, buf_ptr, sorted_ptr, count_ptr, start_ptr, K, R,
-                   stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_bm, stride_br,
-                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
-    pid_m, slot = tl.program_id(0), tl.program_id(1)
+def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, count_ptr, start_ptr, K, R, k_per_split,
+                   stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_os, stride_om, stride_or,
+                   ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Program (m, slot, split): rows of tile m of `slot`, K range [split * k_per_split, ...)
+    -> plane `split` of out (or, with ACCUMULATE and one split, added into buf itself)."""
+    pid_m, slot, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_mask, count = _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M)
     if pid_m * BLOCK_M >= count:
         return
     r = tl.arange(0, BLOCK_R)
     r_mask = r < R
     acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    k_start = split * k_per_split
+    for k0 in range(k_start, tl.minimum(k_start + k_per_split, K), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_mask = k < K
         # x tile [BLOCK_M, BLOCK_K]: gathered rows (they need not be neighbours in the batch).
@@ -68,8 +80,11 @@ def _shrink_kernel(x_ptr, a_ptr, buf_ptr, sorted_ptr, count_ptr, start_ptr, K, R
         a = tl.load(a_ptr + slot * stride_al + r[None, :] * stride_ar + k[:, None] * stride_ak,
                     mask=r_mask[None, :] & k_mask[:, None], other=0.0)
         acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-    tl.store(buf_ptr + rows[:, None] * stride_bm + r[None, :] * stride_br, acc,
-             mask=row_mask[:, None] & r_mask[None, :])
+    out_ptrs = out_ptr + split * stride_os + rows[:, None] * stride_om + r[None, :] * stride_or
+    mask = row_mask[:, None] & r_mask[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0)
+    tl.store(out_ptrs, acc, mask=mask)
 
 
 @triton.jit
@@ -102,16 +117,29 @@ def _rank_block(rank: int) -> int:
     return max(_MIN_DOT, triton.next_power_of_2(rank))
 
 
+def _split_k(num_tokens: int, k: int) -> int:
+    if num_tokens > _SPLIT_K_MAX_TOKENS:
+        return 1  # a prefill has tiles enough to fill the GPU
+    return max(1, min(_MAX_SPLIT_K, triton.cdiv(k, _K_PER_SPLIT)))
+
+
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, buf: torch.Tensor, mapping: LoRAMapping) -> None:
     """Same contract as `lora_reference.lora_shrink`."""
     num_tokens, k = x.shape
     num_slots, rank, _ = lora_a.shape
     block_m = _block_m(num_tokens)
-    grid = (triton.cdiv(num_tokens, block_m), num_slots)
-    _shrink_kernel[grid](x, lora_a, buf, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
-                         mapping.slot_start, k, rank, x.stride(0), x.stride(1), *lora_a.stride(),
-                         buf.stride(0), buf.stride(1),
-                         BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_K=_BLOCK_K)
+    split_k = _split_k(num_tokens, k)
+    # K per split, a whole number of BLOCK_K tiles.
+    k_per_split = triton.cdiv(triton.cdiv(k, split_k), _BLOCK_K) * _BLOCK_K
+    split_k = triton.cdiv(k, k_per_split)
+    out = buf.unsqueeze(0) if split_k == 1 else torch.zeros(split_k, *buf.shape, dtype=torch.float32, device=buf.device)
+    grid = (triton.cdiv(num_tokens, block_m), num_slots, split_k)
+    _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
+                         mapping.slot_start, k, rank, k_per_split, x.stride(0), x.stride(1), *lora_a.stride(),
+                         out.stride(0), out.stride(1), out.stride(2),
+                         ACCUMULATE=split_k == 1, BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_K=_BLOCK_K)
+    if split_k > 1:
+        buf.add_(out.sum(0))  # rows without a slot: planes of zeros, buf unchanged
 
 
 def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int,

@@ -6,7 +6,7 @@ mixes requests of different adapters, and each row must be multiplied by ITS ada
 matrices. With every adapter's A and B stacked into one tensor per layer (a "slot" each),
 one launch applies them all:
 
-    shrink   buf[t, :]  = x[t, :] @ lora_a[slot(t)].T        [T, K] -> [T, R]   (K -> rank)
+    shrink   buf[t, :] += x[t, :] @ lora_a[slot(t)].T        [T, K] -> [T, R]   (K -> rank)
     expand   y[t, n0:n0+N] += buf[t, :] @ lora_b[slot(t)].T  [T, R] -> [T, N]   (rank -> out)
 
 so W x + B (A x) costs two skinny matmuls per row instead of a second full-size weight.
@@ -59,11 +59,14 @@ class LoRAMapping:
 
 
 def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, buf: torch.Tensor, mapping: LoRAMapping) -> None:
-    """buf[t] = x[t] @ lora_a[slot(t)].T for every row with a slot (others untouched), in place."""
+    """buf[t] += x[t] @ lora_a[slot(t)].T for every row with a slot (others untouched), in place.
+    (Callers pass zeros; adding lets the kernel sum split-K partials into it.)"""
     idx = mapping.token_lora_indices[: x.shape[0]]
+    delta = torch.zeros_like(buf)
     for slot in range(lora_a.shape[0]):
         rows = (idx == slot)[:, None]  # a mask, not a gather: no host sync on a GPU
-        buf.copy_(torch.where(rows, x.float() @ lora_a[slot].float().T, buf))  # [T, K] @ [K, R]
+        delta = torch.where(rows, x.float() @ lora_a[slot].float().T, delta)  # [T, K] @ [K, R]
+    buf.add_(delta)
 
 
 def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int,

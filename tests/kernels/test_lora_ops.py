@@ -66,6 +66,8 @@ def test_reference_is_the_per_row_definition(num_tokens, num_slots, rank, offset
     (1, 16, 16, 16, 1),      # one decode row, every dimension at tl.dot's minimum
     (7, 40, 70, 8, 3),       # ragged: K and N not multiples of the tiles, rank below 16
     (37, 96, 33, 4, 2),      # more rows than a 16-row tile
+    (9, 600, 20, 8, 2),      # split-K: three partial planes summed
+    (520, 16, 24, 4, 2),     # a prefill-sized batch: 64-row tiles, no split
 ])
 def test_triton_kernels_match_the_reference(num_tokens, k, n, rank, num_slots):
     from minivllm.kernels import lora_ops
@@ -76,6 +78,24 @@ def test_triton_kernels_match_the_reference(num_tokens, k, n, rank, num_slots):
     torch.testing.assert_close(buf, buf_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(out, out_ref, rtol=1e-5, atol=1e-5)
     assert torch.equal(out[idx == NO_LORA], y[idx == NO_LORA])
+
+
+def test_shrink_adds_into_buf():
+    """Both implementations add into buf (split-K sums its partials into it): a non-zero buf
+    keeps its value on base-model rows and gains the product on the others."""
+    from minivllm.kernels import lora_ops
+
+    x, lora_a, _, idx, _ = random_case(9, 600, 20, 8, 2, torch.float32, 3)
+    mapping = LoRAMapping.build(idx, 2)
+    start = torch.randn(9, 8)
+    results = []
+    for ops in (ref, lora_ops):
+        buf = start.clone()
+        ops.lora_shrink(x, lora_a, buf, mapping)
+        results.append(buf)
+    torch.testing.assert_close(results[1], results[0], rtol=1e-5, atol=1e-5)
+    expected = start + torch.stack([x[t] @ lora_a[s].T if s >= 0 else torch.zeros(8) for t, s in enumerate(idx.tolist())])
+    torch.testing.assert_close(results[0], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_triton_kernels_skip_a_batch_without_adapters():
