@@ -154,10 +154,14 @@ def _read_shapes(folder: Path, lora_path: str) -> dict[str, tuple[int, str, str,
             header = json.loads(f.read(length))
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise ValueError(f"{path}: not a safetensors file ({error}).") from error
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object).")
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
+        if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
+            raise ValueError(f"{path}: tensor {name!r} has no shape in the safetensors header.")
         match = _TENSOR_NAME.match(name)
         if match is None:
             raise ValueError(f"LoRA adapter {lora_path!r}: unexpected tensor {name!r} (expected "

@@ -124,3 +124,12 @@ def test_lora_engine_arguments_are_checked(args, match):
 def test_lora_request_fields(fields, match):
     with pytest.raises(ValueError, match=match):
         LoRARequest(*fields)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x05\x00\x00\x00\x00\x00\x00\x00[1,2]", b"\xff" * 16],
+                         ids=["empty", "header-not-an-object", "garbage"])
+def test_a_damaged_weights_file(lora_base, adapters, tmp_path, content):
+    path = copy_adapter(adapters["all"].path, tmp_path / "damaged")
+    (Path(path) / "adapter_model.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match="not a safetensors file"):
+        load_peft_helper(path, lora_base[1].config, 8)
