@@ -6,6 +6,10 @@ output slice, two stacked tensors with one row per GPU slot:
     lora_a  [max_loras, max_lora_rank, in_features (this rank's)]
     lora_b  [max_loras, out_features of the slice (this rank's), max_lora_rank]
 
+The slices' A tensors are views into ONE `[max_loras, num_slices * max_lora_rank, in]` tensor
+(`lora_a_stacked`): the slices share their input, so one shrink serves them all (q, k and v
+read x once) and only expand runs per slice.
+
 forward = the base layer's matmul, then `PunicaWrapper.add_lora_linear` adds each row's own
 adapter. Adapters of a smaller rank fill the first r ranks of a slot; the rest stay zero.
 
@@ -47,8 +51,9 @@ class BaseLayerWithLoRA(nn.Module):
     def create_lora_weights(self, max_loras: int, max_rank: int, punica: PunicaWrapper) -> None:
         weight = self.base_layer.weight
         kw = dict(dtype=weight.dtype, device=weight.device)
-        in_features = weight.shape[1]
-        self.lora_a = tuple(torch.zeros(max_loras, max_rank, in_features, **kw) for _ in self.output_slices())
+        in_features, num_slices = weight.shape[1], len(self.output_slices())
+        self.lora_a_stacked = torch.zeros(max_loras, num_slices * max_rank, in_features, **kw)
+        self.lora_a = tuple(self.lora_a_stacked[:, i * max_rank : (i + 1) * max_rank] for i in range(num_slices))
         self.lora_b = tuple(torch.zeros(max_loras, rows, max_rank, **kw) for rows, _ in self.output_slices())
         self.punica = punica
 
@@ -81,7 +86,7 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         y = F.linear(x, base.weight, base.bias)
-        self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
+        self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
         if base.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
         return y
@@ -112,10 +117,10 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         base = self.base_layer
         if self.tp_size == 1:
             y = F.linear(x, base.weight, base.bias)
-            self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
+            self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
             return y
         y = F.linear(x, base.weight)  # this rank's partial sum, LoRA's partial added before the reduce
-        self.punica.add_lora_linear(y, x, self.lora_a, self.lora_b)
+        self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
         if base.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         return y if base.bias is None else y + base.bias
