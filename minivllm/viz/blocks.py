@@ -37,8 +37,8 @@ _BLOCK_GAP = 0.35  # space between two logical blocks of a sequence
 _POOL_GAP = 3.0  # space between the logical side and the physical pool
 _ROWS_PER_COLUMN = 8  # physical blocks per column before wrapping to the next
 _COLUMN_GAP = 3.6  # room for the '#n' and 'ref n' labels between two columns of blocks
-_MAX_TOKEN_CHARS = 4  # characters that fit a cell at the full token font size
-_MIN_TOKEN_FONT = 3.5
+_MAX_TOKEN_CHARS = 5  # characters that fit a cell at the full token font size
+_MIN_TOKEN_FONT = 4.0
 _HASH_DIGITS = 4  # hex digits of a block hash shown (enough to tell blocks apart)
 
 
@@ -161,11 +161,13 @@ def _draw_pool_blocks(ax, blocks: Sequence[BlockSnapshot], positions, device: st
         if block.cached and block.ref_count:  # registered in the prefix cache and in use
             ax.add_patch(Rectangle((x, y), _block_width(size), _CELL, fill=False,
                                    edgecolor=COLORS["cached"], linewidth=3.0))
-        # Number and reference count stacked on the block's left: the gap to the next column
-        # holds one label only, so "ref 1" never runs into the next block's "#8".
-        ax.text(x - 0.2, y + 0.72, f"#{block.block_number}", ha="right", va="center", fontsize=6.5)
+        # Number and reference count stacked on the block's right: the gap to the next column
+        # holds one label pair only (so "ref 1" never runs into the next block's "#8"), and the
+        # left side stays free for the arrows from the logical blocks.
+        right = x + _block_width(size) + 0.2
+        ax.text(right, y + 0.72, f"#{block.block_number}", ha="left", va="center", fontsize=6.5)
         if block.ref_count:
-            ax.text(x - 0.2, y + 0.24, f"ref {block.ref_count}", ha="right",
+            ax.text(right, y + 0.24, f"ref {block.ref_count}", ha="left",
                     va="center", fontsize=6.5, color=COLORS["shared"] if block.ref_count > 1 else COLORS["edge"],
                     fontweight="bold" if block.ref_count > 1 else "normal")
 
@@ -189,7 +191,7 @@ def _draw_sequences(ax, snapshot, seq_ids, tables, positions, token_labels, show
             target = positions.get(("cpu" if on_cpu else "gpu", block_number))
             if target is None or (on_cpu and not show_cpu):
                 continue
-            ax.add_patch(FancyArrowPatch((x + _block_width(size), y + 0.5), (target[0] - 0.9, target[1] + 0.5),
+            ax.add_patch(FancyArrowPatch((x + _block_width(size), y + 0.5), (target[0] - 0.1, target[1] + 0.5),
                                          arrowstyle="-|>", mutation_scale=8, color=color, alpha=0.6,
                                          linewidth=1.0, connectionstyle="arc3,rad=0.05"))
     return y - 0.6
