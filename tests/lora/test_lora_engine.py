@@ -137,3 +137,22 @@ def test_tensor_parallel_two_ranks_over_gloo(lora_base, adapters, requests):
         checkpoints.assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_removing_an_adapter_keeps_the_slots_dense(lora_base, adapters, requests):
+    """Slots stay 0..n-1: removing the adapter in slot 0 moves the last slot's adapter into it,
+    and requests of the adapters left still get their merged models' tokens."""
+    llm = make_llm(lora_base[0], max_loras=3, max_cpu_loras=3)
+    worker_manager = llm.llm_engine.model_executor.driver_worker.model_runner.lora_manager
+    manager = worker_manager.manager
+    third = LoRARequest("all-again", 3, adapters["all"].path)
+    for request in (requests["all"], requests["some"], third):
+        manager.activate(worker_manager.get(request), keep=set())
+    assert dict(manager.slots) == {1: 0, 2: 1, 3: 2}
+    worker_manager.remove_adapter(1)
+    assert dict(manager.slots) == {2: 1, 3: 0} and worker_manager.list_adapters() == [2, 3]
+    for layer in manager.lora_layers.values():  # slot 2 is empty again
+        assert not layer.lora_a_stacked[2].any() and not any(b[2].any() for b in layer.lora_b)
+    prompts = checkpoints.mixed_prompts(3, seed=9, max_len=12)[1:]
+    got = generate(llm, prompts, [third, requests["some"]])
+    assert got == [checkpoints.hf_greedy(adapters[name].merged, p, MAX_TOKENS) for name, p in zip(["all", "some"], prompts)]
