@@ -1,0 +1,62 @@
+"""The process groups and collectives on a real 2-process gloo world: the TP-major layout,
+all-reduce, all-gather, gather onto one rank, and the pipeline's tensor-dict send / receive.
+
+Each rank is a plain `python -c` subprocess running the script below (no test module has to
+be importable in a child); a rank exits non-zero, with the failing check, if anything is off.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from minivllm.distributed.utils import get_distributed_init_method, get_open_port
+
+RANK_SCRIPT = r'''
+import sys
+import torch
+from minivllm.distributed import (destroy_distributed_environment, destroy_model_parallel, get_pp_group,
+                                  get_tp_group, init_distributed_environment, initialize_model_parallel,
+                                  tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce,
+                                  tensor_model_parallel_gather)
+
+rank, init_method = int(sys.argv[1]), sys.argv[2]
+init_distributed_environment(2, rank, init_method, backend="gloo")
+
+# TP=2: both ranks in one TP group; each is its own pipeline.
+initialize_model_parallel(2, 1)
+tp = get_tp_group()
+assert (tp.ranks, tp.rank_in_group, get_pp_group().world_size) == ([0, 1], rank, 1)
+x = torch.full((2, 3), float(rank + 1))
+assert torch.equal(tensor_model_parallel_all_reduce(x.clone()), torch.full((2, 3), 3.0))
+gathered = tensor_model_parallel_all_gather(x, dim=-1)
+assert torch.equal(gathered, torch.cat([torch.full((2, 3), 1.0), torch.full((2, 3), 2.0)], dim=-1))
+onto_0 = tensor_model_parallel_gather(x, dst=0, dim=-1)
+assert (onto_0 is None) == (rank == 1) and (rank == 1 or torch.equal(onto_0, gathered))
+destroy_model_parallel()
+
+# PP=2: rank 0 is stage 0, rank 1 stage 1; stage 0 sends the residual stream.
+initialize_model_parallel(1, 2)
+pp = get_pp_group()
+assert (pp.is_first_rank, pp.is_last_rank) == (rank == 0, rank == 1) and get_tp_group().world_size == 1
+sent = {"hidden_states": torch.arange(12.0).view(4, 3), "residual": torch.ones(4, 3, dtype=torch.float16)}
+if rank == 0:
+    pp.send_tensor_dict(sent)
+else:
+    received = pp.recv_tensor_dict()
+    assert list(received) == list(sent)
+    assert all(torch.equal(received[k], sent[k]) and received[k].dtype == sent[k].dtype for k in sent)
+destroy_distributed_environment()
+print("ok", rank)
+'''
+
+
+def test_groups_and_collectives_on_two_gloo_processes():
+    init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), init_method],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(2)]
+    outputs = [process.communicate(timeout=120)[0] for process in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0, f"rank {rank} failed:\n{output}"
+        assert f"ok {rank}" in output
