@@ -81,6 +81,13 @@ def _dump_dom(url: str) -> str:
     return result.stdout
 
 
+def test_notebook_links_to_the_docs_stay_on_the_site(site):
+    out, _ = site
+    html = (out / "notebooks/00_tour/index.html").read_text(encoding="utf-8")
+    assert 'href="../../modules/"' in html and 'href="../../zh/modules/"' in html
+    assert 'href="../docs/' not in html
+
+
 def test_every_notebook_and_zh_page_is_built(site):
     out, _ = site
     for notebook in sorted((ROOT / "notebooks").glob("[0-9]*.ipynb")):

@@ -22,3 +22,14 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
         return f"[{text}]({'../' * depth}notebooks/{name}{anchor})"
 
     return _NOTEBOOK_LINK.sub(rewrite, markdown)
+
+
+# Notebooks link to the docs as `../docs/X.md` (right on GitHub and in Jupyter); on the site a
+# notebook is the page notebooks/<name>/, and a doc page X.md is X/.
+_DOCS_LINK = re.compile(r'href="\.\./docs/([\w/.-]+?)\.md(#[^"]*)?"')
+
+
+def on_post_page(output: str, page, config) -> str:
+    if not page.file.src_uri.startswith("notebooks/"):
+        return output
+    return _DOCS_LINK.sub(lambda m: f'href="../../{m.group(1)}/{m.group(2) or ""}"', output)
