@@ -163,7 +163,8 @@ def draw_call_graph(trace: CallTrace, ax, setup: CallTrace | None = None, legend
         start, end = _box_edge((x0, y0), (x1, y1), caller), _box_edge((x1, y1), (x0, y0), callee)
         ax.add_patch(FancyArrowPatch(start, end, arrowstyle="-|>", mutation_scale=14, color=color, zorder=2,
                                      linewidth=1.2, linestyle="--" if setup_only else "-", shrinkA=0, shrinkB=0))
-        ax.text(x0 + 0.55 * (x1 - x0), y0 + 0.55 * (y1 - y0), str(number), fontsize=8, ha="center", va="center",
+        # The number sits halfway along the visible segment, clear of both boxes and the arrowhead.
+        ax.text((start[0] + end[0]) / 2, (start[1] + end[1]) / 2, str(number), fontsize=8, ha="center", va="center",
                 zorder=4, color="white", bbox=dict(boxstyle="circle,pad=0.2", facecolor=color, edgecolor="none"))
     ax.set_xlim(-0.05, 1.05)
     ax.set_ylim(-7.9, 0.4)
@@ -176,7 +177,7 @@ def draw_call_graph(trace: CallTrace, ax, setup: CallTrace | None = None, legend
 def _box_edge(center, toward, name) -> tuple[float, float]:
     """Where the segment from `center` toward `toward` leaves `name`'s box (estimated in data
     units from the label's length), so arrows start and end at the outlines, heads visible."""
-    half_w, half_h = 0.0068 * max(len(name), 12) + 0.02, 0.3
+    half_w, half_h = 0.0052 * max(len(name), 12) + 0.014, 0.27
     dx, dy = toward[0] - center[0], toward[1] - center[1]
     t = min(half_w / abs(dx) if dx else float("inf"), half_h / abs(dy) if dy else float("inf"))
     return center[0] + t * dx, center[1] + t * dy
