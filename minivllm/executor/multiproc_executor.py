@@ -141,9 +141,14 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
                                   + "; the engine cannot continue without it.")
 
     def shutdown(self) -> None:
+        # Every rank leaves its process groups at the same time: NCCL tears a communicator down
+        # together with its peers, so a driver that waited for the workers to exit first (or
+        # left after they were gone) could wait forever. Ask, leave, then wait.
         for worker in self.workers:
-            worker.stop()
-        self.workers = []
+            worker.request_stop()
         if self.driver_worker is not None:
             self.driver_worker.shutdown()
             self.driver_worker = None
+        for worker in self.workers:
+            worker.stop()
+        self.workers = []

@@ -60,13 +60,18 @@ class ProcessWorkerWrapper:
     def is_alive(self) -> bool:
         return self.process.is_alive()
 
-    def stop(self) -> None:
-        """Ask the process to exit; terminate it if it does not within JOIN_TIMEOUT_S."""
+    def request_stop(self) -> None:
+        """Ask the process to leave its process groups and exit; do not wait."""
         if self.process.is_alive():
             try:
                 self.tasks.put(None)
             except (OSError, ValueError):  # queue already closed
                 pass
+
+    def stop(self) -> None:
+        """Ask the process to exit; terminate it if it does not within JOIN_TIMEOUT_S."""
+        if self.process.is_alive():
+            self.request_stop()
             self.process.join(JOIN_TIMEOUT_S)
         if self.process.is_alive():
             self.process.terminate()
