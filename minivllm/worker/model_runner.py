@@ -107,7 +107,6 @@ class ModelRunner:
         tables: list[list[int]] = []
         context_lens: list[int] = []
         seq_query_lens: list[int] = []
-        token_lora_ids: list[int] = []  # the request's adapter per token (0: the base model)
         num_prefills = 0
         for metadata in seq_group_metadata_list:
             for seq_id, data in metadata.seq_data.items():
@@ -123,7 +122,6 @@ class ModelRunner:
                 tables.append(metadata.block_tables[seq_id])
                 context_lens.append(start)
                 seq_query_lens.append(len(tokens))
-                token_lora_ids.extend([metadata.lora_int_id] * len(tokens))
         attn_metadata = build_attn_metadata(tables, context_lens, seq_query_lens, num_prefills,
                                             self.block_size, self.device)
         # Every sequence of a group computes as many tokens (the group's chunk, or 1).
@@ -131,7 +129,7 @@ class ModelRunner:
         sampling_metadata = SamplingMetadata.prepare(
             seq_group_metadata_list, group_query_lens, self.device, self.generators)
         if self.lora_manager is not None:  # this step's adapters into GPU slots, a slot per token
-            self.lora_manager.set_active_adapters(seq_group_metadata_list, token_lora_ids)
+            self.lora_manager.set_active_adapters(seq_group_metadata_list, _token_lora_ids(seq_group_metadata_list))
         return ModelInput(
             input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
             positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
@@ -221,3 +219,10 @@ class ModelRunner:
         return IntermediateTensors({name: torch.zeros(shape, dtype=self.dtype, device=self.device)
                                     for name in ("hidden_states", "residual")})
 
+
+def _token_lora_ids(seq_group_metadata_list: list[SequenceGroupMetadata]) -> list[int]:
+    """Each new token's adapter id (0: the base model), in batch order; built only with LoRA on."""
+    return [metadata.lora_int_id
+            for metadata in seq_group_metadata_list
+            for _ in metadata.seq_data
+            for _ in range(metadata.token_chunk_size if metadata.is_prompt else 1)]
