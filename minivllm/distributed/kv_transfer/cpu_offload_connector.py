@@ -27,13 +27,13 @@ import torch
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
                                                    Timer)
 from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root
-from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
+from minivllm.distributed.kv_transfer.layerwise import LayerwiseConnectorMixin, LayerwiseTransfer
 from minivllm.sequence import SequenceStatus
 
 _DEFAULT_NUM_CPU_BLOCKS = 512
 
 
-class CPUOffloadConnector(KVConnectorBase):
+class CPUOffloadConnector(LayerwiseConnectorMixin, KVConnectorBase):
     """Extra config: `num_cpu_blocks` (host pool size in blocks, default 512)."""
 
     def __init__(self, engine_config: Any, role: KVConnectorRole) -> None:
@@ -154,14 +154,7 @@ class CPUOffloadConnector(KVConnectorBase):
         with Timer(self.stats, "load_time_s"):
             if block_ids:
                 self.transfer.start_load(block_ids, self.pool[:, slots])
-        self.stats.num_tokens_loaded += len(block_ids) * self.block_size
-        self.stats.bytes_loaded += len(block_ids) * self.transfer.block_nbytes
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.transfer.wait_layer(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        self.transfer.save_layer(layer_name, kv_layer)
+        self._count_loaded(len(block_ids))
 
     def wait_for_save(self) -> None:
         with Timer(self.stats, "save_time_s"):
@@ -169,5 +162,4 @@ class CPUOffloadConnector(KVConnectorBase):
             if blocks is None:
                 return
             self.pool[:, self._save_slots] = blocks
-        self.stats.num_tokens_saved += len(self._save_slots) * self.block_size
-        self.stats.bytes_saved += len(self._save_slots) * self.transfer.block_nbytes
+        self._count_saved(len(self._save_slots))

@@ -13,6 +13,8 @@ while each layer's cache is [2, num_blocks, block_size, num_kv_heads, head_dim].
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 
@@ -95,3 +97,25 @@ class LayerwiseTransfer:
             self._load_host = None
         buffer, self._save_ids, self._save_buffer = self._save_buffer, None, None
         return buffer
+
+
+class LayerwiseConnectorMixin:
+    """The worker side every connector that moves whole layers through `self.transfer` (a
+    `LayerwiseTransfer`) shares: wait for a layer's load, save a layer, count what moved.
+    Put it before `KVConnectorBase` in the bases, so these override the base's no-ops."""
+
+    transfer: LayerwiseTransfer
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        self.transfer.wait_layer(layer_name)
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
+        self.transfer.save_layer(layer_name, kv_layer)
+
+    def _count_loaded(self, num_blocks: int) -> None:
+        self.stats.num_tokens_loaded += num_blocks * self.block_size
+        self.stats.bytes_loaded += num_blocks * self.transfer.block_nbytes
+
+    def _count_saved(self, num_blocks: int) -> None:
+        self.stats.num_tokens_saved += num_blocks * self.block_size
+        self.stats.bytes_saved += num_blocks * self.transfer.block_nbytes

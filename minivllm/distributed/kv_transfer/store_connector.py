@@ -26,7 +26,7 @@ import torch
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
                                                    Timer)
 from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root, shard_name
-from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
+from minivllm.distributed.kv_transfer.layerwise import LayerwiseConnectorMixin, LayerwiseTransfer
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class KVStore:
         """Store every (key, value); a key already there is only marked as used."""
 
 
-class StoreConnector(KVConnectorBase):
+class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
     """A connector over a `KVStore`; subclasses say which (`make_store`)."""
 
     def __init__(self, engine_config: Any, role: KVConnectorRole) -> None:
@@ -198,17 +198,10 @@ class StoreConnector(KVConnectorBase):
             if blocks:
                 self.transfer.start_load(block_ids, torch.stack(blocks, dim=1))
         self.stats.num_load_errors += len(self._load_errors)
-        self.stats.num_tokens_loaded += len(block_ids) * self.block_size
-        self.stats.bytes_loaded += len(block_ids) * self.transfer.block_nbytes
+        self._count_loaded(len(block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._load_errors
-
-    def wait_for_layer_load(self, layer_name: str) -> None:
-        self.transfer.wait_layer(layer_name)
-
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any) -> None:
-        self.transfer.save_layer(layer_name, kv_layer)
 
     def wait_for_save(self) -> None:
         with Timer(self.stats, "save_time_s"):
@@ -217,5 +210,4 @@ class StoreConnector(KVConnectorBase):
                 return
             items = [(key, encode_block(blocks[:, i])) for i, key in enumerate(self._save_keys)]
             self._call("put", self.store.put_many, items)
-        self.stats.num_tokens_saved += len(items) * self.block_size
-        self.stats.bytes_saved += len(items) * self.transfer.block_nbytes
+        self._count_saved(len(items))
