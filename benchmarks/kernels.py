@@ -16,6 +16,12 @@ Run on a GPU:  python benchmarks/kernels.py --out results/   (--sweep to tune, -
 It prints a markdown table, and writes kernels.json and kernels.png into --out.
 `python benchmarks/kernels.py --plot-only results/kernels.json --png docs/benchmarks.png`
 redraws the figure from saved numbers (no GPU needed).
+
+`--prefill` times prefill attention instead (issue 15): minivllm's paged prefill Triton kernel
+(`get_ops("triton").paged_prefill_attention`, K/V read through a block table) against torch
+SDPA with the flash backend on contiguous K/V, causal, at 1 x 8192 and 16 x 1024 tokens, same
+head shape, bf16; CUDA events, median of PREFILL_REPS after warm-up. It writes
+prefill_attention.json. `--prefill --smoke` runs tiny shapes on the CPU (Triton interpreter).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -340,6 +347,134 @@ def plot(results: dict, png: Path) -> None:
     plt.close(fig)
 
 
+# --------------------------------------------------------------------------- prefill attention
+PREFILL_SHAPES = [(1, 8192), (16, 1024)]  # (sequences, tokens each): a fresh prompt, no cached context
+PREFILL_SMOKE_SHAPES = [(1, 64), (2, 32)]
+PREFILL_WARMUP, PREFILL_REPS = 5, 20
+
+
+def prefill_inputs(batch: int, seq_len: int, device: str, dtype: torch.dtype, seed: int = 0) -> dict:
+    """The same tokens twice: packed for the paged kernel (K/V scattered over cache blocks through
+    a permuted block table, as reshape_and_cache leaves them) and contiguous for SDPA."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_tokens = batch * seq_len
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    v = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype, generator=gen)
+    blocks_per_seq = -(-seq_len // BLOCK_SIZE)
+    num_blocks = batch * blocks_per_seq
+    block_tables = torch.randperm(num_blocks, device=device, generator=gen).view(batch, blocks_per_seq).int()
+    key_cache = torch.zeros(num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=device, dtype=dtype)
+    value_cache = torch.zeros_like(key_cache)
+    pos = torch.arange(seq_len, device=device)
+    for b in range(batch):  # token t of sequence b lives in block_tables[b, t // BLOCK_SIZE], slot t % BLOCK_SIZE
+        blocks = block_tables[b, pos // BLOCK_SIZE].long()
+        key_cache[blocks, pos % BLOCK_SIZE] = k[b * seq_len:(b + 1) * seq_len]
+        value_cache[blocks, pos % BLOCK_SIZE] = v[b * seq_len:(b + 1) * seq_len]
+    start_loc = torch.arange(0, num_tokens + 1, seq_len, device=device, dtype=torch.int32)
+    seq_lens = torch.full((batch,), seq_len, device=device, dtype=torch.int32)
+    # SDPA's layout: [batch, heads, tokens, head_dim], contiguous.
+    to_sdpa = lambda x: x.view(batch, seq_len, x.shape[1], HEAD_DIM).transpose(1, 2).contiguous()  # noqa: E731
+    return dict(query=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
+                query_start_loc=start_loc, seq_lens=seq_lens, max_query_len=seq_len,
+                q_sdpa=to_sdpa(q), k_sdpa=to_sdpa(k), v_sdpa=to_sdpa(v))
+
+
+def _sdpa_flash(device: str, inputs: dict):
+    """A closure running SDPA causal on contiguous K/V: the flash backend on CUDA (GQA natively
+    if this torch allows it, else K/V expanded to every query head beforehand, untimed)."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    backend = SDPBackend.FLASH_ATTENTION if device.startswith("cuda") else SDPBackend.MATH
+    q, k, v = inputs["q_sdpa"], inputs["k_sdpa"], inputs["v_sdpa"]
+
+    def gqa():
+        with sdpa_kernel(backend):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    try:
+        gqa()
+        return gqa, "native GQA"
+    except RuntimeError:
+        group = NUM_HEADS // NUM_KV_HEADS
+        k_full, v_full = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+        def expanded():
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k_full, v_full, is_causal=True)
+
+        return expanded, "K/V expanded to 16 heads (untimed)"
+
+
+def _median_ms(fn, device: str, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.startswith("cuda"):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            start = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)[len(times) // 2]
+
+
+def bench_prefill(batch: int, seq_len: int, device: str, warmup: int, reps: int) -> dict:
+    """ms of paged prefill (Triton) and SDPA flash on one shape, their ratio and their agreement."""
+    from minivllm.kernels import get_ops
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    x = prefill_inputs(batch, seq_len, device, dtype)
+    scale = HEAD_DIM ** -0.5
+    paged_op = get_ops("triton").paged_prefill_attention
+
+    def paged():
+        return paged_op(x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["query_start_loc"],
+                        x["seq_lens"], scale, max_query_len=x["max_query_len"])
+
+    sdpa, sdpa_note = _sdpa_flash(device, x)
+    # Same numbers? SDPA's [batch, heads, tokens, dim] back to the kernel's [tokens, heads, dim].
+    ref = sdpa().transpose(1, 2).reshape(batch * seq_len, NUM_HEADS, HEAD_DIM).float()
+    err = ((paged().float() - ref).norm() / ref.norm()).item()
+    paged_ms = _median_ms(paged, device, warmup, reps)
+    sdpa_ms = _median_ms(sdpa, device, warmup, reps)
+    flops = 4 * batch * seq_len * seq_len / 2 * NUM_HEADS * HEAD_DIM  # QK^T and PV, causal half
+    return {"batch": batch, "seq_len": seq_len, "num_heads": NUM_HEADS, "num_kv_heads": NUM_KV_HEADS,
+            "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE, "dtype": str(dtype).removeprefix("torch."),
+            "paged_triton_ms": round(paged_ms, 4), "sdpa_flash_ms": round(sdpa_ms, 4),
+            "paged_speed_vs_sdpa": round(sdpa_ms / paged_ms, 3), "target_speed_vs_sdpa": 0.8,
+            "paged_tflops": round(flops / paged_ms / 1e9, 1), "sdpa_tflops": round(flops / sdpa_ms / 1e9, 1),
+            "sdpa_gqa": sdpa_note, "relative_error_vs_sdpa": float(f"{err:.3g}"),
+            "timing": f"CUDA events, median of {reps} after {warmup} warm-up calls" if device.startswith("cuda")
+            else f"wall clock, median of {reps} (CPU smoke: meaningless as speed)"}
+
+
+def run_prefill(out: Path, smoke: bool = False) -> dict:
+    device = "cuda" if torch.cuda.is_available() and not smoke else "cpu"
+    shapes = PREFILL_SMOKE_SHAPES if smoke else PREFILL_SHAPES
+    warmup, reps = (1, 3) if smoke else (PREFILL_WARMUP, PREFILL_REPS)
+    out.mkdir(parents=True, exist_ok=True)
+    results = {"device": torch.cuda.get_device_name() if device == "cuda" else "cpu", "torch": torch.__version__,
+               "rows": []}
+    for batch, seq_len in shapes:
+        row = bench_prefill(batch, seq_len, device, warmup, reps)
+        results["rows"].append(row)
+        (out / "prefill_attention.json").write_text(json.dumps(results, indent=1))
+        print(json.dumps(row), flush=True)
+    print("| shape | paged Triton (ms) | SDPA flash (ms) | paged speed vs SDPA (target >= 0.8) |\n| --- | --- | --- | --- |")
+    for r in results["rows"]:
+        print(f"| {r['batch']} x {r['seq_len']} | {r['paged_triton_ms']} | {r['sdpa_flash_ms']} | "
+              f"{r['paged_speed_vs_sdpa']:.2f}x |")
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
@@ -348,7 +483,14 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="also list per-kernel device times")
     parser.add_argument("--plot-only", type=Path, help="redraw the figure from a saved kernels.json")
     parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels.png)")
+    parser.add_argument("--prefill", action="store_true", help="prefill attention vs SDPA flash only")
+    parser.add_argument("--smoke", action="store_true", help="with --prefill: tiny shapes, CPU is fine")
     args = parser.parse_args()
+    if args.prefill:
+        if args.smoke and not torch.cuda.is_available():
+            os.environ.setdefault("TRITON_INTERPRET", "1")  # before minivllm.kernels imports triton
+        run_prefill(args.out, smoke=args.smoke)
+        return
     if args.plot_only:
         results = json.loads(args.plot_only.read_text())
         plot(results, args.png or args.plot_only.with_suffix(".png"))
