@@ -8,7 +8,18 @@ What you will learn here:
   * online softmax (running max `m`, running sum `l`, rescaled accumulator) in fp32;
   * split-KV ("flash-decoding", v2): when there are too few (sequence, KV head) pairs to fill
     the GPU, each sequence's context is cut into `num_kv_splits` pieces attended in parallel,
-    then merged by a second, tiny kernel with log-sum-exp weights.
+    then merged with log-sum-exp weights by the LAST program of each (sequence, KV head) to
+    finish, found with an atomic counter: one launch, not two.
+
+Why no separate reduce kernel: at batch 1 inside a CUDA graph a step is ~28 layers of tiny
+kernels, and each launch costs ~3 µs of serial latency whatever its work. A second kernel
+per layer to merge 2 KB of partials was pure latency. Instead every split program bumps a
+counter for its (sequence, KV head) after writing its partials; the one that sees it was the
+last (old value = number of splits - 1) merges them, and resets the counter to 0. The
+counters live in a small zeroed workspace that every launch leaves zeroed again, so a
+replayed CUDA graph finds them ready; they are shared by all layers (launches on one stream
+run one after another), which is why one engine must not run decode kernels on two streams
+of one device at once.
 
 Decode is memory-bound: per query token we read its whole context of keys and values and do
 only ~2 flops per byte. So the goal is to stream K/V at the speed of device memory, and the
@@ -150,7 +161,8 @@ def _paged_attention_v1_kernel(
 
 # --------------------------------------------------------------------------------------------
 # v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits); each program attends one slice of
-# the context and writes a partial output plus its log-sum-exp; a reduce kernel merges them.
+# the context and writes a partial output plus its log-sum-exp; the last program of each
+# (sequence, KV head) to finish merges them (see the module docstring).
 # --------------------------------------------------------------------------------------------
 @triton.jit
 def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
@@ -162,15 +174,49 @@ def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
 
 
 @triton.jit
+def _merge_splits(
+    partial_out_ptr, partial_lse_ptr, rows,  # rows [GROUP_PAD]: (seq, head) row of split 0
+    num_valid, row_mask,
+    HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+):
+    """out = sum_s w_s * out_s with w_s = 2**lse_s / sum_s' 2**lse_s', for one query-head group.
+
+    An online merge over the splits (the same rescaling as the softmax itself), so the
+    registers hold one [GROUP_PAD, HEAD_DIM_PAD] tile whatever the number of splits. Loads
+    use ".cg" (cache in L2 only): the partials were written by other SMs, and an L1 line
+    left here by an earlier launch must not be read.
+    """
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # largest lse so far
+    total = tl.zeros([GROUP_PAD], dtype=tl.float32)  # sum of 2**(lse_s - m)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
+    for split in range(0, num_valid):
+        # Padding rows read lse 0 (not -inf): keeps them finite; they are never stored.
+        lse = tl.load(partial_lse_ptr + rows + split, mask=row_mask, other=0.0, cache_modifier=".cg")
+        part = tl.load(partial_out_ptr + (rows + split)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                       mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)  # 0 on the first split
+        weight = tl.exp2(lse - m_new)
+        total = total * alpha + weight
+        acc = acc * alpha[:, None] + part * weight[:, None]
+        m = m_new
+    return acc / total[:, None]
+
+
+@triton.jit
 def _paged_attention_v2_kernel(
+    out_ptr,
     partial_out_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32, normalized per split
     partial_lse_ptr,  # [num_seqs, num_heads, num_splits] fp32, log2(sum exp2(scores)) per split
+    counters_ptr,  # [>= num_seqs * num_kv_heads] int32, all 0 between launches
     query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     qk_scale, num_splits,
     stride_qs, stride_qh, stride_qd,
+    stride_os, stride_oh, stride_od,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_bts,
-    NUM_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -180,9 +226,9 @@ def _paged_attention_v2_kernel(
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, num_splits, TILE_N)
+    num_valid = tl.cdiv(seq_len, split_len)  # non-empty splits of this sequence (<= num_splits)
     start = split * split_len
-    # A short sequence needs fewer splits: programs past its end do nothing, and the reduce
-    # kernel never reads their (unwritten) partials.
+    # A short sequence needs fewer splits: programs past its end do nothing (nor count).
     if start < seq_len:
         end = tl.minimum(start + split_len, seq_len)
         q, heads, mask = _load_query_group(
@@ -196,40 +242,28 @@ def _paged_attention_v2_kernel(
             BLOCK_SIZE, TILE_N, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
         )
         # Partials are contiguous buffers we allocate, so their offsets are computed directly.
-        row = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits + split  # [GROUP_PAD]
+        rows = (seq.to(tl.int64) * NUM_HEADS + heads) * num_splits  # split 0 of each head
+        row_mask = tl.arange(0, GROUP_PAD) < GROUP_SIZE
         offs_d = tl.arange(0, HEAD_DIM_PAD)
-        tl.store(partial_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+        tl.store(partial_out_ptr + (rows + split)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
                  acc / l_i[:, None], mask=mask)
         # log2 of this split's softmax denominator, in the same base-2 units as the scores.
-        tl.store(partial_lse_ptr + row, m_i + tl.log2(l_i), mask=tl.arange(0, GROUP_PAD) < GROUP_SIZE)
+        tl.store(partial_lse_ptr + rows + split, m_i + tl.log2(l_i), mask=row_mask)
 
-
-@triton.jit
-def _paged_attention_v2_reduce_kernel(
-    out_ptr, partial_out_ptr, partial_lse_ptr, seq_lens_ptr, num_splits,
-    stride_os, stride_oh, stride_od,
-    NUM_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
-    TILE_N: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-):
-    """Grid (num_seqs, num_heads). Merge the splits: out = sum_s w_s * out_s, w_s ∝ 2**lse_s."""
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    seq_len = tl.load(seq_lens_ptr + seq)
-    num_valid = tl.cdiv(seq_len, _split_len(seq_len, num_splits, TILE_N))  # non-empty splits
-    offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    row = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s  # [SPLITS_PAD]
-    split_mask = offs_s < num_valid
-    dim_mask = offs_d < HEAD_DIM
-
-    lse = tl.load(partial_lse_ptr + row, mask=split_mask, other=float("-inf"))
-    weights = tl.exp2(lse - tl.max(lse, axis=0))  # 0 for empty splits
-    weights = weights / tl.sum(weights, axis=0)
-    partial = tl.load(partial_out_ptr + row[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                      mask=split_mask[:, None] & dim_mask[None, :], other=0.0)
-    out = tl.sum(partial * weights[:, None], axis=0)  # [HEAD_DIM_PAD]
-    out_offs = seq.to(tl.int64) * stride_os + head * stride_oh + offs_d * stride_od
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+        # Count this split as done. The barrier makes every thread's stores above happen
+        # before the atomic (which one thread performs); "acq_rel" publishes them to the
+        # other programs (release) and lets the last one see theirs (acquire).
+        tl.debug_barrier()
+        counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
+        arrived_before = tl.atomic_add(counter, 1, sem="acq_rel")  # returns the old value
+        if arrived_before == num_valid - 1:  # every other split has written its partials
+            out = _merge_splits(partial_out_ptr, partial_lse_ptr, rows, num_valid, row_mask,
+                                HEAD_DIM_PAD, GROUP_PAD)
+            out_offs = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
+            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            # Nobody else touches this counter in this launch: reset it for the next one
+            # (the next layer, or the next replay of a CUDA graph).
+            tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
 # --------------------------------------------------------------------------------------------
@@ -246,7 +280,7 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
     """How many pieces to cut each sequence's context into (1 = the one-pass v1 kernel).
 
     v1 runs num_seqs * num_kv_heads programs. When that already gives every SM several programs
-    (V1_MIN_PROGRAMS_PER_SM, large batch), splitting only adds a reduce. When it does not
+    (V1_MIN_PROGRAMS_PER_SM, large batch), splitting only adds the merge. When it does not
     (batch 1, or a few very long sequences), split until the grid has ~TARGET_PROGRAMS_PER_SM
     programs per SM, but keep each split at least MIN_TOKENS_PER_SPLIT tokens long.
 
@@ -261,6 +295,26 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int,
     wanted = triton.cdiv(TARGET_PROGRAMS_PER_SM * num_sms, programs)
     most_useful = max(1, max_context_len // MIN_TOKENS_PER_SPLIT)
     return int(min(wanted, most_useful, MAX_KV_SPLITS))
+
+
+# device -> the counter workspaces handed out so far, newest (largest) last. Old ones are kept:
+# a captured CUDA graph holds their addresses, not a reference that would keep them alive.
+_SPLIT_COUNTERS: dict[torch.device, list[torch.Tensor]] = {}
+MIN_SPLIT_COUNTERS = 4096  # 16 KiB of int32: room for 512 sequences x 8 KV heads at once
+
+
+def split_counters(device: torch.device, size: int) -> torch.Tensor:
+    """A zeroed int32 workspace of >= `size` counters on `device`, one per (sequence, KV head),
+    for the v2 kernel's "last split merges" (the kernel leaves it zeroed after every launch).
+
+    Allocated once and reused by every layer and step. The first decode step of a CUDA-graph
+    capture runs eagerly as a warm-up (`CUDAGraphRunner.capture`), so the allocation (and its
+    zero fill) happens outside the captured graph.
+    """
+    workspaces = _SPLIT_COUNTERS.setdefault(device, [])
+    if not workspaces or workspaces[-1].numel() < size:
+        workspaces.append(torch.zeros(max(size, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device))
+    return workspaces[-1]
 
 
 def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits):
@@ -326,15 +380,10 @@ def paged_attention_decode(
     partial_out = torch.empty(num_seqs, num_heads, num_kv_splits, meta["HEAD_DIM_PAD"],
                               dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(num_seqs, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
+    counters = split_counters(query.device, num_seqs * num_kv_heads)
     _paged_attention_v2_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
-        partial_out, partial_lse, query, key_cache, value_cache, block_tables, seq_lens,
-        qk_scale, num_kv_splits, *query.stride(), *cache_strides, block_tables.stride(0),
-        NUM_HEADS=num_heads, **meta,
-    )
-    _paged_attention_v2_reduce_kernel[(num_seqs, num_heads)](
-        out, partial_out, partial_lse, seq_lens, num_kv_splits, *out.stride(),
-        NUM_HEADS=num_heads,
-        SPLITS_PAD=triton.next_power_of_2(num_kv_splits), TILE_N=tile_tokens,
-        HEAD_DIM=head_dim, HEAD_DIM_PAD=meta["HEAD_DIM_PAD"],
+        out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
+        qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, **meta,
     )
     return out

@@ -62,6 +62,24 @@ def test_decode_reads_a_strided_query(paged_cache, check_close):
                                                       tables, lens, 0.2), torch.float32)
 
 
+def test_split_kv_merges_in_the_kernel_and_leaves_its_counters_at_zero(paged_cache, check_close):
+    """v2 has no reduce kernel: the last split of each (sequence, KV head) merges the partials,
+    counted by an atomic counter that it resets. Run twice on the same workspace (what a
+    replayed CUDA graph does, and what every layer of a step does): same answer, counters 0.
+    More splits than some sequences fill (1 token, 9 tokens): they merge fewer partials."""
+    seq_lens = [1, 9, 70, 130]
+    cache, query, tables, lens = _decode_inputs(paged_cache, 4, 2, 32, 8, torch.float32, seq_lens)
+    expected = reference.paged_attention_decode(query, cache.key_cache, cache.value_cache, tables, lens, 0.3)
+    counters = paged_attention.split_counters(query.device, len(seq_lens) * 2)
+    outs = [paged_attention.paged_attention_decode(query, cache.key_cache, cache.value_cache, tables, lens,
+                                                   0.3, num_kv_splits=5) for _ in range(2)]
+    for out in outs:
+        check_close(out, expected, torch.float32)
+    assert torch.equal(outs[0], outs[1])
+    assert int(counters.count_nonzero()) == 0
+    assert counters is paged_attention.split_counters(query.device, 1)  # one workspace, reused
+
+
 def test_choose_num_kv_splits_fills_the_gpu_only_when_needed():
     choose = paged_attention.choose_num_kv_splits
     # Large batch: num_seqs * num_kv_heads programs already cover every SM several times.
