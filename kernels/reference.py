@@ -45,6 +45,52 @@ def reshape_and_cache(
     value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(value_cache.dtype)
 
 
+def qk_norm_rope_and_cache(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """The spec of `fused_ops.qk_norm_rope_and_cache`: what a decoder layer does between its
+    qkv projection and attention, step by step, with the layers' exact arithmetic (RMSNorm,
+    RotaryEmbedding, then reshape_and_cache), so fp32 results match them bit for bit.
+
+    query [num_tokens, num_heads, head_dim]; key, value [num_tokens, num_kv_heads, head_dim];
+    positions, slot_mapping [num_tokens] int64 (slot -1 = write nothing); cos_sin_cache
+    [max_position, head_dim] (cos of each pair's angle, then its sin); q/k_norm_weight
+    [head_dim] for Qwen3's per-head RMSNorm, None (both) to skip it.
+    Returns the normed, rotated query [num_tokens, num_heads, head_dim]; the normed, rotated
+    key and the value are written into the caches, in place.
+    """
+    if q_norm_weight is not None:
+        query, key = _head_rms_norm(query, q_norm_weight, eps), _head_rms_norm(key, k_norm_weight, eps)
+    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim / 2]
+    cos, sin = cos.unsqueeze(1).to(query.dtype), sin.unsqueeze(1).to(query.dtype)  # over heads
+    query, key = _rotate_pairs(query, cos, sin), _rotate_pairs(key, cos, sin)
+    reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
+    return query
+
+
+def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32, cast back before the weight (HF's order)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, NeoX layout: turn each pair (x[..., i], x[..., i + d/2]) by its angle."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+
 def gather_kv(
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -183,3 +229,106 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     tokens = logits.argmax(dim=-1)
     chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
     return tokens, chosen - torch.logsumexp(logits, dim=-1)
+
+
+# --------------------------------------------------------------------------- sampling
+_MASK64 = (1 << 64) - 1
+
+
+def check_sample_tokens_args(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                             top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+                             offsets: torch.Tensor) -> None:
+    """ValueError with the reason unless the arguments fit `sample_tokens`' contract (shapes,
+    dtypes and devices only: values are never read, so this never syncs with the device)."""
+    if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
+        raise ValueError(f"logits must be 2-D with unit stride on the vocabulary, got shape "
+                         f"{tuple(logits.shape)} and strides {logits.stride()}.")
+    if not logits.is_floating_point():
+        raise ValueError(f"logits must be a float tensor, got {logits.dtype}.")
+    rows = logits.shape[0]
+    params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, offsets=offsets)
+    for name, value in params.items():
+        if value.shape != (rows,):
+            raise ValueError(f"{name} must have shape ({rows},) (one per logits row), got {tuple(value.shape)}.")
+        if value.device != logits.device:
+            raise ValueError(f"{name} is on {value.device}, the logits on {logits.device}.")
+        wants_float = name in ("temperature", "top_p", "min_p")
+        if value.is_floating_point() != wants_float or value.is_complex():
+            raise ValueError(f"{name} must be {'a float' if wants_float else 'an integer'} tensor, got {value.dtype}.")
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
+                  needs_truncation: bool | None = None,
+                  num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob: the spec of `sampling.sample_tokens` (same contract).
+
+    z = logits / T (T = 1 where temperature is 0: greedy). The kept set is top-k (ties at the
+    k-th value kept), then top-p (the smallest most-likely set with mass >= p, computed over
+    the top-k survivors; the most likely token always kept), then min-p (prob >= min_p x max
+    prob), as the host sampler's `apply_top_k_top_p` and `apply_min_p`. Greedy rows take the
+    arg-max of z (first index among ties); the others draw from softmax(z) on the kept set by
+    the exponential race. logprob = z[token] - logsumexp(z over the kept set).
+
+    The race's noise is a deterministic function of (seed, offset, token id), from a torch
+    generator seeded with a mix of (seed, offset): a row's token does not depend on its batch.
+    It is a different random stream from the Triton kernel's Philox noise, so random rows draw
+    from the same distribution but not the same tokens; greedy tokens and all logprobs (given
+    the token) agree. This is plain PyTorch with a full sort and a Python loop over rows
+    (reading seeds and offsets on the host): the CPU backend and the tests' spec, not fast.
+
+    Args:
+        logits: `[rows, vocab]` float, unit stride on the vocabulary.
+        temperature, top_p, min_p: `[rows]` float (0 = greedy; 1.0 = off; 0.0 = off).
+        top_k: `[rows]` int (<= 0 or >= vocab = off).  seeds, offsets: `[rows]` int64.
+        needs_truncation, num_candidates: speed hints of the Triton version; ignored here.
+    Returns:
+        tokens `[rows]` int64 and logprobs `[rows]` fp32, on the logits' device.
+    """
+    check_sample_tokens_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    greedy = temperature == 0
+    z = logits.float() / torch.where(greedy, 1.0, temperature.float()).unsqueeze(1)
+    kept = kept_mask(z, top_k, top_p, min_p)
+    kept_z = z.masked_fill(~kept, -float("inf"))
+    noise = torch.stack([_race_noise(int(s), int(o), z.shape[1], z.device)
+                         for s, o in zip(seeds.tolist(), offsets.tolist())]) if len(z) else z.double()
+    random_tokens = (kept_z.double() + noise).argmax(dim=-1)
+    tokens = torch.where(greedy, z.argmax(dim=-1), random_tokens)
+    logprobs = z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(kept_z, dim=-1)
+    return tokens, logprobs
+
+
+def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """`[rows, vocab]` bool: the tokens that survive top-k, then top-p, then min-p (see
+    `sample_tokens`), by a full descending sort."""
+    vocab_size = z.shape[1]
+    values, order = z.sort(dim=-1, descending=True)
+    k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k).long()
+    kth_value = values.gather(1, (k - 1).unsqueeze(1))
+    in_top_k = values >= kth_value
+    probs = values.masked_fill(~in_top_k, -float("inf")).softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs  # of the more likely survivors
+    in_top_p = (mass_before < top_p.unsqueeze(1)) | (top_p >= 1.0).unsqueeze(1)
+    in_top_p[:, 0] = True
+    # prob / max prob = exp(z - z_max), whatever the normalizer.
+    in_min_p = torch.exp(values - values[:, :1]) >= min_p.unsqueeze(1)
+    sorted_kept = in_top_k & in_top_p & in_min_p
+    return torch.empty_like(sorted_kept).scatter_(1, order, sorted_kept)
+
+
+def _race_noise(seed: int, offset: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """`[vocab]` fp64 -log(E), E ~ Exp(1) per token, from a generator seeded by (seed, offset):
+    arg-max(z + noise) is a draw from softmax(z) (the exponential race / Gumbel-max)."""
+    generator = torch.Generator(device=device).manual_seed(_mix_seed(seed, offset))
+    uniform = torch.rand(vocab_size, generator=generator, device=device, dtype=torch.float64)
+    # E = -log(1 - u) with u in [0, 1): E > 0 except at u = 0 (probability 2^-53).
+    return -torch.log(-torch.log1p(-uniform))
+
+
+def _mix_seed(seed: int, offset: int) -> int:
+    """A 64-bit generator seed from (seed, offset): the SplitMix64 finalizer of seed + golden
+    ratio x (offset + 1), so that neighbouring seeds and offsets give unrelated streams."""
+    x = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)

@@ -61,3 +61,237 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if num_rows:
         _greedy_sample_kernel[(num_rows,)](logits, tokens, logprobs, vocab_size, logits.stride(0), BLOCK=_BLOCK)
     return tokens, logprobs
+
+
+# --------------------------------------------------------------------------- random sampling
+# Candidates taken (by torch.topk) for rows with top-p or min-p but no top-k: enough for
+# the nucleus of almost every step of a language model; a row whose kept set may reach
+# past them is redone exactly with a full sort (see `sample_tokens`).
+_NUM_CANDIDATES_CAP = 1024
+# Candidates taken past the largest top-k: bf16 logits tie often, and tokens tied with the
+# k-th value are kept, so the candidates must reach past the k-th to see where the tie ends.
+_TIE_SLACK = 32
+_CANDIDATE_BLOCK = 1024  # sorted candidates read per loop iteration of the candidate kernel
+_TWO_POW_MINUS_32 = 2.3283064365386963e-10
+
+
+@triton.jit
+def _race_noise(seed, offset, token):
+    """-log(E) with E ~ Exp(1), a function of (seed, offset, token id) alone, for a block of
+    token ids: arg-max(z + noise) over tokens draws from softmax(z) (the exponential race,
+    or Gumbel-max), and a row's draw never depends on which batch it sits in.
+
+    Philox4x32 keyed by the 64-bit seed, counter (token, offset low 32 bits, offset high 32
+    bits, 0): every (seed, offset, token) gets its own random words, with no overflow.
+    """
+    token = token.to(tl.uint32)
+    zero = token * 0
+    offset_lo = zero + (offset & 0xFFFFFFFF).to(tl.uint32)
+    offset_hi = zero + ((offset >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    r0, r1, _, _ = tl.philox(seed, token, offset_lo, offset_hi, zero)
+    # c uniform in (0, 1) from two words: resolution 2^-64 near 0, where E = -log(1 - c) is
+    # small and the noise is large (the draws that decide rare tokens). One word's 2^-24
+    # float spacing would clip the noise at 16.6 and skew a 150k-token row about 1 % of the time.
+    c = (r0.to(tl.float32) + (r1.to(tl.float32) + 0.5) * _TWO_POW_MINUS_32) * _TWO_POW_MINUS_32
+    u = 1.0 - c
+    # E = -log1p(-c) to full precision with only log (Kahan's trick: log(u) * c / (1 - u)).
+    exponential = tl.where(u == 1.0, c, -tl.log(u) * c / (1.0 - u))
+    return -tl.log(exponential)
+
+
+@triton.jit
+def _sample_row_kernel(logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr, lse_ptr,
+                       vocab_size, stride_row, BLOCK: tl.constexpr):
+    """One row per program, one pass over its logits: z = logits / T, the running arg-max of
+    z + noise (of z alone for greedy rows, T = 0, first index among ties) and the online
+    logsumexp of z. Writes the token, z[token] - logsumexp(z) and logsumexp(z)."""
+    row = tl.program_id(0).to(tl.int64)
+    temperature = tl.load(temperature_ptr + row)
+    greedy = temperature == 0.0
+    temperature = tl.where(greedy, 1.0, temperature)
+    seed = tl.load(seeds_ptr + row)
+    offset = tl.load(offsets_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    running_max = tl.full((), float("-inf"), tl.float32)
+    running_sum = tl.zeros((), tl.float32)
+    best_score = tl.full((), float("-inf"), tl.float32)
+    best_z = tl.full((), float("-inf"), tl.float32)
+    best = tl.zeros((), tl.int64)
+    for start in range(0, vocab_size, BLOCK):
+        mask = start + cols < vocab_size
+        z = tl.load(logits_ptr + row * stride_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
+        z = z / temperature
+        block_max = tl.max(z, axis=0)
+        new_max = tl.maximum(running_max, block_max)
+        running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
+        running_max = new_max
+        score = z
+        if not greedy:  # greedy rows skip the random numbers
+            score = z + _race_noise(seed, offset, start + cols)
+        block_best = tl.argmax(score, axis=0)
+        block_score = tl.max(score, axis=0)
+        block_z = tl.max(tl.where(cols == block_best, z, float("-inf")), axis=0)
+        better = block_score > best_score  # strict: the first max wins, as torch.argmax
+        best = tl.where(better, block_best.to(tl.int64) + start, best)
+        best_z = tl.where(better, block_z, best_z)
+        best_score = tl.where(better, block_score, best_score)
+    lse = running_max + tl.log(running_sum)
+    tl.store(tokens_ptr + row, best)
+    tl.store(logprobs_ptr + row, best_z - lse)
+    tl.store(lse_ptr + row, lse)
+
+
+@triton.jit
+def _sample_candidates_kernel(values_ptr, indices_ptr, lse_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
+                              seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr, overflow_ptr,
+                              num_candidates, vocab_size, BLOCK: tl.constexpr):
+    """One row per program over its `num_candidates` largest z, sorted descending (values)
+    with their token ids (indices): the top-k, top-p and min-p masks, the race over the kept
+    candidates, z[token] - logsumexp(kept z), and whether the kept set may reach past the
+    candidates (then the caller redoes the row over the whole sorted vocabulary, unless the
+    candidates are the whole vocabulary)."""
+    row = tl.program_id(0).to(tl.int64)
+    base = row * num_candidates
+    z_max = tl.load(values_ptr + base)
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    greedy = tl.load(temperature_ptr + row) == 0.0
+    seed = tl.load(seeds_ptr + row)
+    offset = tl.load(offsets_ptr + row)
+    top_k_on = (k > 0) & (k < vocab_size)
+    kth = tl.load(values_ptr + base + tl.minimum(tl.maximum(k, 1), num_candidates) - 1)
+    # A k past the candidates keeps all of them (and the row is flagged below).
+    kth = tl.where(top_k_on & (k <= num_candidates), kth, float("-inf"))
+    top_p = tl.where(top_p >= 1.0, float("inf"), top_p)  # off: keep even if rounding sums past 1
+    cols = tl.arange(0, BLOCK)
+    # top-p's probabilities are over the top-k survivors (as in the host sampler), else over
+    # the whole row (whose logsumexp came from the one-pass kernel): first their sum.
+    top_k_sum = tl.zeros((), tl.float32)
+    for start in range(0, num_candidates, BLOCK):
+        v = tl.load(values_ptr + base + start + cols, mask=start + cols < num_candidates, other=float("-inf"))
+        top_k_sum += tl.sum(tl.where(v >= kth, tl.exp(v - z_max), 0.0), axis=0)
+    normalizer = tl.where(top_k_on, top_k_sum, tl.exp(tl.load(lse_ptr + row) - z_max))
+    mass_before = tl.zeros((), tl.float32)  # of the candidates already seen
+    kept_sum = tl.zeros((), tl.float32)
+    best_score = tl.full((), float("-inf"), tl.float32)
+    best_z = tl.full((), float("-inf"), tl.float32)
+    best = tl.zeros((), tl.int64)
+    for start in range(0, num_candidates, BLOCK):
+        i = start + cols
+        valid = i < num_candidates
+        v = tl.load(values_ptr + base + i, mask=valid, other=float("-inf"))
+        token = tl.load(indices_ptr + base + i, mask=valid, other=0)
+        relative = tl.exp(v - z_max)  # prob / max prob
+        in_top_k = valid & (v >= kth)
+        prob = tl.where(in_top_k, relative / normalizer, 0.0)
+        before = mass_before + tl.cumsum(prob, axis=0) - prob
+        mass_before += tl.sum(prob, axis=0)
+        in_top_p = (before < top_p) | (i == 0)
+        in_min_p = relative >= min_p
+        kept = in_top_k & in_top_p & in_min_p
+        kept_sum += tl.sum(tl.where(kept, relative, 0.0), axis=0)
+        score = v
+        if not greedy:
+            score = v + _race_noise(seed, offset, token)
+        score = tl.where(kept, score, float("-inf"))
+        block_best = tl.argmax(score, axis=0)
+        block_score = tl.max(score, axis=0)
+        better = block_score > best_score
+        best = tl.where(better, tl.max(tl.where(cols == block_best, token, -1), axis=0).to(tl.int64), best)
+        best_z = tl.where(better, tl.max(tl.where(cols == block_best, v, float("-inf")), axis=0), best_z)
+        best_score = tl.where(better, block_score, best_score)
+    # The last candidate kept means tokens past it may be kept too. With top-k on, a tie at
+    # the k-th value reaching the last candidate also leaves top-p's normalizer short, so
+    # top-p's verdict on it cannot be trusted: flag it whatever top-p says.
+    last = tl.load(values_ptr + base + num_candidates - 1)
+    last_in_top_k = last >= kth
+    last_prob = tl.where(last_in_top_k, tl.exp(last - z_max) / normalizer, 0.0)
+    last_in_top_p = mass_before - last_prob < top_p
+    last_in_min_p = tl.exp(last - z_max) >= min_p
+    overflow = last_in_top_k & last_in_min_p & (last_in_top_p | top_k_on)
+    tl.store(tokens_ptr + row, best)
+    tl.store(logprobs_ptr + row, best_z - z_max - tl.log(kept_sum))
+    tl.store(overflow_ptr + row, overflow.to(tl.int8))
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
+                  needs_truncation: bool | None = None,
+                  num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row and its logprob, on the device: the contract of `reference.sample_tokens`
+    (read its docstring for the semantics), drawn with Philox noise instead of torch's.
+
+    Rows with no truncation (temperature only, or greedy) cost one kernel and one pass over
+    the logits. If any row has top-k, top-p or min-p, the candidates are its `num_candidates`
+    largest z (torch.topk, no full sort) and a second small kernel masks and draws among them;
+    the other rows keep their one-pass result. A row whose kept set may reach past its
+    candidates (a nucleus bigger than the cap, or a tie at the k-th value running past the
+    slack) is redone with a full sort: exact, but the check `overflow.any()` is a host sync,
+    the only one, and only on the truncation path.
+
+    Args:
+        logits: `[rows, vocab]` float (bf16/fp16/fp32), unit stride on the vocabulary.
+        temperature, top_p, min_p: `[rows]` fp32 (0 = greedy; 1.0 = off; 0.0 = off).
+        top_k: `[rows]` int32/int64 (<= 0 or >= vocab = off).  seeds, offsets: `[rows]` int64
+            (offsets >= 0: the index of the token being drawn in its sequence).
+        needs_truncation: host-side hint, whether any row has top-k, top-p or min-p. None:
+            computed from the tensors (a host sync). False with truncating rows ignores them.
+        num_candidates: host-side hint, the candidates per row for the truncation path. None:
+            the largest top-k + 32 if every truncating row has a top-k, else at least 1024
+            (computed from the tensors: a host sync).
+    Returns:
+        tokens `[rows]` int64 and logprobs `[rows]` fp32, on the logits' device.
+    """
+    from minivllm.kernels.reference import check_sample_tokens_args
+
+    check_sample_tokens_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    num_rows, vocab_size = logits.shape
+    temperature, top_p, min_p = temperature.float(), top_p.float(), min_p.float()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return tokens, logprobs
+    _sample_row_kernel[(num_rows,)](logits, temperature, seeds, offsets, tokens, logprobs, lse,
+                                    vocab_size, logits.stride(0), BLOCK=_BLOCK)
+    truncates = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0)
+    if needs_truncation is None:
+        needs_truncation = bool(truncates.any())
+    if not needs_truncation:
+        return tokens, logprobs
+    if num_candidates is None:
+        num_candidates = _num_candidates(top_k, truncates, vocab_size)
+    args = (logits, lse, temperature, top_k, top_p, min_p, seeds, offsets)
+    num_candidates = min(num_candidates, vocab_size)
+    cand_tokens, cand_logprobs, overflow = _sample_candidates(*args, num_candidates)
+    if num_candidates < vocab_size and bool((overflow & truncates).any()):  # rare: redo the batch over the fully sorted rows
+        cand_tokens, cand_logprobs, _ = _sample_candidates(*args, vocab_size)
+    # Greedy rows keep the one-pass arg-max (the first index among ties, which topk's order
+    # does not promise); every truncating row takes the logprob of its kept set.
+    tokens = torch.where(truncates & (temperature != 0), cand_tokens, tokens)
+    return tokens, torch.where(truncates, cand_logprobs, logprobs)
+
+
+def _num_candidates(top_k: torch.Tensor, truncates: torch.Tensor, vocab_size: int) -> int:
+    """The largest top-k + `_TIE_SLACK`, and at least the cap if a truncating row has no top-k."""
+    top_k_on = (top_k > 0) & (top_k < vocab_size)
+    largest_k, any_without_k = torch.stack([torch.where(top_k_on, top_k, 0).max(),
+                                            (truncates & ~top_k_on).any().long()]).tolist()
+    return min(vocab_size, largest_k + _TIE_SLACK if not any_without_k else max(largest_k + _TIE_SLACK, _NUM_CANDIDATES_CAP))
+
+
+def _sample_candidates(logits, lse, temperature, top_k, top_p, min_p, seeds, offsets, num_candidates):
+    """The candidate kernel over each row's `num_candidates` largest z: tokens, logprobs, overflow."""
+    num_rows = logits.shape[0]
+    # topk on the raw logits (half the bytes for bf16); dividing by T > 0 keeps their order.
+    values, indices = torch.topk(logits, num_candidates, dim=-1, sorted=True)
+    scale = torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    values = (values.float() / scale).contiguous()
+    tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+    overflow = torch.empty(num_rows, dtype=torch.int8, device=logits.device)
+    _sample_candidates_kernel[(num_rows,)](values, indices.contiguous(), lse, temperature, top_k, top_p, min_p,
+                                           seeds, offsets, tokens, logprobs, overflow, num_candidates,
+                                           logits.shape[1], BLOCK=min(_CANDIDATE_BLOCK, triton.next_power_of_2(num_candidates)))
+    return tokens, logprobs, overflow.bool()
