@@ -20,6 +20,10 @@ decode), for CUDA graphs, eager, and CUDA graphs without the fused Triton elemen
 
 --profile-dir writes torch.profiler tables (GPU kernels) and a cProfile of engine.step()
 (the Python side) at batch 256.
+
+--batch1 (issue 15) measures batch 1 with `LLM()` defaults instead: the median decode step,
+time per output token through LLM.generate (128-token prompt, 512 greedy tokens) and a
+torch.profiler table of one decode step (profile_batch1_decode_step.txt in --profile-dir).
 """
 
 from __future__ import annotations
@@ -246,6 +250,106 @@ def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Pa
     return results
 
 
+# ----------------------------------------------------------------- batch 1, LLM() defaults (issue 15)
+B1_PROMPT_LEN, B1_STEPS, B1_WARMUP_STEPS, B1_GEN_TOKENS, B1_REPS = 128, 64, 8, 512, 3
+B1_MAX_MODEL_LEN = 4096  # as nano-vllm's bench.py
+B1_TOP_KERNELS = 25
+
+
+def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
+    """Batch-1 latency with `LLM()` defaults (model, dtype, max_model_len only):
+
+    decode step   median wall time of LLMEngine.step() over B1_STEPS decode steps of one request
+                  (128-token prompt) after warm-up; with multi-step defaults one step() yields
+                  several tokens, so ms per token = total time / tokens those steps produced
+    TPOT          through LLM.generate: (time of 512 greedy tokens - time of 1 token) / 511,
+                  each the median of B1_REPS runs (the difference removes the prefill and TTFT)
+    profile       torch.profiler over one decode step(): top kernels by GPU time, kernel count
+    """
+    from minivllm import LLM, SamplingParams
+
+    steps, gen_tokens = (8, 16) if smoke else (B1_STEPS, B1_GEN_TOKENS)
+    given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16", "max_model_len": B1_MAX_MODEL_LEN}
+    llm = LLM(**given)
+    engine = llm.llm_engine
+    prompt = {"prompt_token_ids": [random.Random(1).randrange(10000) for _ in range(B1_PROMPT_LEN)]}
+    greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
+    llm.generate([prompt], SamplingParams(**greedy, max_tokens=gen_tokens), use_tqdm=False)  # warm-up
+    result = {"engine_args": given, "prompt_len": B1_PROMPT_LEN,
+              "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
+    engine.add_request("b1", prompt, SamplingParams(**greedy, max_tokens=B1_MAX_MODEL_LEN - B1_PROMPT_LEN - 64))
+    while not engine.scheduler.running or engine.scheduler.running[0].is_prefill():
+        engine.step()
+    seq = engine.scheduler.running[0].first_seq
+    for _ in range(B1_WARMUP_STEPS):
+        engine.step()
+    times, tokens = [], []
+    for _ in range(steps):
+        before, start = seq.get_output_len(), time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        tokens.append(seq.get_output_len() - before)
+    result.update(decode_step_ms_median=round(1e3 * sorted(times)[len(times) // 2], 4),
+                  tokens_per_step_median=sorted(tokens)[len(tokens) // 2],
+                  decode_ms_per_token=round(1e3 * sum(times) / max(1, sum(tokens)), 4),
+                  decode_steps_timed=steps, target_decode_ms=1.0)
+    if profile_path is not None:
+        result["profile"] = profile_one_step(engine, seq, profile_path)
+    engine.abort_request("b1")
+    engine.step()
+
+    def generate_s(max_tokens: int) -> float:
+        runs = []
+        for _ in range(B1_REPS):
+            start = time.perf_counter()
+            out = llm.generate([prompt], SamplingParams(**greedy, max_tokens=max_tokens), use_tqdm=False)
+            runs.append(time.perf_counter() - start)
+            if len(out[0].outputs[0].token_ids) != max_tokens:
+                raise RuntimeError(f"asked {max_tokens} tokens, got {len(out[0].outputs[0].token_ids)}")
+        return sorted(runs)[len(runs) // 2]
+
+    one, full = generate_s(1), generate_s(gen_tokens)
+    result.update(generate_1_token_s=round(one, 4), generate_n_tokens_s=round(full, 4), generated_tokens=gen_tokens,
+                  tpot_ms=round(1e3 * (full - one) / (gen_tokens - 1), 4), target_tpot_ms=1.2, tokens_checked=True)
+    return result
+
+
+def profile_one_step(engine, seq, path: Path) -> dict:
+    """torch.profiler over one decode step(): a table of the top kernels by GPU time and the
+    kernel count, written to `path`; a summary returned."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    before = seq.get_output_len()
+    with profile(activities=activities) as prof:
+        start = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall_ms = 1e3 * (time.perf_counter() - start)
+    step_tokens = seq.get_output_len() - before
+    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(getattr(e, "device_time", None) or getattr(e, "cuda_time", 0.0))
+    total_us = sum(sum(v) for v in by_name.values())
+    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:B1_TOP_KERNELS]
+    lines = [f"One decode step() at batch 1 ({step_tokens} token(s)): wall {wall_ms:.3f} ms, {len(kernels)} GPU "
+             f"kernels, {total_us:.1f} us of kernel time", "",
+             f"{'GPU us':>10} {'share':>6} {'calls':>6}  kernel"]
+    lines += [f"{sum(v):10.1f} {sum(v) / total_us:6.1%} {len(v):6d}  {name[:120]}" for name, v in ranked] if total_us else []
+    sort_key = "cuda_time_total" if cuda else "cpu_time_total"
+    lines += ["", "torch.profiler key_averages:", prof.key_averages().table(sort_by=sort_key, row_limit=30,
+                                                                           max_name_column_width=70)]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("\n".join(lines) + "\n")
+    return {"file": str(path), "step_wall_ms": round(wall_ms, 3), "step_tokens": step_tokens,
+            "kernel_count": len(kernels), "kernel_time_us": round(total_us, 1),
+            "top_kernels": [{"name": n[:120], "us": round(sum(v), 1), "calls": len(v)} for n, v in ranked[:10]]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True)
@@ -253,7 +357,17 @@ def main() -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--profile-dir", default=None)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
+    parser.add_argument("--batch1", action="store_true",
+                        help="issue 15: batch-1 decode step, TPOT through LLM.generate and a one-step profile, "
+                             "with LLM() defaults")
+    parser.add_argument("--smoke", action="store_true", help="with --batch1: few steps, fp32 (CPU)")
     args = parser.parse_args()
+    if args.batch1:
+        profile_path = Path(args.profile_dir) / "profile_batch1_decode_step.txt" if args.profile_dir else None
+        report = batch1(args.ckpt, profile_path, smoke=args.smoke)
+        Path(args.result).write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
+        return 0
     bandwidth = copy_bandwidth(args.device)
     report = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3)}
     profile_dir = Path(args.profile_dir) if args.profile_dir else None

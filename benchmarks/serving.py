@@ -19,6 +19,17 @@ from ids the server's own tokenizer produces) and every request generates exactl
 
 The benchmark talks only to a server on this machine (loopback) and is bounded: at most
 `--num-prompts` requests and `--max-duration` seconds of arrivals per rate.
+
+`--workload` (issue 15) starts `minivllm serve` itself on a random-weight checkpoint
+(benchmarks/throughput.py builds one) with nano-vllm's engine arguments (model, dtype,
+max_model_len 4096, every other argument at its default) and sends nano-vllm's whole
+workload at once: 256 concurrent streaming clients, each its request's prompt token ids,
+max_tokens, temperature 0.6, ignore_eos, after bench.py's one-line warm-up. It checks each
+request's completion_tokens against its max_tokens and reports output tokens/s; the offline
+figure to compare with is throughput.py's headline row of the same run (same engine arguments,
+same workload, same sampling).
+
+    python benchmarks/serving.py --workload --ckpt /tmp/ckpt/qwen3-0.6b --json serving_workload.json
 """
 
 from __future__ import annotations
@@ -184,8 +195,109 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 
 # ----------------------------------------------------------------------- main
+# ---------------------------------------------------- nano-vllm's workload (issue 15)
+SERVER_START_TIMEOUT_S = 180.0
+WORKLOAD_TEMPERATURE = 0.6
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(ckpt: str, dtype: str, max_model_len: int, port: int, log_path: str):
+    """`minivllm serve` in a child process, with nano-vllm's engine arguments only."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "minivllm", "serve", ckpt, "--dtype", dtype, "--max-model-len", str(max_model_len),
+           "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
+    log = open(log_path, "w")  # noqa: SIM115 (the child writes to it until it ends)
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), cmd
+
+
+async def wait_healthy(base_url: str, proc, timeout: float) -> None:
+    deadline = time.perf_counter() + timeout
+    async with httpx.AsyncClient() as client:
+        while time.perf_counter() < deadline:
+            if proc.poll() is not None:
+                raise RuntimeError(f"the server exited with status {proc.returncode} before it was healthy")
+            try:
+                if (await client.get(f"{base_url}/health", timeout=2.0)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.5)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s")
+
+
+async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: list[int], temperature: float) -> dict:
+    """bench.py's warm-up, then every request at once, each streaming; tokens checked per request."""
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(limits=limits) as client:
+        model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
+        warmup = {"model": model, "prompt": "Benchmark: ", "max_tokens": 64, "temperature": 1.0}
+        (await client.post(f"{base_url}/v1/completions", json=warmup, timeout=_REQUEST_TIMEOUT_S)).raise_for_status()
+        url = f"{base_url}/v1/completions"
+        payloads = [{"model": model, "prompt": p, "max_tokens": m, "temperature": temperature, "ignore_eos": True,
+                     "stream": True, "stream_options": {"include_usage": True}} for p, m in zip(prompts, max_tokens)]
+        start = time.perf_counter()
+        results = await asyncio.gather(*(stream_one(client, url, payload) for payload in payloads))
+        elapsed = time.perf_counter() - start
+    run = summarize(float("inf"), results, elapsed)
+    wrong = [i for i, (r, m) in enumerate(zip(results, max_tokens)) if r.output_tokens != m]
+    run.update(model=model, num_clients=len(prompts), output_tokens=sum(r.output_tokens for r in results),
+               expected_output_tokens=sum(max_tokens), tokens_checked=not wrong, wrong_token_counts=len(wrong),
+               streamed_chunks=sum(len(r.itl) + 1 for r in results if r.success),
+               elapsed_s=round(elapsed, 3), output_tokens_per_s=round(sum(r.output_tokens for r in results) / elapsed, 1),
+               sampling_params={"temperature": temperature, "ignore_eos": True})
+    return run
+
+
+def run_workload(args: argparse.Namespace) -> dict:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import NANO_MAX_MODEL_LEN, engine_args_used, row_workload
+
+    spec = {"num_seqs": args.num_prompts_workload}
+    if args.smoke:
+        spec.update(num_seqs=4, prompt_cap=48, max_tokens_cap=8)
+    prompts, max_tokens = row_workload(spec)
+    dtype = "float32" if args.smoke else "bfloat16"
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    log_path = str(Path(args.json).with_suffix(".server.log")) if args.json else "/tmp/minivllm_serving_server.log"
+    start = time.perf_counter()
+    proc, cmd = start_server(args.ckpt, dtype, NANO_MAX_MODEL_LEN, port, log_path)
+    try:
+        asyncio.run(wait_healthy(base_url, proc, SERVER_START_TIMEOUT_S))
+        startup_s = time.perf_counter() - start
+        run = asyncio.run(send_workload(base_url, prompts, max_tokens, WORKLOAD_TEMPERATURE))
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except Exception:  # noqa: BLE001 (a server that ignores SIGTERM still must not outlive us)
+            proc.kill()
+    run.update(server_cmd=cmd, server_log=log_path, server_startup_s=round(startup_s, 2), spec=spec,
+               engine_args=engine_args_used({"model": args.ckpt, "dtype": dtype, "max_model_len": NANO_MAX_MODEL_LEN}),
+               machine=machine())
+    print(json.dumps({k: v for k, v in run.items() if k not in ("engine_args", "machine")}), flush=True)
+    return run
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workload", action="store_true",
+                        help="issue 15: start a server on --ckpt and send nano-vllm's workload, all clients at once")
+    parser.add_argument("--ckpt", default=None, help="with --workload: the checkpoint to serve")
+    parser.add_argument("--num-prompts-workload", type=int, default=256, help="with --workload: clients")
+    parser.add_argument("--smoke", action="store_true", help="with --workload: 4 tiny requests, fp32 (CPU)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0], help="requests/s; inf = all at once")
@@ -234,6 +346,12 @@ def machine() -> dict:
 
 if __name__ == "__main__":
     arguments = parse_args()
+    if arguments.workload:
+        report = run_workload(arguments)
+        if arguments.json:
+            with open(arguments.json, "w") as f:
+                json.dump(report, f, indent=2)
+        raise SystemExit(0 if report["tokens_checked"] and report["completed"] == report["num_requests"] else 1)
     report = asyncio.run(main(arguments))
     if arguments.json:
         with open(arguments.json, "w") as f:

@@ -98,18 +98,26 @@ def build_checkpoint(name: str, out_dir: Path, device: str, overrides: dict | No
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
     path = out_dir / name
     model.save_pretrained(path)
-    _save_stand_in_tokenizer(path)
+    _save_stand_in_tokenizer(path, config.vocab_size, config.eos_token_id)
     del model
     return path
 
 
-def _save_stand_in_tokenizer(path: Path) -> None:
-    from tokenizers import Tokenizer, models
+def _save_stand_in_tokenizer(path: Path, vocab_size: int, eos_token_id) -> None:
+    """One word per token id ("t0" .. "t<vocab_size - 1>"), the model's EOS id as EOS.
+
+    Every id decodes to a word, so a server that detokenizes (benchmarks/serving.py) streams
+    a non-empty text per token, as it would with a real tokenizer.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {"<unk>": 0, "<eos>": 1}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="<eos>").save_pretrained(path)
+    eos_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    eos_id = eos_id if eos_id is not None and eos_id < vocab_size else 1
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
+                            eos_token=f"t{eos_id}").save_pretrained(path)
 
 
 # --------------------------------------------------------------------------- minivllm
@@ -189,6 +197,100 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
+
+
+# nano-vllm's bench.py, exactly: LLM(path, enforce_eager=False, max_model_len=4096), then
+# `llm.generate(["Benchmark: "], SamplingParams())` as warm-up. nano-vllm's SamplingParams()
+# is temperature 1.0, max_tokens 64; minivllm's (vLLM's) default max_tokens is 16, so we pass 64.
+NANO_MAX_MODEL_LEN = 4096
+NANO_WARMUP_PROMPT, NANO_WARMUP_PARAMS = "Benchmark: ", {"temperature": 1.0, "max_tokens": 64}
+
+
+def row_workload(spec: dict) -> tuple[list[list[int]], list[int]]:
+    """The workload of one row: nano-vllm's, or its first `num_seqs` requests; the CPU smoke test
+    cuts prompts to `prompt_cap` and outputs to `max_tokens_cap` tokens."""
+    prompts, max_tokens = make_workload(NUM_SEQS)
+    n = spec.get("num_seqs", NUM_SEQS)
+    prompts, max_tokens = prompts[:n], max_tokens[:n]
+    if spec.get("prompt_cap"):
+        prompts = [p[:spec["prompt_cap"]] for p in prompts]
+    if spec.get("max_tokens_cap"):
+        max_tokens = [min(m, spec["max_tokens_cap"]) for m in max_tokens]
+    return prompts, max_tokens
+
+
+def engine_args_used(given: dict) -> dict:
+    """Every EngineArgs field (the given ones and the defaults), as JSON scalars."""
+    import dataclasses
+
+    from minivllm.engine.arg_utils import EngineArgs
+
+    args = dataclasses.asdict(EngineArgs(**given))
+    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str))}
+
+
+def resolved_engine_settings(engine) -> dict:
+    """What the engine made of its arguments (defaults filled in, KV blocks counted)."""
+    sc, cc = engine.scheduler_config, engine.cache_config
+    return {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
+            "max_model_len": sc.max_model_len, "num_scheduler_steps": sc.num_scheduler_steps,
+            "enable_chunked_prefill": sc.enable_chunked_prefill, "block_size": cc.block_size,
+            "num_gpu_blocks": cc.num_gpu_blocks, "enable_prefix_caching": cc.enable_prefix_caching,
+            "dtype": str(engine.model_config.dtype).removeprefix("torch.")}
+
+
+def run_minivllm_row(spec: dict, ckpt: Path) -> dict:
+    """One issue-15 row as nano-vllm's bench.py runs it: its engine arguments (model, dtype,
+    max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
+    from minivllm import LLM, SamplingParams
+
+    prompts, max_tokens = row_workload(spec)
+    given = {"model": str(ckpt), "dtype": spec.get("dtype", "bfloat16"), "max_model_len": NANO_MAX_MODEL_LEN,
+             **spec.get("engine_args", {})}
+    start = time.perf_counter()
+    llm = LLM(**given)
+    startup_s = time.perf_counter() - start
+    sampling = dict(spec.get("sampling", {}), ignore_eos=True)
+    params = [SamplingParams(**sampling, max_tokens=m) for m in max_tokens]
+    llm.generate([NANO_WARMUP_PROMPT], SamplingParams(**NANO_WARMUP_PARAMS), use_tqdm=False)
+    device = str(llm.llm_engine.device_config.device)
+    _sync(device)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    _sync(device)
+    elapsed = time.perf_counter() - start
+    result = _result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
+                  sampling_params=sampling, sampling_params_repr=repr(params[0]),
+                  warmup=f"generate([{NANO_WARMUP_PROMPT!r}], SamplingParams({NANO_WARMUP_PARAMS}))",
+                  startup_s=round(startup_s, 2), prompt_tokens=sum(map(len, prompts)))
+    return result
+
+
+def run_hf_cb_row(spec: dict, ckpt: Path, device: str) -> dict:
+    """transformers' continuous batching on the row's workload, sampling as the row says
+    (top_k 0 / top_p 1: only the temperature, as nano-vllm samples)."""
+    prompts, max_tokens = row_workload(spec)
+    sampling = spec.get("sampling", {})
+    temperature = sampling.get("temperature", 1.0)
+    result = run_hf_cb(ckpt, prompts, max_tokens, device, temperature=temperature)
+    result.update(sampling_params={"temperature": temperature, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
+                  engine_args={"attn_implementation": result.get("attn_implementation"), "dtype": "bfloat16"})
+    return result
+
+
+def run_row(args: argparse.Namespace) -> int:
+    """`row`: one issue-15 measurement in this process; writes its JSON to --result."""
+    spec = json.loads(args.spec)
+    ckpt = Path(args.ckpt)
+    if spec.get("system", "minivllm") == "hf-cb":
+        result = run_hf_cb_row(spec, ckpt, args.device)
+    else:
+        result = run_minivllm_row(spec, ckpt)
+    result.update(spec=spec)
+    Path(args.result).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("engine_args", "first_outputs")}), flush=True)
+    return 0
 
 
 def simulate_kv_waste(num_seqs: int = NUM_SEQS, num_gpu_blocks: int = 40_000, block_size: int = 16) -> dict:
@@ -285,15 +387,18 @@ def _hf_static_batch(model, prompts, max_tokens, device: str):
     return [g[:m] for g, m in zip(generated, max_tokens)], new_tokens
 
 
-def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str) -> dict:
-    """transformers' continuous batching: a manager thread that schedules requests itself."""
+def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float = 0.0) -> dict:
+    """transformers' continuous batching: a manager thread that schedules requests itself.
+    temperature 0 is greedy; above, sampling at that temperature alone (top_k 0, top_p 1)."""
     import torch
     from transformers import GenerationConfig
 
     model = load_hf(ckpt, device)
     if not hasattr(model, "init_continuous_batching"):
         return {"error": "this transformers has no init_continuous_batching"}
-    config = GenerationConfig(do_sample=False, max_new_tokens=max(max_tokens), eos_token_id=-1,
+    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
+        else {"do_sample": False}
+    config = GenerationConfig(**sampling, max_new_tokens=max(max_tokens), eos_token_id=-1,
                               pad_token_id=PAD_TOKEN_ID)
     manager = model.init_continuous_batching(generation_config=config)
     per_request = "max_new_tokens" in inspect.signature(manager.add_request).parameters
@@ -582,6 +687,18 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--ckpt", required=True)
     one.add_argument("--result", required=True)
     one.set_defaults(func=run_one)
+    row = sub.add_parser("row", help="one issue-15 measurement (used by `issue15`)")
+    row.add_argument("--spec", required=True, help="JSON: system, engine_args, sampling, num_seqs, ...")
+    row.add_argument("--ckpt", required=True)
+    row.add_argument("--result", required=True)
+    row.add_argument("--device", default="cuda", help="transformers' device (minivllm picks its own)")
+    row.set_defaults(func=run_row)
+    issue = sub.add_parser("issue15", help="issue 15's honest benchmark: every row, each in its own process")
+    issue.add_argument("--out", required=True)
+    issue.add_argument("--smoke", action="store_true", help="tiny config and workload on the CPU, seconds")
+    issue.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this (default 500)")
+    issue.add_argument("--only", nargs="+", default=None, help="run only these row names")
+    issue.set_defaults(func=lambda a: __import__("issue15").main(a))
     waste = sub.add_parser("kv-waste", help="KV-cache waste of the workload (real block manager, no GPU)")
     waste.add_argument("--num-seqs", type=int, default=NUM_SEQS)
     waste.set_defaults(func=lambda a: print(json.dumps(simulate_kv_waste(a.num_seqs))) or 0)
