@@ -156,3 +156,129 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
             HALF=head_dim // 2, num_warps=1,
         )
     return out
+
+
+# --------------------------------------------------------------------------- q/k norm + rotary + cache write
+@triton.jit
+def _norm_and_rotate_head(
+    src_ptr, weight_ptr, cos_sin_ptr, eps,
+    HEAD_DIM: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """One head `[HEAD_DIM]` at src_ptr: RMSNorm with `weight_ptr` (if HAS_NORM), then rotary
+    with the cos/sin row at cos_sin_ptr. Returns the head in the input dtype.
+
+    Rotary pairs feature i with its partner i +- HEAD_DIM/2; instead of splitting the head in
+    halves, the head is loaded twice, once in the partner order, so the norm's sum of squares
+    runs over the whole head in one reduction, as in `rms_norm` above:
+        out[i] = x[i] * cos[i % HALF] - x[i + HALF] * sin[i % HALF]    i <  HALF
+        out[i] = x[i] * cos[i % HALF] + x[i - HALF] * sin[i % HALF]    i >= HALF
+    The roundings are the PyTorch layers' (RMSNorm, then RotaryEmbedding): fp32 agrees bit
+    for bit; in bf16 the compiler may keep the products in fp32 (see the module docstring).
+    """
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HEAD_DIM)
+    first_half = d < HALF
+    partner = tl.where(first_half, d + HALF, d - HALF)
+    x = tl.load(src_ptr + d)
+    xp = tl.load(src_ptr + partner)
+    dtype = x.dtype
+    if HAS_NORM:
+        x32 = x.to(tl.float32)
+        inv_rms = tl.rsqrt(tl.sum(x32 * x32, axis=0) / HEAD_DIM + eps)
+        w = tl.load(weight_ptr + d).to(tl.float32)
+        wp = tl.load(weight_ptr + partner).to(tl.float32)
+        # Cast back before the weight (HF's RMSNorm), then round the product to the dtype.
+        x = ((x32 * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+        xp = ((xp.to(tl.float32) * inv_rms).to(dtype).to(tl.float32) * wp).to(dtype)
+    cos = tl.load(cos_sin_ptr + d % HALF).to(dtype).to(tl.float32)
+    sin = tl.load(cos_sin_ptr + HALF + d % HALF).to(dtype).to(tl.float32)
+    x_cos = (x.to(tl.float32) * cos).to(dtype).to(tl.float32)
+    partner_sin = (xp.to(tl.float32) * sin).to(dtype).to(tl.float32)
+    return tl.where(first_half, x_cos - partner_sin, x_cos + partner_sin).to(dtype)
+
+
+@triton.jit
+def _qk_norm_rope_cache_kernel(
+    query_out_ptr, query_ptr, key_ptr, value_ptr, key_cache_ptr, value_cache_ptr,
+    slot_mapping_ptr, positions_ptr, cos_sin_ptr, q_weight_ptr, k_weight_ptr, eps,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ct, stride_ch, stride_cs,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    """Grid (num_tokens, num_heads + num_kv_heads): program (t, h) handles query head h of
+    token t, or, for h >= num_heads, KV head h - num_heads: its key (normed, rotated) and its
+    value go to the token's cache slot; slot -1 (padding) writes nothing."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    position = tl.load(positions_ptr + token)
+    cos_sin_row = cos_sin_ptr + position * stride_cs
+    if head < NUM_HEADS:
+        q = _norm_and_rotate_head(query_ptr + token * stride_qt + head * stride_qh, q_weight_ptr,
+                                  cos_sin_row, eps, HEAD_DIM, HAS_NORM)
+        tl.store(query_out_ptr + (token * NUM_HEADS + head) * HEAD_DIM + d, q)
+    else:
+        kv_head = head - NUM_HEADS
+        slot = tl.load(slot_mapping_ptr + token).to(tl.int64)
+        if slot >= 0:
+            k = _norm_and_rotate_head(key_ptr + token * stride_kt + kv_head * stride_kh, k_weight_ptr,
+                                      cos_sin_row, eps, HEAD_DIM, HAS_NORM)
+            v = tl.load(value_ptr + token * stride_vt + kv_head * stride_vh + d)
+            # slot = block * BLOCK_SIZE + offset (int64: a big cache has > 2**31 elements).
+            dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_ct + kv_head * stride_ch + d
+            tl.store(key_cache_ptr + dst, k.to(key_cache_ptr.dtype.element_ty))
+            tl.store(value_cache_ptr + dst, v.to(value_cache_ptr.dtype.element_ty))
+
+
+def qk_norm_rope_and_cache(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+    q_norm_weight: torch.Tensor | None = None, k_norm_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """Everything between the qkv projection and attention, in one kernel: Qwen3's per-head
+    q/k RMSNorm (skipped when the weights are None, as for Llama), rotary embedding of q and
+    k, and the write of k and v into the paged cache. Returns the new query; the rotated keys
+    exist only in the cache. Contract and PyTorch spec: `reference.qk_norm_rope_and_cache`.
+
+    query `[num_tokens, num_heads, head_dim]`, key/value `[num_tokens, num_kv_heads, head_dim]`
+    (views of the qkv output are fine: unit last stride); key/value_cache `[num_blocks,
+    block_size, num_kv_heads, head_dim]`; slot_mapping, positions `[num_tokens]` int64;
+    cos_sin_cache `[max_position, head_dim]`. Returns `[num_tokens, num_heads, head_dim]`.
+
+    Why: unfused this is q_norm, k_norm, rotary(q), rotary(k), reshape_and_cache: five
+    launches per layer (three for Llama), each moving a few KB at decode time.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if not qk_norm_rope_and_cache_supported(query, key, value, key_cache, cos_sin_cache):
+        raise ValueError("qk_norm_rope_and_cache wants head_dim = 2^k, unit last strides, q/k/v and "
+                         "cache heads that agree, and a contiguous cos/sin table.")
+    if (q_norm_weight is None) != (k_norm_weight is None):
+        raise ValueError("give both q and k norm weights, or neither.")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides.")
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    has_norm = q_norm_weight is not None
+    if num_tokens:
+        _qk_norm_rope_cache_kernel[(num_tokens, num_heads + num_kv_heads)](
+            out, query, key, value, key_cache, value_cache, slot_mapping, positions, cos_sin_cache,
+            q_norm_weight if has_norm else query, k_norm_weight if has_norm else key, eps,
+            query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], HAS_NORM=has_norm,
+            num_warps=1,
+        )
+    return out
+
+
+def qk_norm_rope_and_cache_supported(query, key, value, key_cache, cos_sin_cache) -> bool:
+    """The layouts the kernel reads: head_dim a power of two (tl.arange), unit last strides,
+    key/value/cache heads alike, and a cos/sin row per position of head_dim entries."""
+    head_dim = query.shape[-1]
+    return (query.dim() == key.dim() == value.dim() == 3 and key.shape == value.shape
+            and head_dim >= 2 and head_dim & (head_dim - 1) == 0
+            and key.shape[2] == head_dim and tuple(key_cache.shape[2:]) == tuple(key.shape[1:])
+            and all(t.stride(-1) == 1 for t in (query, key, value, key_cache))
+            and cos_sin_cache.is_contiguous() and cos_sin_cache.shape[-1] == head_dim)

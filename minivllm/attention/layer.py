@@ -42,9 +42,17 @@ class Attention(nn.Module):
         """
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, attn_metadata)
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
         # Write first: the kernels read every key, the new ones included, from the cache.
-        self.ops.reshape_and_cache(k, v, key_cache, value_cache, attn_metadata.slot_mapping)
+        self.ops.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping)
+        return self.forward_over_cache(q, kv_cache, attn_metadata)
+
+    def forward_over_cache(self, q: torch.Tensor, kv_cache: torch.Tensor,
+                           attn_metadata: AttentionMetadata) -> torch.Tensor:
+        """Attention of q `[num_tokens, num_heads, head_dim]` over a cache that already holds this
+        step's new keys and values: `forward` writes them just before; a model whose fused
+        kernel writes them itself (rotating the keys on the way, `fused_ops.
+        qk_norm_rope_and_cache`) calls this directly and saves the separate write."""
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
         prefill, decode = attn_metadata.prefill_metadata, attn_metadata.decode_metadata
         num_prefill_tokens = attn_metadata.num_prefill_tokens
         outputs = []

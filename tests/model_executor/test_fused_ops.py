@@ -139,3 +139,36 @@ def test_whole_model_on_fused_ops_matches_transformers(make_checkpoint, family, 
         expected = hf_model(prompt.unsqueeze(0)).logits[0]
     assert len(calls) >= 4 * len(model.model.layers) + 1  # 2 norms, SiLU, rotary per layer; final norm
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama3", "qwen3"])
+def test_attention_fuses_norms_rotary_and_cache_write_over_a_paged_cache(make_checkpoint, family, monkeypatch):
+    """With a KV cache, a "triton" model's attention runs q/k norm + rotary + the cache write as
+    one kernel per layer (Llama: no norms, llama3 rope; Qwen3: norms), and the step's
+    attention reads the keys it wrote: a prompt, then two decode steps, all of transformers'
+    logits. A "torch" model on the same inputs never calls the kernel."""
+    hf_model, model_config = make_checkpoint(family)
+    fused = fused_ops.qk_norm_rope_and_cache
+    calls = []
+    monkeypatch.setattr(fused_ops, "qk_norm_rope_and_cache", lambda *a, **kw: calls.append(1) or fused(*a, **kw))
+    config = hf_model.config
+    tokens = torch.tensor([(5 * i + 1) % config.vocab_size for i in range(11)], device=DEVICE)
+    block_size, table = 4, [3, 0, 5]  # scattered blocks
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    for backend in ("triton", "torch"):
+        model = get_model(model_config, DEVICE, "float32", backend)
+        kv_caches = [torch.zeros(2, 6, block_size, config.num_key_value_heads, head_dim, device=DEVICE)
+                     for _ in model.model.layers]
+        logits = []
+        for context, query in ((0, 9), (9, 1), (10, 1)):  # prefill, then decodes
+            md = build_attn_metadata([table], [context], [query], num_prefills=int(query > 1),
+                                     block_size=block_size, device=DEVICE)
+            positions = torch.arange(context, context + query, device=DEVICE)
+            with torch.no_grad():
+                hidden = model(tokens[context:context + query], positions, kv_caches, md)
+                logits.append(model.compute_logits(hidden))
+        with torch.no_grad():
+            expected = hf_model.to(DEVICE)(tokens.unsqueeze(0)).logits[0]
+        torch.testing.assert_close(torch.cat(logits), expected, atol=1e-4, rtol=1e-4)
+        assert len(calls) == (3 * len(model.model.layers) if backend == "triton" else 0)
+        calls.clear()
