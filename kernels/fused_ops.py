@@ -1,5 +1,5 @@
 """Fused elementwise ops of the decoder layer, in Triton: RMSNorm (+ residual add), SiLU-and-mul,
-rotary embedding.
+rotary embedding, and the attention prologue (q/k norm + rotary + KV-cache write) as one.
 
 Why: in eager PyTorch each of these is a chain of small kernels (RMSNorm with its residual
 add: add, cast, square, mean, rsqrt, multiply, cast, scale = 8 launches; rotary: a gather,
@@ -8,6 +8,12 @@ the tensors are tiny (256 tokens x 1024 features), so every launch costs more th
 about 60 kernels per layer, 1,700 per step for Qwen3-0.6B, some 3-5 µs each even inside a
 CUDA graph. Each function here is one kernel that reads its inputs once and writes its
 outputs once, bringing a layer to about 14 kernels.
+
+At batch 1 inside a CUDA graph the step time is then mostly the number of kernels times their
+serial latency, not their work, so `qk_norm_rope_and_cache` goes further: everything between
+the qkv projection and attention (q_norm, k_norm, rotary of q and k, reshape_and_cache) is one
+kernel, and the split-KV decode merges its own partials (`paged_attention.py`): a Qwen3 layer
+is 9 kernels (norm, qkv, prologue, attention, o_proj, norm, gate_up, SiLU, down).
 
 Every function matches the PyTorch layer it replaces bit for bit in fp32. In bf16 the
 norms and SiLU round to the input dtype exactly where the PyTorch code does (after the
@@ -18,7 +24,8 @@ by one bf16 step; that is rounding, not a different formula, and fp32 agrees exa
 
 The layers (`minivllm.model_executor.layers`) call these from their `forward_triton`, bound when
 the model is built for the "triton" backend (`model_executor/custom_op.py`); their
-`forward_native` is the PyTorch code (before/after comparisons: `CustomOp.use_backend`).
+`forward_native` is the PyTorch code (before/after comparisons: `CustomOp.use_backend`). The
+attention prologue is called from `LlamaAttention.forward_triton` (`models/llama.py`).
 Importing this module imports triton: import it lazily, as `get_ops("triton")` does.
 """
 

@@ -103,7 +103,9 @@ class RotaryEmbedding(CustomOp):
                        key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """One kernel per tensor (`kernels/fused_ops.py`). fp32: forward_native's result; bf16:
         it rounds once per output where forward_native also rounds each product, so it may
-        differ by one bf16 step (tests/model_executor/test_fused_ops.py)."""
+        differ by one bf16 step (tests/model_executor/test_fused_ops.py). With a KV cache, a
+        "triton" Llama-family attention skips this module: its one-kernel prologue
+        (`fused_ops.qk_norm_rope_and_cache`) rotates q and k and writes the cache."""
         from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
 
         if not fused_ops.rotary_supported(self.head_dim) or query.stride(-1) != 1 or key.stride(-1) != 1:
