@@ -100,15 +100,16 @@ def _race_noise(seed, offset, token):
 
 
 @triton.jit
-def _sample_row_kernel(logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr, lse_ptr,
-                       vocab_size, stride_row, BLOCK: tl.constexpr):
+def _sample_row_kernel(logits_ptr, temperature_ptr, draw_ptr, seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr,
+                       lse_ptr, vocab_size, stride_row, BLOCK: tl.constexpr):
     """One row per program, one pass over its logits: z = logits / T, the running arg-max of
-    z + noise (of z alone for greedy rows, T = 0, first index among ties) and the online
-    logsumexp of z. Writes the token, z[token] - logsumexp(z) and logsumexp(z)."""
+    z + noise (of z alone where draw is 0: greedy rows, T = 0, first index among ties, and
+    rows the candidate kernel will draw) and the online logsumexp of z. Writes the token,
+    z[token] - logsumexp(z) and logsumexp(z)."""
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
-    greedy = temperature == 0.0
-    temperature = tl.where(greedy, 1.0, temperature)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    draw = tl.load(draw_ptr + row) != 0
     seed = tl.load(seeds_ptr + row)
     offset = tl.load(offsets_ptr + row)
     cols = tl.arange(0, BLOCK)
@@ -126,7 +127,7 @@ def _sample_row_kernel(logits_ptr, temperature_ptr, seeds_ptr, offsets_ptr, toke
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
         running_max = new_max
         score = z
-        if not greedy:  # greedy rows skip the random numbers
+        if draw:  # greedy rows skip the random numbers
             score = z + _race_noise(seed, offset, start + cols)
         block_best = tl.argmax(score, axis=0)
         block_score = tl.max(score, axis=0)
@@ -253,11 +254,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return tokens, logprobs
-    _sample_row_kernel[(num_rows,)](logits, temperature, seeds, offsets, tokens, logprobs, lse,
-                                    vocab_size, logits.stride(0), BLOCK=_BLOCK)
     truncates = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0)
     if needs_truncation is None:
         needs_truncation = bool(truncates.any())
+    # Rows the candidate kernel draws need only the logsumexp from this pass: no noise.
+    draw = (temperature != 0) & ~truncates if needs_truncation else temperature != 0
+    _sample_row_kernel[(num_rows,)](logits, temperature, draw.to(torch.int8), seeds, offsets, tokens, logprobs, lse,
+                                    vocab_size, logits.stride(0), BLOCK=min(_BLOCK, triton.next_power_of_2(vocab_size)))
     if not needs_truncation:
         return tokens, logprobs
     if num_candidates is None:

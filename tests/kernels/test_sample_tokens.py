@@ -1,0 +1,221 @@
+"""`sample_tokens` (Triton, and its PyTorch reference) against the host sampler's definitions.
+
+The independent spec is the host sampler: `apply_top_k_top_p` and `apply_min_p` give each
+row's kept set, and a token's logprob must be z[token] - logsumexp(z over that set). The
+random draws are checked for their distribution (chi-square over many offsets), for
+reproducibility and for independence from the rest of the batch. On the CPU the kernels run
+in Triton's interpreter (tests/conftest.py), about 10 ms a row, so shapes here are tiny.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from minivllm.kernels import reference, sampling
+from minivllm.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+IMPLEMENTATIONS = [pytest.param(sampling.sample_tokens, id="triton"),
+                   pytest.param(reference.sample_tokens, id="reference")]
+
+
+def make_params(num_rows, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=1234, offsets=None):
+    """The six per-row tensors of `sample_tokens`, from scalars or lists."""
+    def column(value, dtype):
+        values = value if isinstance(value, (list, tuple)) else [value] * num_rows
+        return torch.tensor(values, dtype=dtype, device=DEVICE)
+    offsets = list(range(num_rows)) if offsets is None else offsets
+    return (column(temperature, torch.float32), column(top_k, torch.int64), column(top_p, torch.float32),
+            column(min_p, torch.float32), column(seed, torch.int64), column(offsets, torch.int64))
+
+
+def spec_kept(logits, temperature, top_k, top_p, min_p):
+    """`[rows, vocab]` kept set by the host sampler's own functions (its -1 means top-k off)."""
+    z = logits.float() / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+    host_k = torch.where((top_k <= 0) | (top_k >= z.shape[1]), -1, top_k)
+    masked = apply_min_p(apply_top_k_top_p(z, host_k, top_p), min_p)
+    return z, torch.isfinite(masked)
+
+
+def check_against_spec(logits, params, tokens, logprobs, atol=1e-5):
+    """Every token in its row's kept set, with logprob z[token] - logsumexp(z over the set)."""
+    z, kept = spec_kept(logits, *params[:4])
+    rows = torch.arange(len(tokens), device=tokens.device)
+    assert kept[rows, tokens].all(), f"tokens outside the kept set in rows {(~kept[rows, tokens]).nonzero().flatten().tolist()}"
+    expected = z[rows, tokens] - torch.logsumexp(z.masked_fill(~kept, -float("inf")), dim=-1)
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=atol)
+
+
+def mixed_batch(num_rows, vocab_size, seed=0):
+    """Random logits and a random mix of greedy / temperature / top-k / top-p / min-p rows."""
+    generator = torch.Generator().manual_seed(seed)
+    logits = 3 * torch.randn(num_rows, vocab_size, generator=generator)
+    pick = lambda *choices: [choices[i] for i in torch.randint(len(choices), (num_rows,), generator=generator).tolist()]
+    params = make_params(num_rows, temperature=pick(0.0, 0.5, 1.0, 1.5), top_k=pick(-1, 0, 1, 3, 10, vocab_size),
+                         top_p=pick(1.0, 1.0, 0.5, 0.9), min_p=pick(0.0, 0.0, 0.1),
+                         seed=torch.randint(2**62, (num_rows,), generator=generator).tolist())
+    return logits.to(DEVICE), params
+
+
+# --------------------------------------------------------------------------- exactness
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_rows_are_the_argmax_with_the_kept_sets_logprob(dtype):
+    """Greedy rows (T = 0), truncated or not, across two 4096-blocks and with ties."""
+    logits = (3 * torch.randn(4, 5000, generator=torch.Generator().manual_seed(0))).to(DEVICE, dtype)
+    logits[1, [7, 4500]] = 20.0  # a tie across blocks: the first index wins, as torch.argmax
+    params = make_params(4, temperature=0.0, top_k=[-1, 5, -1, 2], top_p=[1.0, 1.0, 0.5, 0.9], min_p=[0.0, 0.0, 0.0, 0.2])
+    tokens, logprobs = sampling.sample_tokens(logits, *params)
+    assert torch.equal(tokens, logits.float().argmax(dim=-1))
+    check_against_spec(logits, params, tokens, logprobs)
+    ref_tokens, ref_logprobs = reference.sample_tokens(logits, *params)
+    assert torch.equal(tokens, ref_tokens)
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_every_token_is_kept_with_its_kept_set_logprob(impl):
+    logits, params = mixed_batch(24, 48)
+    tokens, logprobs = impl(logits, *params)
+    assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
+    assert tokens.device == logits.device == logprobs.device
+    check_against_spec(logits, params, tokens, logprobs)
+
+
+def test_temperature_only_rows_match_the_candidate_path():
+    """The two kernels share one noise function of (seed, offset, token id): a row whose
+    kept set is everything draws the same token in the one-pass kernel and among candidates."""
+    logits, _ = mixed_batch(8, 32, seed=1)
+    plain = make_params(8, temperature=0.9, seed=list(range(8)))
+    everything_kept = make_params(8, temperature=0.9, seed=list(range(8)), min_p=1e-30)  # truncates, drops nothing
+    tokens, logprobs = sampling.sample_tokens(logits, *plain, needs_truncation=False)
+    cand_tokens, cand_logprobs = sampling.sample_tokens(logits, *everything_kept, num_candidates=32)
+    assert torch.equal(tokens, cand_tokens)
+    torch.testing.assert_close(logprobs, cand_logprobs)
+
+
+def test_overflowing_candidates_fall_back_to_the_exact_kept_set():
+    """A nucleus past the candidates (flat row, top-p 0.95, 4 candidates) and a tie at the
+    k-th value running past them: both redone over the full sort, so the tokens equal a run
+    whose candidates are the whole vocabulary (same noise per token id, same kept set)."""
+    logits = torch.zeros(6, 40, device=DEVICE)
+    logits[:, :10] = 1.0  # rows 3-5: ten tokens tied at the top, top-k 2 keeps them all
+    logits[:3] = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 0.1
+    params = make_params(6, top_k=[-1, -1, -1, 2, 2, 2], top_p=[0.95, 0.95, 0.95, 1.0, 1.0, 1.0], seed=[5, 6, 7, 8, 9, 10])
+    tokens, logprobs = sampling.sample_tokens(logits, *params, num_candidates=4)
+    check_against_spec(logits, params, tokens, logprobs)
+    full_tokens, full_logprobs = sampling.sample_tokens(logits, *params, num_candidates=40)
+    assert torch.equal(tokens, full_tokens)
+    torch.testing.assert_close(logprobs, full_logprobs)
+
+
+# --------------------------------------------------------------------------- distribution
+def chi_square_critical(df: int, z_alpha: float = 3.719) -> float:
+    """Wilson-Hilferty approximation of the chi-square quantile; z 3.719: alpha = 1e-4."""
+    h = 2 / (9 * df)
+    return df * (1 - h + z_alpha * math.sqrt(h)) ** 3
+
+
+DRAWS = 300  # rows of one call, each its own offset: 300 draws from one distribution
+CHI_SQUARE_LOGITS = [2.0, 1.6, 1.2, 1.0, 0.5, 0.0, -0.5, -2.0]
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+@pytest.mark.parametrize("setting", [
+    dict(temperature=0.8),
+    dict(temperature=1.0, top_k=4),
+    dict(temperature=1.3, top_p=0.7),
+    dict(temperature=1.0, min_p=0.2),
+    dict(temperature=0.7, top_k=6, top_p=0.9, min_p=0.05),
+], ids=["temperature", "top_k", "top_p", "min_p", "combined"])
+def test_draws_follow_the_kept_distribution(impl, setting):
+    vocab_size = len(CHI_SQUARE_LOGITS)
+    logits = torch.tensor([CHI_SQUARE_LOGITS], device=DEVICE).expand(DRAWS, vocab_size).contiguous()
+    params = make_params(DRAWS, seed=99, **setting)
+    tokens, _ = impl(logits, *params)
+    z, kept = spec_kept(logits[:1], *(p[:1] for p in params[:4]))
+    probs = z.masked_fill(~kept, -float("inf")).softmax(dim=-1)[0].double().cpu()
+    counts = torch.bincount(tokens.cpu(), minlength=vocab_size).double()
+    assert counts[~kept[0].cpu()].sum() == 0, "a token outside the kept set was drawn"
+    expected = probs[kept[0].cpu()] * DRAWS
+    observed = counts[kept[0].cpu()]
+    statistic = float(((observed - expected) ** 2 / expected).sum())
+    df = int(kept.sum()) - 1
+    if df == 0:
+        return  # one kept token: already checked that nothing else was drawn
+    assert statistic < chi_square_critical(df), (
+        f"chi-square {statistic:.1f} >= {chi_square_critical(df):.1f} (df {df}): observed "
+        f"{observed.tolist()}, expected {[round(e, 1) for e in expected.tolist()]}")
+
+
+# --------------------------------------------------------------------------- reproducibility
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_a_rows_token_depends_only_on_its_logits_seed_and_offset(impl):
+    logits, params = mixed_batch(12, 40, seed=3)
+    tokens, logprobs = impl(logits, *params)
+    again, _ = impl(logits, *params)
+    assert torch.equal(tokens, again)
+    # Reordered, with rows of another batch mixed in: each row's token is unchanged.
+    other_logits, other_params = mixed_batch(5, 40, seed=4)
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    batch_logits = torch.cat([logits[order], other_logits])
+    batch_params = [torch.cat([p[order], q]) for p, q in zip(params, other_params)]
+    shuffled_tokens, shuffled_logprobs = impl(batch_logits, *batch_params)
+    assert torch.equal(shuffled_tokens[:12], tokens[order])
+    torch.testing.assert_close(shuffled_logprobs[:12], logprobs[order])
+
+
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_all_64_bits_of_seed_and_offset_matter(impl):
+    """Seeds or offsets 2^32 apart (or past 2^32) give unrelated draws, not the same ones."""
+    num_rows, vocab_size = 60, 16
+    logits = torch.zeros(num_rows, vocab_size, device=DEVICE)  # uniform: every token equally likely
+    base, _ = impl(logits, *make_params(num_rows, seed=7, offsets=list(range(num_rows))))
+    for params in (make_params(num_rows, seed=7 + 2**32, offsets=list(range(num_rows))),
+                   make_params(num_rows, seed=7, offsets=[o + 2**32 for o in range(num_rows)])):
+        shifted, _ = impl(logits, *params)
+        # Unrelated uniform draws agree 1 time in 16; identical streams would agree always.
+        assert (shifted == base).float().mean() < 0.3
+    assert len(set(base.tolist())) > 5  # different offsets: different draws
+
+
+# --------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
+def test_bad_input_raises_with_the_reason(impl):
+    params = make_params(3)
+    with pytest.raises(ValueError, match="2-D"):
+        impl(torch.zeros(3, device=DEVICE), *params)
+    with pytest.raises(ValueError, match="unit stride"):
+        impl(torch.zeros(8, 3, device=DEVICE).t(), *params)
+    with pytest.raises(ValueError, match="top_p must have shape"):
+        impl(torch.zeros(3, 8, device=DEVICE), *params[:2], params[2][:2], *params[3:])
+    with pytest.raises(ValueError, match="top_k must be an integer"):
+        impl(torch.zeros(3, 8, device=DEVICE), params[0], params[1].float(), *params[2:])
+    with pytest.raises(ValueError, match="float"):
+        impl(torch.zeros(3, 8, dtype=torch.int64, device=DEVICE), *params)
+
+
+# --------------------------------------------------------------------------- GPU, real sizes
+@pytest.mark.gpu
+def test_bf16_qwen_vocabulary_against_the_spec_and_the_reference():
+    """256 rows x 151,936 bf16 logits, every kind of row: kept sets and logprobs as the host
+    sampler defines them; greedy tokens and every logprob equal to the reference's."""
+    logits, params = mixed_batch(256, 151936, seed=5)
+    logits = logits.to(torch.bfloat16)
+    tokens, logprobs = sampling.sample_tokens(logits, *params)
+    check_against_spec(logits, params, tokens, logprobs, atol=1e-4)
+    ref_tokens, _ = reference.sample_tokens(logits, *params)
+    greedy = params[0] == 0
+    assert torch.equal(tokens[greedy], ref_tokens[greedy])
+
+
+@pytest.mark.gpu
+def test_bf16_nucleus_past_the_candidate_cap_falls_back():
+    """Flat rows with top-p 0.95: the nucleus holds ~140k tokens, far past 1,024 candidates."""
+    generator = torch.Generator().manual_seed(6)
+    logits = (0.05 * torch.randn(16, 151936, generator=generator)).to(DEVICE, torch.bfloat16)
+    params = make_params(16, top_p=0.95, seed=list(range(16)))
+    tokens, logprobs = sampling.sample_tokens(logits, *params)
+    check_against_spec(logits, params, tokens, logprobs, atol=1e-4)
