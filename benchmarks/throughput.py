@@ -32,6 +32,13 @@ weights (transformers `from_config`, seed 0), bf16, saved once to a temporary di
     python benchmarks/throughput.py plot results/throughput.json --png docs/img/throughput_h100.png
 
 `all` writes throughput.json (every number), prints a markdown table, and draws the bar chart.
+
+Issue 15's honest benchmark is a separate command (benchmarks/issue15.py has the rows): its
+headline is nano-vllm's bench.py run exactly (temperature 0.6, its warm-up, `LLM()` defaults),
+and greedy and tuned settings are extra, labelled rows:
+
+    python benchmarks/throughput.py issue15 --out results/          # one GPU, about 8 minutes
+    python benchmarks/throughput.py issue15 --out /tmp/s --smoke    # tiny model on the CPU
 """
 
 from __future__ import annotations

@@ -1,0 +1,104 @@
+"""The issue-15 benchmark scripts run end to end on the CPU (tiny model), and measure what they say.
+
+The GPU numbers come from `python benchmarks/throughput.py issue15 --out DIR` on the GPU
+machine; here we check the same code paths in seconds: the workload is nano-vllm's bench.py
+draw, every row records the engine arguments and sampling it used and checks each request's
+token count, and the budget skips rows rather than overrunning.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import issue15  # noqa: E402
+import throughput  # noqa: E402
+
+
+def test_workload_is_nano_vllm_bench_draw():
+    """bench.py: `seed(0)`, prompts (length, then ids) first, then one max_tokens per request."""
+    import random
+
+    random.seed(0)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
+    max_tokens = [random.randint(100, 1024) for _ in range(256)]
+    assert throughput.make_workload() == (prompts, max_tokens)
+    assert sum(max_tokens) == 133_966  # the output-token count nano-vllm's bench.py reports
+
+
+def test_row_workload_caps_only_when_asked():
+    prompts, max_tokens = throughput.row_workload({"num_seqs": 3, "prompt_cap": 5, "max_tokens_cap": 7})
+    full_prompts, full_max = throughput.make_workload()
+    assert prompts == [p[:5] for p in full_prompts[:3]]
+    assert max_tokens == [min(m, 7) for m in full_max[:3]]
+    assert throughput.row_workload({}) == (full_prompts, full_max)
+
+
+def test_headline_row_changes_no_engine_argument():
+    """The headline is `LLM()` defaults at temperature 0.6: no engine_args in its spec."""
+    headline = next(row for row in issue15.ROWS if row.name == "headline")
+    assert "engine_args" not in headline.spec and "system" not in headline.spec
+    assert headline.spec["sampling"] == {"temperature": 0.6}
+    assert headline is issue15.ROWS[0]
+
+
+def test_budget_skips_a_row_instead_of_starting_it(tmp_path):
+    runner = issue15.Runner(tmp_path, budget_s=issue15.MIN_ROW_S - 1)
+    marker = tmp_path / "ran"
+    status = runner.run("x", [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], timeout_s=60)
+    assert status["error"].startswith("skipped") and not marker.exists()
+
+
+def test_a_row_past_its_timeout_is_killed(tmp_path):
+    runner = issue15.Runner(tmp_path, budget_s=60, min_row_s=0.5)
+    status = runner.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=2)
+    assert status["error"].startswith("timed out") and status["wall_s"] < 10
+
+
+def test_issue15_smoke_end_to_end(tmp_path):
+    """One row of each kind through the real entry point (each its own process), on the CPU."""
+    cmd = [sys.executable, str(BENCHMARKS / "throughput.py"), "issue15", "--smoke", "--out", str(tmp_path),
+           "--only", "headline", "prefill-attn", "batch1", "serving"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    report = json.loads((tmp_path / "issue15.json").read_text())
+    rows = report["rows"]
+    assert set(rows) == {"headline", "prefill-attn", "batch1", "serving"}
+    assert not [name for name, r in rows.items() if "error" in r], rows
+
+    headline = rows["headline"]
+    assert headline["tokens_checked"] and headline["output_tokens"] == headline["num_requests"] * 8
+    assert headline["sampling_params"] == {"temperature": 0.6, "ignore_eos": True}
+    defaults = throughput.engine_args_used({})
+    changed = {k for k, v in headline["engine_args"].items() if v != defaults[k]}
+    assert changed == {"model", "dtype", "max_model_len"}  # only what nano-vllm's bench.py gives
+    assert headline["engine_args"]["max_model_len"] == 4096
+    assert "Benchmark: " in headline["warmup"]
+
+    for shape in rows["prefill-attn"]["rows"]:  # the paged kernel computes what SDPA computes
+        assert shape["relative_error_vs_sdpa"] < 1e-4 and shape["paged_triton_ms"] > 0
+
+    batch1 = rows["batch1"]
+    assert batch1["tokens_checked"] and batch1["tpot_ms"] > 0 and batch1["decode_step_ms_median"] > 0
+    assert Path(batch1["profile"]["file"]).read_text().startswith("One decode step()")
+
+    serving = rows["serving"]
+    assert serving["tokens_checked"] and serving["completed"] == serving["num_requests"] == 4
+    assert serving["streamed_chunks"] == serving["output_tokens"]  # token by token
+    assert serving["output_tokens_per_s"] > 0
+
+    table = (tmp_path / "issue15.md").read_text()
+    assert "nano-vllm bench.py" in table and "serving / offline" in table
+
+
+@pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb"])
+def test_every_extra_row_is_labelled(name):
+    row = next(row for row in issue15.ROWS if row.name == name)
+    assert row.label and row.label != issue15.ROWS[0].label
