@@ -271,7 +271,8 @@ def run_workload(args: argparse.Namespace) -> dict:
     dtype = "float32" if args.smoke else "bfloat16"
     port = free_port()
     base_url = f"http://127.0.0.1:{port}"
-    log_path = str(Path(args.json).with_suffix(".server.log")) if args.json else "/tmp/minivllm_serving_server.log"
+    log_path = args.server_log or (str(Path(args.json).with_suffix(".server.log")) if args.json
+                                   else "minivllm_serving_server.log")
     start = time.perf_counter()
     proc, cmd = start_server(args.ckpt, dtype, NANO_MAX_MODEL_LEN, port, log_path)
     try:
@@ -298,6 +299,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ckpt", default=None, help="with --workload: the checkpoint to serve")
     parser.add_argument("--num-prompts-workload", type=int, default=256, help="with --workload: clients")
     parser.add_argument("--smoke", action="store_true", help="with --workload: 4 tiny requests, fp32 (CPU)")
+    parser.add_argument("--server-log", default=None, help="with --workload: the server's output (default: beside --json)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the server's first model")
     parser.add_argument("--request-rates", type=float, nargs="+", default=[1.0, 4.0], help="requests/s; inf = all at once")
