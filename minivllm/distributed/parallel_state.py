@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 logger = logging.getLogger(__name__)
 
@@ -239,6 +240,16 @@ def destroy_model_parallel() -> None:
 
 def destroy_distributed_environment() -> None:
     """Leave the world (so this process can later join another one, e.g. the next engine)."""
+    global _TP, _PP
+    if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(c10d, "_abort_process_group"):
+        # A graceful NCCL teardown (ncclCommDestroy) finalizes with the peers: measured on two
+        # H200s, an engine's shutdown then hung now and then while the other rank was already
+        # leaving. Nothing is in flight at shutdown, so abort instead: it is local, and it
+        # clears torch's registry of groups so that a later engine can join a new world.
+        torch.cuda.synchronize()
+        c10d._abort_process_group()
+        _TP = _PP = None
+        return
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
