@@ -275,8 +275,13 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     prompt = {"prompt_token_ids": [random.Random(1).randrange(10000) for _ in range(B1_PROMPT_LEN)]}
     greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([prompt], SamplingParams(**greedy, max_tokens=gen_tokens), use_tqdm=False)  # warm-up
-    result = {"engine_args": given, "prompt_len": B1_PROMPT_LEN,
-              "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import engine_args_used, resolved_engine_settings
+
+    result = {"engine_args": engine_args_used(given), "engine_resolved": resolved_engine_settings(engine),
+              "prompt_len": B1_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
     engine.add_request("b1", prompt, SamplingParams(**greedy, max_tokens=B1_MAX_MODEL_LEN - B1_PROMPT_LEN - 64))
     while not engine.scheduler.running or engine.scheduler.running[0].is_prefill():
         engine.step()
