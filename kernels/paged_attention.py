@@ -175,33 +175,32 @@ def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
 
 @triton.jit
 def _merge_splits(
-    partial_out_ptr, partial_lse_ptr, rows,  # rows [GROUP_PAD]: (seq, head) row of split 0
-    num_valid, row_mask,
-    HEAD_DIM_PAD: tl.constexpr, GROUP_PAD: tl.constexpr,
+    out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, num_splits, num_valid,
+    stride_os, stride_oh, stride_od,
+    NUM_HEADS: tl.constexpr, GROUP_SIZE: tl.constexpr, SPLITS_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    """out = sum_s w_s * out_s with w_s = 2**lse_s / sum_s' 2**lse_s', for one query-head group.
+    """out = sum_s w_s * out_s, w_s = 2**lse_s / sum_s' 2**lse_s', for each query head of the group.
 
-    An online merge over the splits (the same rescaling as the softmax itself), so the
-    registers hold one [GROUP_PAD, HEAD_DIM_PAD] tile whatever the number of splits. Loads
-    use ".cg" (cache in L2 only): the partials were written by other SMs, and an L1 line
-    left here by an earlier launch must not be read.
+    All of a head's splits are loaded at once ([SPLITS_PAD, HEAD_DIM_PAD]): one round trip to
+    L2 instead of one per split, which is what keeps the merge cheap at batch 1. Loads use
+    ".cg" (cache in L2 only): the partials were written by programs on other SMs, and a line
+    this SM's L1 kept from an earlier launch must not be read.
     """
+    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    m = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)  # largest lse so far
-    total = tl.zeros([GROUP_PAD], dtype=tl.float32)  # sum of 2**(lse_s - m)
-    acc = tl.zeros([GROUP_PAD, HEAD_DIM_PAD], dtype=tl.float32)
-    for split in range(0, num_valid):
-        # Padding rows read lse 0 (not -inf): keeps them finite; they are never stored.
-        lse = tl.load(partial_lse_ptr + rows + split, mask=row_mask, other=0.0, cache_modifier=".cg")
-        part = tl.load(partial_out_ptr + (rows + split)[:, None] * HEAD_DIM_PAD + offs_d[None, :],
-                       mask=row_mask[:, None], other=0.0, cache_modifier=".cg")
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)  # 0 on the first split
-        weight = tl.exp2(lse - m_new)
-        total = total * alpha + weight
-        acc = acc * alpha[:, None] + part * weight[:, None]
-        m = m_new
-    return acc / total[:, None]
+    split_mask = offs_s < num_valid
+    for g in tl.static_range(GROUP_SIZE):
+        head = kv_head * GROUP_SIZE + g
+        rows = (seq.to(tl.int64) * NUM_HEADS + head) * num_splits + offs_s  # [SPLITS_PAD]
+        lse = tl.load(partial_lse_ptr + rows, mask=split_mask, other=float("-inf"), cache_modifier=".cg")
+        weights = tl.exp2(lse - tl.max(lse, axis=0))  # 0 for the splits past the sequence's end
+        weights = weights / tl.sum(weights, axis=0)
+        partial = tl.load(partial_out_ptr + rows[:, None] * HEAD_DIM_PAD + offs_d[None, :],
+                          mask=split_mask[:, None], other=0.0, cache_modifier=".cg")
+        out = tl.sum(partial * weights[:, None], axis=0)  # [HEAD_DIM_PAD]
+        out_offs = seq.to(tl.int64) * stride_os + head * stride_oh + offs_d * stride_od
+        tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 @triton.jit
@@ -216,7 +215,7 @@ def _paged_attention_v2_kernel(
     stride_os, stride_oh, stride_od,
     stride_cb, stride_ct, stride_ch, stride_cd,
     stride_bts,
-    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+    NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -257,10 +256,9 @@ def _paged_attention_v2_kernel(
         counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
         arrived_before = tl.atomic_add(counter, 1, sem="acq_rel")  # returns the old value
         if arrived_before == num_valid - 1:  # every other split has written its partials
-            out = _merge_splits(partial_out_ptr, partial_lse_ptr, rows, num_valid, row_mask,
-                                HEAD_DIM_PAD, GROUP_PAD)
-            out_offs = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-            tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+            _merge_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, num_splits, num_valid,
+                          stride_os, stride_oh, stride_od,
+                          NUM_HEADS, GROUP_SIZE, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
             # Nobody else touches this counter in this launch: reset it for the next one
             # (the next layer, or the next replay of a CUDA graph).
             tl.atomic_xchg(counter, 0, sem="relaxed")
@@ -384,6 +382,7 @@ def paged_attention_decode(
     _paged_attention_v2_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
         out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
         qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
-        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, **meta,
+        NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
+        **meta,
     )
     return out
