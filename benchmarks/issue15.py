@@ -183,6 +183,9 @@ def main(args: argparse.Namespace) -> int:
         report["rows"][row.name] = {**read_result(row, result), **status}
         if "error" in status and report["rows"][row.name].get("error") != status["error"]:
             report["rows"][row.name]["error"] = status["error"]
+        progress = result.with_suffix(".progress.json")
+        if "error" in status and progress.exists():  # how far a row that did not finish got
+            report["rows"][row.name]["partial"] = json.loads(progress.read_text())
         if minivllm_row and not args.smoke:  # a cold Triton cache puts compile time into the timed run
             report["rows"][row.name]["triton_cache_primed"] = "error" not in report["prime"].get(row.model, {})
         save()
@@ -245,8 +248,16 @@ def markdown_table(report: dict) -> str:
                      f"{r['elapsed_s']} | {r['output_tokens_per_s']:,.0f} | {ratio} | {target} | "
                      f"{r.get('tokens_checked')} |")
     lines += _extra_lines(rows, headline)
-    failed = [f"- {labels[n]}: {r['error']}" for n, r in rows.items() if "error" in r]
+    failed = [f"- {labels[n]}: {r['error']}{_partial(r)}" for n, r in rows.items() if "error" in r]
     return "\n".join(lines + (["", "Not measured:"] + failed if failed else []))
+
+
+def _partial(row: dict) -> str:
+    p = row.get("partial")
+    if not p or not p["seconds_so_far"]:
+        return ""
+    return (f" (unfinished: {p['output_tokens_so_far']:,} tokens in {p['seconds_so_far']} s of the timed run, "
+            f"{p['output_tokens_so_far'] / p['seconds_so_far']:,.0f} tok/s so far)")
 
 
 def _extra_lines(rows: dict, headline) -> list[str]:

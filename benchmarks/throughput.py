@@ -246,7 +246,26 @@ def resolved_engine_settings(engine) -> dict:
             "dtype": str(engine.model_config.dtype).removeprefix("torch.")}
 
 
-def run_minivllm_row(spec: dict, ckpt: Path) -> dict:
+class ProgressLogger:
+    """Engine stat logger: output tokens so far, written to `path` every PROGRESS_EVERY_S
+    seconds, so a row that runs out of time still says how far it got (one int per step)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path, self.tokens = path, 0
+        self.start = self.last_write = time.monotonic()
+
+    def log(self, stats) -> None:
+        self.tokens += stats.num_generation_tokens_iter  # (as the engine counts them; indicative only)
+        if stats.now - self.last_write >= PROGRESS_EVERY_S:
+            self.last_write = stats.now
+            self.path.write_text(json.dumps({"output_tokens_so_far": self.tokens,
+                                             "seconds_so_far": round(stats.now - self.start, 2)}))
+
+
+PROGRESS_EVERY_S = 2.0
+
+
+def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:
     """One issue-15 row as nano-vllm's bench.py runs it: its engine arguments (model, dtype,
     max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
     from minivllm import LLM, SamplingParams
@@ -262,6 +281,8 @@ def run_minivllm_row(spec: dict, ckpt: Path) -> dict:
     llm.generate([NANO_WARMUP_PROMPT], SamplingParams(**NANO_WARMUP_PARAMS), use_tqdm=False)
     device = str(llm.llm_engine.device_config.device)
     _sync(device)
+    if progress is not None:
+        llm.llm_engine.add_logger("progress", ProgressLogger(progress))
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
@@ -293,7 +314,7 @@ def run_row(args: argparse.Namespace) -> int:
     if spec.get("system", "minivllm") == "hf-cb":
         result = run_hf_cb_row(spec, ckpt, args.device)
     else:
-        result = run_minivllm_row(spec, ckpt)
+        result = run_minivllm_row(spec, ckpt, progress=Path(args.result).with_suffix(".progress.json"))
     result.update(spec=spec)
     Path(args.result).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("engine_args", "first_outputs")}), flush=True)

@@ -102,3 +102,18 @@ def test_issue15_smoke_end_to_end(tmp_path):
 def test_every_extra_row_is_labelled(name):
     row = next(row for row in issue15.ROWS if row.name == name)
     assert row.label and row.label != issue15.ROWS[0].label
+
+
+def test_progress_logger_says_how_far_an_unfinished_row_got(tmp_path):
+    from types import SimpleNamespace
+
+    path = tmp_path / "row.progress.json"
+    logger = throughput.ProgressLogger(path)
+    logger.log(SimpleNamespace(num_generation_tokens_iter=5, now=logger.start + 0.1))
+    assert not path.exists()  # written every PROGRESS_EVERY_S only
+    logger.log(SimpleNamespace(num_generation_tokens_iter=7, now=logger.start + throughput.PROGRESS_EVERY_S + 1))
+    progress = json.loads(path.read_text())
+    assert progress["output_tokens_so_far"] == 12 and progress["seconds_so_far"] > throughput.PROGRESS_EVERY_S
+    report = {"labels": {"penalties": "penalties row"},
+              "rows": {"penalties": {"error": "timed out after 80 s", "partial": progress}}}
+    assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in issue15.markdown_table(report)
