@@ -72,7 +72,7 @@ _NUM_CANDIDATES_CAP = 1024
 # k-th value are kept, so the candidates must reach past the k-th to see where the tie ends.
 _TIE_SLACK = 32
 _CANDIDATE_BLOCK = 1024  # sorted candidates read per loop iteration of the candidate kernel
-_TWO_POW_MINUS_32 = 2.3283064365386963e-10
+_TWO_POW_MINUS_32 = tl.constexpr(2.3283064365386963e-10)  # constexpr: a global a kernel may read
 
 
 @triton.jit
