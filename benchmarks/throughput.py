@@ -295,13 +295,13 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     return result
 
 
-def run_hf_cb_row(spec: dict, ckpt: Path, device: str) -> dict:
+def run_hf_cb_row(spec: dict, ckpt: Path, device: str, progress: Path | None = None) -> dict:
     """transformers' continuous batching on the row's workload, sampling as the row says
     (top_k 0 / top_p 1: only the temperature, as nano-vllm samples)."""
     prompts, max_tokens = row_workload(spec)
     sampling = spec.get("sampling", {})
     temperature = sampling.get("temperature", 1.0)
-    result = run_hf_cb(ckpt, prompts, max_tokens, device, temperature=temperature)
+    result = run_hf_cb(ckpt, prompts, max_tokens, device, temperature=temperature, progress=progress)
     result.update(sampling_params={"temperature": temperature, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
                   engine_args={"attn_implementation": result.get("attn_implementation"), "dtype": "bfloat16"})
     return result
@@ -311,10 +311,11 @@ def run_row(args: argparse.Namespace) -> int:
     """`row`: one issue-15 measurement in this process; writes its JSON to --result."""
     spec = json.loads(args.spec)
     ckpt = Path(args.ckpt)
+    progress = Path(args.result).with_suffix(".progress.json")
     if spec.get("system", "minivllm") == "hf-cb":
-        result = run_hf_cb_row(spec, ckpt, args.device)
+        result = run_hf_cb_row(spec, ckpt, args.device, progress)
     else:
-        result = run_minivllm_row(spec, ckpt, progress=Path(args.result).with_suffix(".progress.json"))
+        result = run_minivllm_row(spec, ckpt, progress)
     result.update(spec=spec)
     Path(args.result).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k not in ("engine_args", "first_outputs")}), flush=True)
@@ -415,7 +416,8 @@ def _hf_static_batch(model, prompts, max_tokens, device: str):
     return [g[:m] for g, m in zip(generated, max_tokens)], new_tokens
 
 
-def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float = 0.0) -> dict:
+def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float = 0.0,
+              progress: Path | None = None) -> dict:
     """transformers' continuous batching: a manager thread that schedules requests itself.
     temperature 0 is greedy; above, sampling at that temperature alone (top_k 0, top_p 1)."""
     import torch
@@ -436,7 +438,7 @@ def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float =
         _sync(device)
         start = time.perf_counter()
         with torch.inference_mode():
-            token_ids = _hf_cb_collect(manager, prompts, max_tokens, per_request, "req")
+            token_ids = _hf_cb_collect(manager, prompts, max_tokens, per_request, "req", progress)
         _sync(device)
         elapsed = time.perf_counter() - start
     finally:
@@ -450,8 +452,10 @@ def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float =
     return result
 
 
-def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str) -> list[list[int]]:
-    ids = []
+def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str,
+                   progress: Path | None = None) -> list[list[int]]:
+    """Add every request, wait for all; `progress` gets the finished requests' tokens so far."""
+    ids, start, finished_tokens = [], time.monotonic(), 0
     for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
         kwargs = {"max_new_tokens": m} if per_request else {}
         ids.append(manager.add_request(input_ids=prompt, request_id=f"{prefix}{i}", **kwargs))
@@ -464,6 +468,10 @@ def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str)
             continue
         if out.request_id in ids:
             results[out.request_id] = list(out.generated_tokens)
+            finished_tokens += min(len(out.generated_tokens), max_tokens[ids.index(out.request_id)])
+            if progress is not None:
+                progress.write_text(json.dumps({"output_tokens_so_far": finished_tokens, "finished_requests_only": True,
+                                                "seconds_so_far": round(time.monotonic() - start, 2)}))
     return [results[i] for i in ids]
 
 
