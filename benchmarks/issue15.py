@@ -264,9 +264,9 @@ def _partial(row: dict) -> str:
             f"{p['output_tokens_so_far'] / p['seconds_so_far']:,.0f} tok/s so far)")
 
 
-def _extra_lines(rows: dict, headline) -> list[str]:
+def _extra_lines(rows: dict, base: float | None) -> list[str]:
+    """The rows that are not a tokens/s line: costs against the headline (`base`), latency, kernels."""
     lines = []
-    base = headline
     for name, limit in (("top-p-k", 0.05), ("penalties", 0.10)):
         rate = rows.get(name, {}).get("output_tokens_per_s")
         if rate and base:
