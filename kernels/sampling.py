@@ -72,6 +72,10 @@ _NUM_CANDIDATES_CAP = 1024
 # k-th value are kept, so the candidates must reach past the k-th to see where the tie ends.
 _TIE_SLACK = 32
 _CANDIDATE_BLOCK = 1024  # sorted candidates read per loop iteration of the candidate kernel
+# What the one-pass kernel does with a row (its `mode`).
+_SKIP = tl.constexpr(0)  # nothing: zero loop iterations (its outputs are not used)
+_ARGMAX = tl.constexpr(1)  # arg-max of z: greedy rows, and the logsumexp for candidate rows
+_DRAW = tl.constexpr(2)  # arg-max of z + noise: a random draw
 _TWO_POW_MINUS_32 = tl.constexpr(2.3283064365386963e-10)  # constexpr: a global a kernel may read
 
 
@@ -100,16 +104,19 @@ def _race_noise(seed, offset, token):
 
 
 @triton.jit
-def _sample_row_kernel(logits_ptr, temperature_ptr, draw_ptr, seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr,
-                       lse_ptr, vocab_size, stride_row, BLOCK: tl.constexpr):
-    """One row per program, one pass over its logits: z = logits / T, the running arg-max of
-    z + noise (of z alone where draw is 0: greedy rows, T = 0, first index among ties, and
-    rows the candidate kernel will draw) and the online logsumexp of z. Writes the token,
-    z[token] - logsumexp(z) and logsumexp(z)."""
+def _sample_row_kernel(logits_ptr, temperature_ptr, threshold_ptr, mode_ptr, seeds_ptr, offsets_ptr, tokens_ptr,
+                       logprobs_ptr, lse_ptr, vocab_size, stride_row, BLOCK: tl.constexpr):
+    """One row per program, one pass over its logits: z = logits / T, kept where z >= the
+    row's threshold (-inf: all), the running arg-max of z + noise (of z alone in mode
+    _ARGMAX: first index among ties) and the online logsumexp of the kept z. Writes the
+    token, z[token] - logsumexp(kept z) and logsumexp(kept z)."""
     row = tl.program_id(0).to(tl.int64)
     temperature = tl.load(temperature_ptr + row)
     temperature = tl.where(temperature == 0.0, 1.0, temperature)
-    draw = tl.load(draw_ptr + row) != 0
+    threshold = tl.load(threshold_ptr + row)
+    mode = tl.load(mode_ptr + row)
+    draw = mode == _DRAW
+    row_len = tl.where(mode == _SKIP, 0, vocab_size)  # a skipped row's loop runs zero times
     seed = tl.load(seeds_ptr + row)
     offset = tl.load(offsets_ptr + row)
     cols = tl.arange(0, BLOCK)
@@ -118,10 +125,11 @@ def _sample_row_kernel(logits_ptr, temperature_ptr, draw_ptr, seeds_ptr, offsets
     best_score = tl.full((), float("-inf"), tl.float32)
     best_z = tl.full((), float("-inf"), tl.float32)
     best = tl.zeros((), tl.int64)
-    for start in range(0, vocab_size, BLOCK):
+    for start in range(0, row_len, BLOCK):
         mask = start + cols < vocab_size
         z = tl.load(logits_ptr + row * stride_row + start + cols, mask=mask, other=float("-inf")).to(tl.float32)
         z = z / temperature
+        z = tl.where(z >= threshold, z, float("-inf"))
         block_max = tl.max(z, axis=0)
         new_max = tl.maximum(running_max, block_max)
         running_sum = running_sum * tl.exp(running_max - new_max) + tl.sum(tl.exp(z - new_max), axis=0)
@@ -216,6 +224,81 @@ def _sample_candidates_kernel(values_ptr, indices_ptr, lse_ptr, temperature_ptr,
     tl.store(overflow_ptr + row, overflow.to(tl.int8))
 
 
+@triton.jit
+def _sortable_key(z):
+    """fp32 -> int32 with the same order (negative floats' magnitude bits flipped)."""
+    bits = z.to(tl.int32, bitcast=True)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+@triton.jit
+def _largest_key_reaching(row_ptr, row_len, temperature, floor, z_max, target, BY_MASS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """The largest z (as a `_sortable_key`) such that the tokens with z >= it and >= floor
+    number (or, BY_MASS, weigh in exp(z - z_max)) at least `target`: always one of the
+    row's own values, found exactly by halving the int32 key range 32 times, one pass each."""
+    cols = tl.arange(0, BLOCK)
+    low = tl.full((), -(2**31), tl.int64)  # reaches the target (every token counts)
+    high = tl.full((), 2**31, tl.int64)  # does not (no token counts)
+    for _ in range(32):
+        middle = (low + high) >> 1
+        total = tl.zeros((), tl.float32)
+        for start in range(0, row_len, BLOCK):
+            valid = start + cols < row_len
+            z = tl.load(row_ptr + start + cols, mask=valid, other=float("-inf")).to(tl.float32) / temperature
+            counted = valid & (_sortable_key(z) >= middle) & (z >= floor)
+            weight = tl.full((BLOCK,), 1.0, tl.float32)
+            if BY_MASS:
+                weight = tl.exp(z - z_max)
+            total += tl.sum(tl.where(counted, weight, 0.0), axis=0)
+        reaches = total >= target
+        low = tl.where(reaches, middle, low)
+        high = tl.where(reaches, high, middle)
+    bits = low.to(tl.int32)
+    return tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _exact_threshold_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr, active_ptr,
+                            threshold_ptr, vocab_size, stride_row, BLOCK: tl.constexpr):
+    """For the rows whose kept set reached past their candidates: the smallest kept z over
+    the whole row, with no sort, so that kept = z >= threshold. The k-th largest z (top-k,
+    ties kept), the smallest z whose more-or-equally likely tokens reach mass top_p (top-p
+    over the top-k survivors), the smallest z with exp(z - z_max) >= min_p (min-p): about
+    70 passes over the row, paid only by active rows (the others loop zero times)."""
+    row = tl.program_id(0).to(tl.int64)
+    row_len = tl.where(tl.load(active_ptr + row) != 0, vocab_size, 0)
+    row_ptr = logits_ptr + row * stride_row
+    temperature = tl.load(temperature_ptr + row)
+    temperature = tl.where(temperature == 0.0, 1.0, temperature)
+    k = tl.load(top_k_ptr + row).to(tl.int64)
+    top_p = tl.load(top_p_ptr + row)
+    min_p = tl.load(min_p_ptr + row)
+    cols = tl.arange(0, BLOCK)
+    z_max = tl.full((), float("-inf"), tl.float32)
+    for start in range(0, row_len, BLOCK):
+        z = tl.load(row_ptr + start + cols, mask=start + cols < row_len, other=float("-inf")).to(tl.float32)
+        z_max = tl.maximum(z_max, tl.max(z / temperature, axis=0))
+    kth = tl.full((), float("-inf"), tl.float32)
+    if (k > 0) & (k < vocab_size):
+        kth = _largest_key_reaching(row_ptr, row_len, temperature, kth, z_max, k.to(tl.float32), False, BLOCK)
+    top_p_cut = tl.full((), float("-inf"), tl.float32)
+    if top_p < 1.0:
+        # top-p's probabilities are over the top-k survivors: their total, relative to z_max.
+        total = tl.zeros((), tl.float32)
+        for start in range(0, row_len, BLOCK):
+            z = tl.load(row_ptr + start + cols, mask=start + cols < row_len, other=float("-inf")).to(tl.float32)
+            z = z / temperature
+            total += tl.sum(tl.where(z >= kth, tl.exp(z - z_max), 0.0), axis=0)
+        top_p_cut = _largest_key_reaching(row_ptr, row_len, temperature, kth, z_max, top_p * total, True, BLOCK)
+    min_p_cut = tl.full((), float("inf"), tl.float32)
+    for start in range(0, row_len, BLOCK):
+        z = tl.load(row_ptr + start + cols, mask=start + cols < row_len, other=float("-inf")).to(tl.float32)
+        z = z / temperature
+        min_p_cut = tl.minimum(min_p_cut, tl.min(tl.where(tl.exp(z - z_max) >= min_p, z, float("inf")), axis=0))
+    tl.store(threshold_ptr + row, tl.maximum(tl.maximum(kth, top_p_cut), min_p_cut))
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
                   needs_truncation: bool | None = None,
@@ -228,8 +311,12 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     largest z (torch.topk, no full sort) and a second small kernel masks and draws among them;
     the other rows keep their one-pass result. A row whose kept set may reach past its
     candidates (a nucleus bigger than the cap, or a tie at the k-th value running past the
-    slack) is redone with a full sort: exact, but the check `overflow.any()` is a host sync,
-    the only one, and only on the truncation path.
+    slack) is redone exactly, still without a sort or a host sync: a kernel finds its kept
+    set's threshold by bisection (about 70 passes over that row), and the one-pass kernel
+    draws from z >= threshold. Both are launched every time; rows that did not overflow
+    loop zero times in them. With both hints given, nothing here waits for the device.
+    (Top-p ties: a token tied with the last one the nucleus needs is kept here, where the
+    host sampler's sort keeps some of them; no other difference.)
 
     Args:
         logits: `[rows, vocab]` float (bf16/fp16/fp32), unit stride on the vocabulary.
@@ -259,21 +346,44 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         needs_truncation = bool(truncates.any())
     # Rows the candidate kernel draws need only the logsumexp from this pass: no noise.
     draw = (temperature != 0) & ~truncates if needs_truncation else temperature != 0
-    _sample_row_kernel[(num_rows,)](logits, temperature, draw.to(torch.int8), seeds, offsets, tokens, logprobs, lse,
-                                    vocab_size, logits.stride(0), BLOCK=min(_BLOCK, triton.next_power_of_2(vocab_size)))
+    everything = torch.full((num_rows,), -float("inf"), device=logits.device)
+    _sample_rows(logits, temperature, everything, _mode(draw, True), seeds, offsets, tokens, logprobs, lse)
     if not needs_truncation:
         return tokens, logprobs
     if num_candidates is None:
         num_candidates = _num_candidates(top_k, truncates, vocab_size)
-    args = (logits, lse, temperature, top_k, top_p, min_p, seeds, offsets)
     num_candidates = min(num_candidates, vocab_size)
-    cand_tokens, cand_logprobs, overflow = _sample_candidates(*args, num_candidates)
-    if num_candidates < vocab_size and bool((overflow & truncates).any()):  # rare: redo the batch over the fully sorted rows
-        cand_tokens, cand_logprobs, _ = _sample_candidates(*args, vocab_size)
+    cand_tokens, cand_logprobs, overflow = _sample_candidates(logits, lse, temperature, top_k, top_p, min_p, seeds,
+                                                              offsets, num_candidates)
+    if num_candidates < vocab_size:  # the rows whose kept set may reach past the candidates
+        redo = overflow & truncates
+        threshold = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
+        _exact_threshold_kernel[(num_rows,)](logits, temperature, top_k, top_p, min_p, redo.to(torch.int8), threshold,
+                                             vocab_size, logits.stride(0), BLOCK=_block(vocab_size))
+        redo_tokens, redo_logprobs = torch.empty_like(tokens), torch.empty_like(logprobs)
+        _sample_rows(logits, temperature, threshold, _mode(temperature != 0, redo), seeds, offsets,
+                     redo_tokens, redo_logprobs, torch.empty_like(lse))
+        cand_tokens = torch.where(redo, redo_tokens, cand_tokens)
+        cand_logprobs = torch.where(redo, redo_logprobs, cand_logprobs)
     # Greedy rows keep the one-pass arg-max (the first index among ties, which topk's order
     # does not promise); every truncating row takes the logprob of its kept set.
     tokens = torch.where(truncates & (temperature != 0), cand_tokens, tokens)
     return tokens, torch.where(truncates, cand_logprobs, logprobs)
+
+
+def _block(vocab_size: int) -> int:
+    return min(_BLOCK, triton.next_power_of_2(vocab_size))  # small vocabularies: small blocks
+
+
+def _mode(draw: torch.Tensor, active: torch.Tensor | bool) -> torch.Tensor:
+    """`[rows]` int8 mode of the one-pass kernel: _DRAW where draw, else _ARGMAX; _SKIP where not active."""
+    mode = torch.where(draw, _DRAW.value, _ARGMAX.value).to(torch.int8)
+    return mode if active is True else torch.where(active, mode, _SKIP.value).to(torch.int8)
+
+
+def _sample_rows(logits, temperature, threshold, mode, seeds, offsets, tokens, logprobs, lse) -> None:
+    _sample_row_kernel[(logits.shape[0],)](logits, temperature, threshold, mode, seeds, offsets, tokens, logprobs, lse,
+                                           logits.shape[1], logits.stride(0), BLOCK=_block(logits.shape[1]))
 
 
 def _num_candidates(top_k: torch.Tensor, truncates: torch.Tensor, vocab_size: int) -> int:
