@@ -40,13 +40,30 @@ def spec_kept(logits, temperature, top_k, top_p, min_p):
     return z, torch.isfinite(masked)
 
 
-def check_against_spec(logits, params, tokens, logprobs, atol=1e-5):
-    """Every token in its row's kept set, with logprob z[token] - logsumexp(z over the set)."""
+def check_against_spec(logits, params, tokens, logprobs, atol=1e-5, ties=False):
+    """Every token in its row's kept set, with logprob z[token] - logsumexp(z over the set).
+
+    ties: the logits tie (bf16) and top-p's last needed value may be shared by several
+    tokens, of which the host sampler keeps those its sort puts first: then the kept set
+    may hold any of them (the token must be >= the set's smallest z) and the logprob lies
+    between those of the sets with none and with all of them.
+    """
     z, kept = spec_kept(logits, *params[:4])
     rows = torch.arange(len(tokens), device=tokens.device)
-    assert kept[rows, tokens].all(), f"tokens outside the kept set in rows {(~kept[rows, tokens]).nonzero().flatten().tolist()}"
-    expected = z[rows, tokens] - torch.logsumexp(z.masked_fill(~kept, -float("inf")), dim=-1)
-    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=atol)
+    token_z = z[rows, tokens]
+    if not ties:
+        assert kept[rows, tokens].all(), f"tokens outside the kept set in rows {(~kept[rows, tokens]).nonzero().flatten().tolist()}"
+        expected = token_z - torch.logsumexp(z.masked_fill(~kept, -float("inf")), dim=-1)
+        torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=atol)
+        return
+    smallest = z.masked_fill(~kept, float("inf")).min(dim=-1, keepdim=True).values
+    assert (token_z >= smallest.squeeze(1)).all(), "tokens below the kept set"
+    with_all = z.masked_fill(z < smallest, -float("inf"))
+    with_none = z.masked_fill(z <= smallest, -float("inf"))
+    with_none[rows, tokens] = token_z
+    low = token_z - torch.logsumexp(with_all, dim=-1) - atol
+    high = token_z - torch.logsumexp(with_none, dim=-1) + atol
+    assert ((logprobs >= low) & (logprobs <= high)).all(), "logprobs outside the kept sets' range"
 
 
 def mixed_batch(num_rows, vocab_size, seed=0):
@@ -97,18 +114,36 @@ def test_temperature_only_rows_match_the_candidate_path():
 
 
 def test_overflowing_candidates_fall_back_to_the_exact_kept_set():
-    """A nucleus past the candidates (flat row, top-p 0.95, 4 candidates) and a tie at the
-    k-th value running past them: both redone over the full sort, so the tokens equal a run
-    whose candidates are the whole vocabulary (same noise per token id, same kept set)."""
-    logits = torch.zeros(6, 40, device=DEVICE)
-    logits[:, :10] = 1.0  # rows 3-5: ten tokens tied at the top, top-k 2 keeps them all
+    """Kept sets past 4 candidates: a nucleus (flat rows, top-p 0.95), a tie at the k-th
+    value (ten tokens tied, top-k 2 keeps them all), top-k 30 with top-p and min-p, greedy
+    with min-p. Redone by the bisection kernel, the tokens equal a run whose candidates are
+    the whole vocabulary (same noise per token id, same kept set)."""
+    logits = torch.zeros(8, 40, device=DEVICE)
+    logits[:, :10] = 1.0
     logits[:3] = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 0.1
-    params = make_params(6, top_k=[-1, -1, -1, 2, 2, 2], top_p=[0.95, 0.95, 0.95, 1.0, 1.0, 1.0], seed=[5, 6, 7, 8, 9, 10])
+    logits[6:] = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    params = make_params(8, temperature=[1.0] * 7 + [0.0], top_k=[-1, -1, -1, 2, 2, 2, 30, -1],
+                         top_p=[0.95] * 3 + [1.0] * 3 + [0.9, 1.0], min_p=[0.0] * 6 + [0.05, 0.1],
+                         seed=[5, 6, 7, 8, 9, 10, 11, 12])
     tokens, logprobs = sampling.sample_tokens(logits, *params, num_candidates=4)
     check_against_spec(logits, params, tokens, logprobs)
     full_tokens, full_logprobs = sampling.sample_tokens(logits, *params, num_candidates=40)
     assert torch.equal(tokens, full_tokens)
     torch.testing.assert_close(logprobs, full_logprobs)
+
+
+def test_no_host_sync_when_the_hints_are_given(monkeypatch):
+    """The multi-step loop must not block: with both hints, no device value reaches Python."""
+    logits, params = mixed_batch(6, 32, seed=7)
+    expected = sampling.sample_tokens(logits, *params, needs_truncation=True, num_candidates=4)
+
+    def sync(*args, **kwargs):
+        raise AssertionError("a device value was read on the host")
+    for name in ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero"):
+        monkeypatch.setattr(torch.Tensor, name, sync)
+    tokens, logprobs = sampling.sample_tokens(logits, *params, needs_truncation=True, num_candidates=4)
+    monkeypatch.undo()
+    assert torch.equal(tokens, expected[0]) and torch.equal(logprobs, expected[1])
 
 
 # --------------------------------------------------------------------------- distribution
@@ -220,10 +255,31 @@ def test_bf16_qwen_vocabulary_against_the_spec_and_the_reference():
     logits, params = mixed_batch(256, 151936, seed=5)
     logits = logits.to(torch.bfloat16)
     tokens, logprobs = sampling.sample_tokens(logits, *params)
-    check_against_spec(logits, params, tokens, logprobs, atol=1e-4)
-    ref_tokens, _ = reference.sample_tokens(logits, *params)
+    check_against_spec(logits, params, tokens, logprobs, atol=1e-4, ties=True)
+    ref_tokens, ref_logprobs = reference.sample_tokens(logits, *params)
+    check_against_spec(logits, params, ref_tokens, ref_logprobs, atol=1e-4, ties=True)
     greedy = params[0] == 0
     assert torch.equal(tokens[greedy], ref_tokens[greedy])
+    # Without top-p ties (no top-p rows), every logprob given the token is the reference's.
+    no_top_p = params[2] >= 1.0
+    kept = reference.kept_mask(logits.float() / torch.where(greedy, 1.0, params[0]).unsqueeze(1), *params[1:4])
+    z = logits.float() / torch.where(greedy, 1.0, params[0]).unsqueeze(1)
+    rows = torch.arange(256, device=DEVICE)
+    expected = z[rows, tokens] - torch.logsumexp(z.masked_fill(~kept, -float("inf")), dim=-1)
+    torch.testing.assert_close(logprobs[no_top_p], expected[no_top_p], rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_bf16_qwen_vocabulary_never_syncs_with_the_hints():
+    logits, params = mixed_batch(256, 151936, seed=8)
+    logits = logits.to(torch.bfloat16)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tokens, logprobs = sampling.sample_tokens(logits, *params, needs_truncation=True, num_candidates=1024)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    check_against_spec(logits, params, tokens, logprobs, atol=1e-4, ties=True)
 
 
 @pytest.mark.gpu
@@ -233,4 +289,7 @@ def test_bf16_nucleus_past_the_candidate_cap_falls_back():
     logits = (0.05 * torch.randn(16, 151936, generator=generator)).to(DEVICE, torch.bfloat16)
     params = make_params(16, top_p=0.95, seed=list(range(16)))
     tokens, logprobs = sampling.sample_tokens(logits, *params)
-    check_against_spec(logits, params, tokens, logprobs, atol=1e-4)
+    check_against_spec(logits, params, tokens, logprobs, atol=1e-4, ties=True)
+    untied = logits.float() + 1e-3 * torch.randn(logits.shape, generator=generator).to(DEVICE)
+    tokens, logprobs = sampling.sample_tokens(untied, *params)  # exactly the host sampler's kept set
+    check_against_spec(untied, params, tokens, logprobs, atol=1e-4)
