@@ -25,6 +25,7 @@ parallel group.
 from __future__ import annotations
 
 import logging
+import threading
 from datetime import timedelta
 
 import torch
@@ -37,6 +38,8 @@ logger = logging.getLogger(__name__)
 # died closes its sockets and its peers fail at once; this bounds the rarer hang (a live
 # rank that never reaches the collective).
 COLLECTIVE_TIMEOUT = timedelta(seconds=60)
+# How long a shutdown waits for NCCL's teardown before leaving it to the process's exit.
+NCCL_TEARDOWN_TIMEOUT_S = 10
 
 
 class GroupCoordinator:
@@ -242,14 +245,26 @@ def destroy_distributed_environment() -> None:
     """Leave the world (so this process can later join another one, e.g. the next engine)."""
     global _TP, _PP
     if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(c10d, "_abort_process_group"):
-        # A graceful NCCL teardown (ncclCommDestroy) finalizes with the peers: measured on two
-        # H200s, an engine's shutdown then hung now and then while the other rank was already
-        # leaving. Nothing is in flight at shutdown, so abort instead: it is local, and it
-        # clears torch's registry of groups so that a later engine can join a new world.
-        torch.cuda.synchronize()
-        c10d._abort_process_group()
+        _abort_nccl_world()
         _TP = _PP = None
         return
     destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def _abort_nccl_world() -> None:
+    """Abort every NCCL communicator, giving up after NCCL_TEARDOWN_TIMEOUT_S.
+
+    A graceful teardown (ncclCommDestroy) finalizes with the peers, and on two H200s engine
+    shutdowns hung in it. Abort is meant to be local and clears torch's registry of groups (so
+    a later engine can join a new world), but it too can wait on a communicator whose peer
+    left in the middle of a collective (an engine shutting down after an error). A shutdown
+    must never hang, so the abort runs in a daemon thread that is given a deadline.
+    """
+    worker = threading.Thread(target=c10d._abort_process_group, name="nccl-abort", daemon=True)
+    worker.start()
+    worker.join(NCCL_TEARDOWN_TIMEOUT_S)
+    if worker.is_alive():
+        logger.warning("NCCL teardown did not finish within %d s; leaving it to the process's exit "
+                       "(this process cannot join another distributed world).", NCCL_TEARDOWN_TIMEOUT_S)
