@@ -1,5 +1,5 @@
-"""PyTorch references of the five PagedAttention ops (and the greedy pick): the spec every Triton
-kernel must match.
+"""PyTorch references of the five PagedAttention ops (and the greedy pick and token sampling): the
+spec every Triton kernel must match.
 
 Plain, readable PyTorch (no triton import), so this module runs anywhere, macOS included, and
 is the `"torch"` attention backend on CPU. Each function has exactly the signature of its

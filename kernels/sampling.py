@@ -1,4 +1,4 @@
-"""Greedy sampling in one pass over the logits: each row's arg-max and its logprob.
+"""Sampling on the device in one pass over the logits: `greedy_sample` and `sample_tokens`.
 
 Why: a greedy step needs, per row of `[num_rows, vocab]` logits, the arg-max token and its
 logprob `max - logsumexp(row)` (the engine keeps cumulative logprobs). In PyTorch that is
@@ -9,7 +9,15 @@ the whole forward pass. This kernel reads each logit once and keeps three number
 (running max, its index, running sum of exponentials), the online-softmax trick of the
 attention kernels applied to the vocabulary.
 
-The PyTorch version (`reference.greedy_sample`) is the spec; the sampler uses it on the CPU.
+`sample_tokens` adds temperature, top-k, top-p, min-p and per-request seeds with no host
+sync: a random row is the arg-max of z + noise (the exponential race, or Gumbel-max) in
+the same single pass, the noise a Philox function of (seed, offset, token id). Rows with
+top-k / top-p / min-p draw among their largest logits (torch.topk, no full sort) in a small
+second kernel; a row whose kept set is bigger than those candidates finds its exact cut by
+bisection over the row instead (FlashInfer samples by pivots in the same spirit).
+
+The PyTorch versions (`reference.greedy_sample`, `reference.sample_tokens`) are the specs;
+the sampler uses them on the CPU.
 """
 
 from __future__ import annotations
@@ -17,6 +25,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from minivllm.kernels import reference
 
 _BLOCK = 4096  # logits read per loop iteration (a row is ~37 iterations for a 150k vocabulary)
 
@@ -322,7 +332,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
         logits: `[rows, vocab]` float (bf16/fp16/fp32), unit stride on the vocabulary.
         temperature, top_p, min_p: `[rows]` fp32 (0 = greedy; 1.0 = off; 0.0 = off).
         top_k: `[rows]` int32/int64 (<= 0 or >= vocab = off).  seeds, offsets: `[rows]` int64
-            (offsets >= 0: the index of the token being drawn in its sequence).
+            (offsets >= 0: the index of the token being drawn in its sequence). Values are
+            not checked (that would read them on the host): `SamplingParams` checks them.
         needs_truncation: host-side hint, whether any row has top-k, top-p or min-p. None:
             computed from the tensors (a host sync). False with truncating rows ignores them.
         num_candidates: host-side hint, the candidates per row for the truncation path. None:
@@ -331,9 +342,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     Returns:
         tokens `[rows]` int64 and logprobs `[rows]` fp32, on the logits' device.
     """
-    from minivllm.kernels.reference import check_sample_tokens_args
-
-    check_sample_tokens_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    reference.check_sample_tokens_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     num_rows, vocab_size = logits.shape
     temperature, top_p, min_p = temperature.float(), top_p.float(), min_p.float()
     tokens = torch.empty(num_rows, dtype=torch.int64, device=logits.device)

@@ -92,9 +92,14 @@ def test_greedy_rows_are_the_argmax_with_the_kept_sets_logprob(dtype):
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("impl", IMPLEMENTATIONS)
-def test_every_token_is_kept_with_its_kept_set_logprob(impl):
+@pytest.mark.parametrize("impl,top_k_dtype", [
+    pytest.param(sampling.sample_tokens, torch.int64, id="triton"),
+    pytest.param(sampling.sample_tokens, torch.int32, id="triton-int32-top_k"),
+    pytest.param(reference.sample_tokens, torch.int64, id="reference"),
+])
+def test_every_token_is_kept_with_its_kept_set_logprob(impl, top_k_dtype):
     logits, params = mixed_batch(24, 48)
+    params = (params[0], params[1].to(top_k_dtype), *params[2:])
     tokens, logprobs = impl(logits, *params)
     assert tokens.dtype == torch.int64 and logprobs.dtype == torch.float32
     assert tokens.device == logits.device == logprobs.device
