@@ -121,15 +121,15 @@ def test_temperature_only_rows_match_the_candidate_path():
 def test_overflowing_candidates_fall_back_to_the_exact_kept_set():
     """Kept sets past 4 candidates: a nucleus (flat rows, top-p 0.95), a tie at the k-th
     value (ten tokens tied, top-k 2 keeps them all), top-k 30 with top-p and min-p, greedy
-    with min-p. Redone by the bisection kernel, the tokens equal a run whose candidates are
-    the whole vocabulary (same noise per token id, same kept set)."""
-    logits = torch.zeros(8, 40, device=DEVICE)
+    with min-p, top-k 12 alone. Redone by the bisection kernel, the tokens equal a run whose
+    candidates are the whole vocabulary (same noise per token id, same kept set)."""
+    logits = torch.zeros(9, 40, device=DEVICE)
     logits[:, :10] = 1.0
     logits[:3] = torch.randn(3, 40, generator=torch.Generator().manual_seed(2)).to(DEVICE) * 0.1
-    logits[6:] = torch.randn(2, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
-    params = make_params(8, temperature=[1.0] * 7 + [0.0], top_k=[-1, -1, -1, 2, 2, 2, 30, -1],
-                         top_p=[0.95] * 3 + [1.0] * 3 + [0.9, 1.0], min_p=[0.0] * 6 + [0.05, 0.1],
-                         seed=[5, 6, 7, 8, 9, 10, 11, 12])
+    logits[6:] = torch.randn(3, 40, generator=torch.Generator().manual_seed(3)).to(DEVICE)
+    params = make_params(9, temperature=[1.0] * 7 + [0.0, 1.0], top_k=[-1, -1, -1, 2, 2, 2, 30, -1, 12],
+                         top_p=[0.95] * 3 + [1.0] * 3 + [0.9, 1.0, 1.0], min_p=[0.0] * 6 + [0.05, 0.1, 0.0],
+                         seed=[5, 6, 7, 8, 9, 10, 11, 12, 13])
     tokens, logprobs = sampling.sample_tokens(logits, *params, num_candidates=4)
     check_against_spec(logits, params, tokens, logprobs)
     full_tokens, full_logprobs = sampling.sample_tokens(logits, *params, num_candidates=40)
