@@ -76,7 +76,7 @@ def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- random sampling
 # Candidates taken (by torch.topk) for rows with top-p or min-p but no top-k: enough for
 # the nucleus of almost every step of a language model; a row whose kept set may reach
-# past them is redone exactly with a full sort (see `sample_tokens`).
+# past them is redone exactly by bisection over its whole row (see `sample_tokens`).
 _NUM_CANDIDATES_CAP = 1024
 # Candidates taken past the largest top-k: bf16 logits tie often, and tokens tied with the
 # k-th value are kept, so the candidates must reach past the k-th to see where the tie ends.
@@ -167,8 +167,8 @@ def _sample_candidates_kernel(values_ptr, indices_ptr, lse_ptr, temperature_ptr,
     """One row per program over its `num_candidates` largest z, sorted descending (values)
     with their token ids (indices): the top-k, top-p and min-p masks, the race over the kept
     candidates, z[token] - logsumexp(kept z), and whether the kept set may reach past the
-    candidates (then the caller redoes the row over the whole sorted vocabulary, unless the
-    candidates are the whole vocabulary)."""
+    candidates (then `_exact_threshold_kernel` redoes the row, unless the candidates are the
+    whole vocabulary)."""
     row = tl.program_id(0).to(tl.int64)
     base = row * num_candidates
     z_max = tl.load(values_ptr + base)
@@ -244,9 +244,9 @@ def _sortable_key(z):
 @triton.jit
 def _largest_key_reaching(row_ptr, row_len, temperature, floor, z_max, target, BY_MASS: tl.constexpr,
                           BLOCK: tl.constexpr):
-    """The largest z (as a `_sortable_key`) such that the tokens with z >= it and >= floor
-    number (or, BY_MASS, weigh in exp(z - z_max)) at least `target`: always one of the
-    row's own values, found exactly by halving the int32 key range 32 times, one pass each."""
+    """The largest z such that the tokens with z >= it and >= floor number (or, BY_MASS,
+    weigh in exp(z - z_max)) at least `target`: always one of the row's own values, found
+    exactly by halving the int32 range of `_sortable_key`s 32 times, one pass each."""
     cols = tl.arange(0, BLOCK)
     low = tl.full((), -(2**31), tl.int64)  # reaches the target (every token counts)
     high = tl.full((), 2**31, tl.int64)  # does not (no token counts)
