@@ -261,7 +261,11 @@ class AsyncLLMEngine:
     async def _step(self) -> None:
         loop = asyncio.get_running_loop()
         try:
-            outputs = await loop.run_in_executor(self._executor, self.engine.step)
+            # Outputs of a multi-step run's earlier model steps reach their streams as they come.
+            def deliver(partial):
+                loop.call_soon_threadsafe(self._deliver, partial)
+
+            outputs = await loop.run_in_executor(self._executor, self.engine.step, deliver)
         except Exception as e:
             # The failed step may have touched any request in the engine; requests still
             # queued in the tracker were not part of it and go on normally.
@@ -269,6 +273,9 @@ class AsyncLLMEngine:
             for request_id in list(self._engine_request_ids):
                 self._tracker.abort_request(request_id, EngineStepError(f"engine step failed: {e!r}"))
             return
+        self._deliver(outputs)
+
+    def _deliver(self, outputs) -> None:
         for output in outputs:
             if output.finished:
                 self._engine_request_ids.discard(output.request_id)

@@ -26,7 +26,7 @@ import itertools
 import logging
 import numbers
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
@@ -292,13 +292,17 @@ class LLMEngine:
         return itertools.chain(self.scheduler.waiting, self.scheduler.running, self.scheduler.swapped)
 
     # ================================================================== a step
-    def step(self) -> list[RequestOutput]:
+    def step(self, on_model_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One engine step: schedule -> execute -> process -> report.
 
         Returns the outputs of the requests it advanced or finished. A multi-step run
         (`num_scheduler_steps` > 1) hands back one `SamplerOutput` per model step, each as
         soon as it reaches the host while the GPU already computes the next: processing it
         here overlaps the GPU. A single-step run hands back one.
+
+        on_model_step: called with the unfinished requests' outputs after each model step of
+            a multi-step run but the last (whose outputs this returns), so that a streaming
+            client still sees its tokens one at a time (`AsyncLLMEngine` passes it).
         """
         seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
         for observer in self.step_observers:
@@ -306,7 +310,7 @@ class LLMEngine:
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
         if not scheduler_outputs.is_empty():
             request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
-            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats)
+            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats, on_model_step)
         now = stats.now = time.monotonic()
         request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
@@ -372,7 +376,7 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ failures
     def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
-                             stats: Stats) -> None:
+                             stats: Stats, on_model_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
         """Run the model and apply its samples; if the model raises, only its culprit ends.
 
         Validation at `add_request` makes this rare; when it happens, the engine stays usable:
@@ -387,6 +391,8 @@ class LLMEngine:
         num_processed = 0
         try:
             for sampler_output in self.model_executor.execute_model(request):
+                if num_processed and on_model_step is not None:  # another model step came: report the last
+                    on_model_step(self._partial_outputs(scheduled_groups))
                 if sampler_output.spec_decode_worker_metrics is not None:
                     stats.spec_decode_metrics = sampler_output.spec_decode_worker_metrics
                 if sampler_output.kv_transfer_stats is not None:
@@ -466,6 +472,14 @@ class LLMEngine:
                 seq_group.prompt_ranks.append(rank)
 
     # ------------------------------------------------------------------ outputs
+    def _partial_outputs(self, scheduled_groups: list[ScheduledSequenceGroup]) -> list[RequestOutput]:
+        """Outputs of the scheduled requests still running, in the middle of a multi-step run
+        (finished ones are reported once, at the end of the step)."""
+        decode = None if self.tokenizer is None else self.detokenizer.decode_token
+        return [RequestOutput.from_seq_group(s.seq_group, decode, self.eos_token_id) for s in scheduled_groups
+                if not s.seq_group.is_finished()
+                and s.seq_group.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY]
+
     def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput | None:
         """The request's output now; None for an unfinished FINAL_ONLY request."""
         if seq_group.is_finished():

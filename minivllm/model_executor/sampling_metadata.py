@@ -148,3 +148,128 @@ def _get_generator(
         # gives the same tokens whatever else shares the batch.
         generators[metadata.request_id] = torch.Generator(device=device).manual_seed(params.seed)
     return generators[metadata.request_id]
+
+
+@dataclass
+class SamplingTensors:
+    """How each sample row samples, as tensors on the device (vLLM v0's `SamplingTensors`).
+
+    Built once per batch (`from_groups`) with one copy to the device, and reused by every
+    step of a multi-step run. Row i is the i-th group given (one sequence each).
+
+    Attributes:
+        temperature, top_p, min_p: `[rows]` fp32 (0 = greedy; 1.0 = off; 0.0 = off).
+        top_k: `[rows]` int64 (-1 = off).
+        seeds: `[rows]` int64: the request's seed, or a fresh random one for unseeded rows.
+        offsets: `[rows]` int64: the position of the token being drawn (the sequence's length).
+        needs_truncation: whether any row has top-k, top-p or min-p (a host-side fact, so the
+            kernel need not look). num_candidates: the kernel's candidates per row then.
+        num_logprobs: per row, `SamplingParams.logprobs` (host list); max_logprobs their max.
+        repetition_penalty, frequency_penalty, presence_penalty: `[rows]` fp32, and
+        prompt_mask: `[rows, vocab]` bool, output_counts: `[rows, vocab]` fp32 — all None
+            unless some row has a penalty.
+        min_tokens_left: `[rows]` int64, stop_mask: `[rows, vocab]` bool (the stop tokens of
+            rows still short of min_tokens) — None unless some row needs them.
+    """
+
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    min_p: torch.Tensor
+    seeds: torch.Tensor
+    offsets: torch.Tensor
+    needs_truncation: bool
+    num_candidates: int | None
+    num_logprobs: list[int | None]
+    max_logprobs: int
+    repetition_penalty: torch.Tensor | None = None
+    frequency_penalty: torch.Tensor | None = None
+    presence_penalty: torch.Tensor | None = None
+    prompt_mask: torch.Tensor | None = None
+    output_counts: torch.Tensor | None = None
+    min_tokens_left: torch.Tensor | None = None
+    stop_mask: torch.Tensor | None = None
+
+    @staticmethod
+    def from_groups(groups: list[SequenceGroupToSample], vocab_size: int,
+                    device: torch.device | str) -> "SamplingTensors":
+        """One row per group (each with one sequence and a sample row)."""
+        params = [g.sampling_params for g in groups]
+        datas = [g.seq_data[g.seq_ids[0]] for g in groups]
+        greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
+        top_k = [p.top_k if 0 < p.top_k < vocab_size else -1 for p in params]
+        # Unseeded rows: fresh seeds from torch's generator (torch.manual_seed reproduces them).
+        fresh = torch.randint(0, 2**62, (len(params),)).tolist()
+        seeds = [p.seed % 2**63 if p.seed is not None else s for p, s in zip(params, fresh)]
+        floats = torch.tensor([[0.0 if g else p.temperature for p, g in zip(params, greedy)],
+                               [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
+        ints = torch.tensor([top_k, seeds, [d.get_len() for d in datas]], dtype=torch.int64)
+        floats, ints = _to(floats, device), _to(ints, device)
+        truncating = [k != -1 or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, params)]
+        num_logprobs = [p.logprobs for p in params]
+        tensors = SamplingTensors(
+            temperature=floats[0], top_p=floats[1], min_p=floats[2], top_k=ints[0], seeds=ints[1],
+            offsets=ints[2], needs_truncation=any(truncating),
+            num_candidates=_num_candidates(top_k, truncating, vocab_size) if any(truncating) else None,
+            num_logprobs=num_logprobs, max_logprobs=max((n for n in num_logprobs if n), default=0))
+        _add_penalties(tensors, params, datas, vocab_size, device)
+        _add_min_tokens(tensors, params, datas, vocab_size, device)
+        return tensors
+
+
+# Candidates the sampling kernel keeps per row when some truncating row has no top-k: a
+# top-p nucleus bigger than this is still exact, through the kernel's slower fallback.
+_NUCLEUS_CANDIDATES = 1024
+_TIE_SLACK = 32  # extra candidates past the largest top-k, for ties at the k-th value
+
+
+def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -> int:
+    largest_k = max(top_k) + _TIE_SLACK
+    if all(k != -1 for k, t in zip(top_k, truncating) if t):
+        return min(vocab_size, largest_k)
+    return min(vocab_size, max(largest_k, _NUCLEUS_CANDIDATES))
+
+
+def _to(tensor: torch.Tensor, device) -> torch.Tensor:
+    """One copy to the device, from pinned memory on a GPU (so it does not stall the host)."""
+    if torch.device(device).type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)
+
+
+def _add_penalties(t: SamplingTensors, params: list[SamplingParams], datas: list[SequenceData],
+                   vocab_size: int, device) -> None:
+    if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
+           for p in params):
+        return  # the common case: no [rows, vocab] tensors at all
+    penalties = _to(torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                                  [p.presence_penalty for p in params]], dtype=torch.float32), device)
+    t.repetition_penalty, t.frequency_penalty, t.presence_penalty = penalties
+    t.prompt_mask = token_counts([d.prompt_token_ids for d in datas], vocab_size, device) > 0
+    t.output_counts = token_counts([d.output_token_ids for d in datas], vocab_size, device)
+
+
+def token_counts(token_lists: list, vocab_size: int, device) -> torch.Tensor:
+    """`[rows, vocab_size]` fp32 counts of each token id in each row's list: one padded copy
+    to the device and one scatter (padding goes to an extra column that is dropped)."""
+    max_len = max((len(tokens) for tokens in token_lists), default=0)
+    padded = torch.full((len(token_lists), max(max_len, 1)), vocab_size, dtype=torch.int64)
+    for i, tokens in enumerate(token_lists):
+        padded[i, : len(tokens)] = torch.tensor(list(tokens), dtype=torch.int64)
+    padded = _to(padded, device)
+    counts = torch.zeros(len(token_lists), vocab_size + 1, device=device)
+    counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
+    return counts[:, :vocab_size].contiguous()
+
+
+def _add_min_tokens(t: SamplingTensors, params: list[SamplingParams], datas: list[SequenceData],
+                    vocab_size: int, device) -> None:
+    left = [p.min_tokens - d.get_output_len() if p.all_stop_token_ids else 0 for p, d in zip(params, datas)]
+    if all(n <= 0 for n in left):
+        return
+    mask = torch.zeros(len(params), vocab_size, dtype=torch.bool)
+    for row, (p, n) in enumerate(zip(params, left)):
+        if n > 0:
+            mask[row, [i for i in p.all_stop_token_ids if i < vocab_size]] = True
+    t.stop_mask = _to(mask, device)
+    t.min_tokens_left = _to(torch.tensor(left, dtype=torch.int64), device)

@@ -21,7 +21,7 @@ s + 1 on.
 
 Which sequences speculate: decodes with lookahead slots (the scheduler gives none to groups
 with n > 1 or beam search, or when blocks are short) whose next token depends on the
-logits alone (`DeviceSampler.can_sample`: greedy or unseeded random, no logprobs,
+logits alone (`DeviceSampler.depends_on_logits_alone`: greedy or unseeded random, no logprobs,
 penalties or pending min_tokens). The others ride along in the same scoring pass with one
 token each and are sampled by the plain `Sampler`. A prefill batch runs the target plainly
 (and the draft model over the same prompts, for its cache).
@@ -107,7 +107,7 @@ class SpecDecodeWorker(Worker):
 
     @staticmethod
     def _num_proposals(metadata: SequenceGroupMetadata) -> int:
-        can = DeviceSampler.can_sample(metadata.sampling_params, list(metadata.seq_data.values()))
+        can = DeviceSampler.depends_on_logits_alone(metadata.sampling_params, list(metadata.seq_data.values()))
         return metadata.num_lookahead_slots if can else 0
 
     def _score_and_accept(self, metadata_list: list[SequenceGroupMetadata], num_proposals: list[int],

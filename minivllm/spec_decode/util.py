@@ -2,7 +2,7 @@
 
 `sampling_probs` is the plain `Sampler`'s distribution for the requests that speculate
 (greedy, or random without a seed, with no penalties, logprobs or pending min_tokens:
-`DeviceSampler.can_sample`): temperature, top-k / top-p and min-p, in the sampler's own
+`DeviceSampler.depends_on_logits_alone`): temperature, top-k / top-p and min-p, in the sampler's own
 order and with its own helpers. Greedy rows become one-hot at the arg-max, so the rejection
 sampler treats greedy decoding as sampling from a distribution with one certain token.
 """

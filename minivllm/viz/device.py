@@ -30,5 +30,7 @@ def engine_kwargs(**kwargs) -> dict:
     kwargs.setdefault("device", DEVICE)
     if kwargs["device"] == "cuda":
         kwargs.setdefault("dtype", "float32")
+        # One token per step, as the notebooks draw it (a GPU engine runs 8 by default).
+        kwargs.setdefault("num_scheduler_steps", 1)
         kwargs.setdefault("num_gpu_blocks_override", GPU_POOL_BLOCKS)
     return kwargs

@@ -19,8 +19,9 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.metadata import slot_of, to_device
-from minivllm.model_executor.layers.device_sampler import DeviceSampler
-from minivllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput, SequenceOutput
+from minivllm.model_executor.layers.device_sampler import DeviceSample
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
+from minivllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
 from minivllm.worker.model_runner import ModelRunner
 
 # A row out of reserved slots writes its K/V nowhere.
@@ -32,10 +33,11 @@ class MultiStepModelRunner:
 
     def __init__(self, base: ModelRunner) -> None:
         self.base = base
-        self.sampler = DeviceSampler(base.sampler)
+        self.sampler = base.sampler.device_sampler
 
     def can_run(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> bool:
-        """Decodes only, each one plain sequence the device sampler can serve."""
+        """Decodes only, each one sequence the device sampler can serve (seeds, penalties,
+        min_tokens and logprobs included: all of it stays on the device)."""
         return bool(seq_group_metadata_list) and all(
             not m.is_prompt and self.sampler.can_sample(m.sampling_params, list(m.seq_data.values()))
             for m in seq_group_metadata_list
@@ -56,6 +58,8 @@ class MultiStepModelRunner:
         steps_allowed = [1 + m.num_lookahead_slots for m in seq_group_metadata_list]
         limits = to_device(torch.tensor(steps_allowed), base.device)
         input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
+        groups = model_input.sampling_metadata.seq_groups
+        tensors = SamplingTensors.from_groups(groups, base.model_config.hf_config.vocab_size, base.device)
         pending = None  # the previous step's samples on their way to the host
         for step in range(num_steps):
             if step:
@@ -63,12 +67,13 @@ class MultiStepModelRunner:
             hidden_states = base.run_model(input_ids, positions, md, kv_caches)
             # A decode samples every row; the sampler upcasts what it needs to fp32.
             logits = base.model.compute_logits(hidden_states, upcast=False)
-            # The sampled tokens, still on the device, are the next step's input ids.
-            input_ids, logprobs = self.sampler(logits, model_input.sampling_metadata)
+            drawn = self.sampler(logits, tensors, step)
+            self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
+            input_ids = drawn.tokens  # still on the device: the next step's input ids
             if pending is not None:  # step - 1 is done once step is queued: hand it over
-                yield _step_output(pending, step - 1, seq_group_metadata_list, steps_allowed)
-            pending = _copy_to_host(input_ids, logprobs)
-        yield _step_output(pending, num_steps - 1, seq_group_metadata_list, steps_allowed)
+                yield _step_output(pending, step - 1, groups, tensors, steps_allowed)
+            pending = _copy_to_host(drawn)
+        yield _step_output(pending, num_steps - 1, groups, tensors, steps_allowed)
 
     def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                      active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -89,29 +94,22 @@ class MultiStepModelRunner:
         return sampled, positions, md
 
 
-def _step_output(pending, step: int, seq_group_metadata_list: list[SequenceGroupMetadata],
+def _step_output(pending, step: int, groups: list[SequenceGroupToSample], tensors: SamplingTensors,
                  steps_allowed: list[int]) -> SamplerOutput:
     """One output per group: its sampled token, or none past its reserved slots."""
-    tokens, logprobs, ready = pending
+    drawn, ready = pending
     if ready is not None:
         ready.synchronize()  # this step's copy only, not the steps queued after it
-    outputs = []
-    for metadata, allowed, token, logprob in zip(seq_group_metadata_list, steps_allowed,
-                                                  tokens.tolist(), logprobs.tolist()):
-        [seq_id] = metadata.seq_data
-        samples = [SequenceOutput(seq_id, token, {token: logprob})] if step < allowed else []
-        outputs.append(SequenceGroupOutput(samples=samples))
-    return SamplerOutput(outputs)
+    samples = drawn.sequence_outputs(groups, tensors)
+    return SamplerOutput([SequenceGroupOutput(samples=[sample] if step < allowed else [])
+                          for sample, allowed in zip(samples, steps_allowed)])
 
 
-def _copy_to_host(tokens: torch.Tensor, logprobs: torch.Tensor):
-    """(tokens, logprobs, event): host copies started without waiting; wait on the event."""
-    if tokens.device.type != "cuda":
-        return tokens, logprobs, None
-    host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-    host_logprobs = torch.empty(logprobs.shape, dtype=logprobs.dtype, pin_memory=True)
-    host_tokens.copy_(tokens, non_blocking=True)
-    host_logprobs.copy_(logprobs, non_blocking=True)
+def _copy_to_host(drawn: DeviceSample):
+    """(host copies, event): copies started without waiting; wait on the event to read them."""
+    if drawn.tokens.device.type != "cuda":
+        return drawn, None
+    host = drawn.to_host(non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
-    return host_tokens, host_logprobs, ready
+    return host, ready

@@ -120,16 +120,19 @@ def test_lookahead_slots_stop_at_max_tokens_and_max_model_len(checkpoint_dirs):
         assert len(table) == -(-(seq.get_len() + lookahead[group.request_id]) // 8)
 
 
-def test_batches_that_need_the_host_between_steps_run_one_step(checkpoint_dirs):
-    """logprobs, penalties and seeds are per-token host work: the worker runs one step."""
+def test_logprobs_penalties_seeds_and_min_tokens_stay_on_the_device(checkpoint_dirs):
+    """Logprobs, penalties, seeds and min_tokens are computed on the device: such batches run
+    multi-step and give the single-step engine's tokens and logprobs."""
     prompts = mixed_prompts(3, seed=7)
     for params in (SamplingParams(temperature=0.0, max_tokens=9, logprobs=2),
                    SamplingParams(temperature=0.0, max_tokens=9, repetition_penalty=1.3),
-                   SamplingParams(temperature=0.9, max_tokens=9, seed=11)):
+                   SamplingParams(temperature=0.9, max_tokens=9, seed=11),
+                   SamplingParams(temperature=0.8, max_tokens=9, seed=3, top_k=5, top_p=0.9, logprobs=3,
+                                  frequency_penalty=0.5, presence_penalty=0.3, min_tokens=6)):
         expected = run(make_engine(checkpoint_dirs), prompts, params)
         engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
         got = run(engine, prompts, params)
-        assert not engine.multi_step_runs
+        assert engine.multi_step_runs
         for i in range(len(prompts)):
             assert got[str(i)].token_ids == expected[str(i)].token_ids
             assert got[str(i)].logprobs == expected[str(i)].logprobs

@@ -120,8 +120,8 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     def draw(with_neighbour: bool) -> list[int]:
         generators = {}
         tokens = []
-        for _ in range(8):
-            batch = [decode_metadata("seeded", seeded, [[1, 2, 3, 4]])]
+        for step in range(8):  # each draw one position further on, as in a real decode
+            batch = [decode_metadata("seeded", seeded, [[1, 2, 3, 4] + [5] * step])]
             if with_neighbour:
                 batch.insert(0, decode_metadata("other", SamplingParams(temperature=1.0), [[1, 2, 3, 4]], first_seq_id=9))
             outs = run_sampler(batch, logits, generators)

@@ -10,7 +10,7 @@ def test_cpu_arguments_pass_through():
 def test_gpu_arguments_are_fp32_with_a_bounded_pool():
     kwargs = device.engine_kwargs(device="cuda", max_model_len=256)
     assert kwargs == {"device": "cuda", "dtype": "float32", "num_gpu_blocks_override": device.GPU_POOL_BLOCKS,
-                      "max_model_len": 256}
+                      "num_scheduler_steps": 1, "max_model_len": 256}
     assert device.engine_kwargs(device="cuda", num_gpu_blocks_override=12)["num_gpu_blocks_override"] == 12
 
 

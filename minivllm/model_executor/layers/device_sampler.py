@@ -1,43 +1,184 @@
-"""Sampling that leaves its tokens on the device: `DeviceSampler`, for the multi-step runner.
+"""Sampling with the tokens left on the device: `DeviceSampler`.
 
-The plain `Sampler` hands the engine Python objects (`SequenceOutput`s), so every step ends
-with a device-to-host copy and a sync. A multi-step run instead feeds each step's tokens
-straight into the next forward pass; only requests whose next token depends on the logits
-alone can run that way (greedy, or random without a seed: no logprobs, penalties or
-pending `min_tokens`, one sequence). `DeviceSampler` serves exactly those, with the plain
-sampler's own logits processing and token choice, returning tensors.
+The plain `Sampler` used to process logits row by row on the host (Python lists of
+temperatures, a per-request generator for each seeded row, a `[rows, vocab]` count tensor
+rebuilt from token lists for penalties) and to copy every chosen token back before the next
+step could start. This module does all of it for a whole batch with a few tensor operations
+and one sampling kernel (`kernels/sampling.py`, or its PyTorch reference on the CPU):
+
+    penalties      from `[rows, vocab]` token counts kept on the device (built once per batch,
+                   then one scatter per step)
+    min_tokens     stop tokens masked while `min_tokens` is not reached
+    temperature, top-k, top-p, min-p, the draw and its logprob     `sample_tokens`, one kernel
+    top-N logprobs and the chosen token's rank    only for rows that asked
+
+Seeds need no generator objects: the draw's noise is a function of (seed, position, token id),
+so a seeded request gets the same tokens whatever shares its batch and whichever path
+(single step or multi-step) runs it. Unseeded rows get a fresh seed per batch from torch's
+global generator (so `torch.manual_seed` still makes a run reproducible).
+
+It serves every request with one sequence and no beams or logits processors (`can_sample`);
+the `Sampler` keeps its host code for the others (beam search, `n > 1`'s first fan-out,
+Python logits processors). The multi-step runner uses it to feed each step's tokens straight
+into the next forward pass (`step` advances positions, counts and min_tokens on the device).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from minivllm.model_executor.layers.sampler import Sampler, choose_tokens, needs_nothing_per_token, process_logits
-from minivllm.model_executor.sampling_metadata import SamplingMetadata
+from minivllm.model_executor.custom_op import CustomOp
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
 from minivllm.sampling_params import SamplingParams, SamplingType
-from minivllm.sequence import SequenceData
+from minivllm.sequence import SequenceData, SequenceOutput
 
-_DEVICE_SAMPLING_TYPES = (SamplingType.GREEDY, SamplingType.RANDOM)
+
+class SampleTokens(CustomOp):
+    """`kernels.sample_tokens`: one token per row and its logprob (see its docstring)."""
+
+    def forward_native(self, logits: torch.Tensor, t: SamplingTensors, offsets: torch.Tensor):
+        from minivllm.kernels import reference
+
+        return reference.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, offsets)
+
+    def forward_triton(self, logits: torch.Tensor, t: SamplingTensors, offsets: torch.Tensor):
+        from minivllm.kernels import sampling  # imports triton: only when this backend is chosen
+
+        return sampling.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, offsets,
+                                      needs_truncation=t.needs_truncation, num_candidates=t.num_candidates)
+
+
+@dataclass
+class DeviceSample:
+    """One step's draws, on the device. tokens, logprobs, ranks: `[rows]`; top_ids and
+    top_logprobs: `[rows, max_logprobs]` (None when no row asked for logprobs)."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor
+    ranks: torch.Tensor | None = None
+    top_ids: torch.Tensor | None = None
+    top_logprobs: torch.Tensor | None = None
+
+    def to_host(self, non_blocking: bool = False) -> "DeviceSample":
+        """Copies in (pinned, when on a GPU) host memory; with non_blocking, wait on an event
+        recorded after this call before reading them."""
+        def copy(tensor):
+            if tensor is None or tensor.device.type != "cuda":
+                return tensor
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            return host.copy_(tensor, non_blocking=non_blocking)
+
+        return DeviceSample(*(copy(t) for t in (self.tokens, self.logprobs, self.ranks, self.top_ids,
+                                                   self.top_logprobs)))
+
+    def sequence_outputs(self, groups: list[SequenceGroupToSample], t: SamplingTensors) -> list[SequenceOutput]:
+        """One `SequenceOutput` per row (host tensors: call `to_host` first)."""
+        tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
+        ranks = self.ranks.tolist() if self.ranks is not None else None
+        top_ids = self.top_ids.tolist() if self.top_ids is not None else None
+        top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
+        outputs = []
+        for row, group in enumerate(groups):
+            token = tokens[row]
+            entry = {token: logprobs[row]}
+            rank = None
+            num_logprobs = t.num_logprobs[row]
+            if num_logprobs is not None:
+                rank = ranks[row]
+                for top_token, value in zip(top_ids[row][:num_logprobs], top_values[row][:num_logprobs]):
+                    entry.setdefault(top_token, value)
+            outputs.append(SequenceOutput(group.seq_ids[0], token, entry, rank))
+        return outputs
 
 
 class DeviceSampler:
-    """Wraps a plain `Sampler` (for its backend's greedy pick)."""
+    """Samples the rows of `can_sample` requests on the logits' device.
 
-    def __init__(self, sampler: Sampler) -> None:
-        self.sampler = sampler
+    Args:
+        backend: "torch" (the PyTorch reference) or "triton" (the kernel), as the model's.
+    """
+
+    def __init__(self, backend: str = "torch") -> None:
+        self.sample_tokens = SampleTokens(backend)
 
     @staticmethod
     def can_sample(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
-        """Whether a decoding request's next token can be drawn with no host work."""
-        return params.sampling_type in _DEVICE_SAMPLING_TYPES and needs_nothing_per_token(params, seq_datas)
+        """One sequence, one sample, no beams and no Python logits processors."""
+        return (len(seq_datas) == 1 and params.best_of == 1 and params.sampling_type != SamplingType.BEAM
+                and not params.logits_processors)
 
-    def __call__(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[rows, vocab]` logits (any float dtype) -> `[rows]` token ids and their logprobs,
-        left on the device (no host sync). Every request must pass `can_sample`."""
-        groups = sampling_metadata.seq_groups
-        if all(g.sampling_params.sampling_type == SamplingType.GREEDY for g in groups):
-            return self.sampler.greedy_sample(logits)  # (the kernel accumulates in fp32)
-        sample_logits = process_logits(logits.float(), groups)
-        tokens = choose_tokens(sample_logits, groups)
-        token_logprobs = torch.log_softmax(sample_logits, dim=-1).gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, token_logprobs
+    @staticmethod
+    def depends_on_logits_alone(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
+        """Whether the next token is a function of the logits alone: greedy or unseeded random,
+        no logprobs, no penalties, no pending min_tokens (what speculative decoding's rejection
+        sampler can stand in for)."""
+        return (params.sampling_type in (SamplingType.GREEDY, SamplingType.RANDOM)
+                and DeviceSampler.can_sample(params, seq_datas) and params.logprobs is None
+                and not _has_penalties(params)
+                and (params.min_tokens == 0 or seq_datas[0].get_output_len() >= params.min_tokens))
+
+    def __call__(self, logits: torch.Tensor, t: SamplingTensors, step: int = 0) -> DeviceSample:
+        """Draw one token per row.
+
+        Args:
+            logits: `[rows, vocab]` (any float dtype), row i for `t`'s row i.
+            t: the batch's sampling tensors (`SamplingTensors.from_groups`).
+            step: decode steps already taken since `t` was built (multi-step): positions,
+                pending min_tokens and, through `record`, the token counts follow it.
+        """
+        logits = self._process(logits, t, step)
+        tokens, logprobs = self.sample_tokens(logits, t, t.offsets + step)
+        if all(n is None for n in t.num_logprobs):
+            return DeviceSample(tokens, logprobs)
+        return DeviceSample(tokens, logprobs, *_top_logprobs(logits, t, tokens, logprobs))
+
+    @staticmethod
+    def record(t: SamplingTensors, tokens: torch.Tensor) -> None:
+        """Count this step's tokens, for the penalties of the next step (multi-step)."""
+        if t.output_counts is not None:
+            t.output_counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=t.output_counts.dtype).unsqueeze(1))
+
+    @staticmethod
+    def _process(logits: torch.Tensor, t: SamplingTensors, step: int) -> torch.Tensor:
+        """Penalties and min_tokens, in fp32 (only where some row needs them: else untouched)."""
+        if t.stop_mask is not None:
+            pending = (t.min_tokens_left > step).unsqueeze(1)
+            logits = logits.float().masked_fill(t.stop_mask & pending, -float("inf"))
+        if t.output_counts is not None:
+            logits = _apply_penalties(logits.float(), t)
+        return logits
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
+
+
+def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+    """Repetition over prompt + output tokens, frequency and presence over output tokens
+    (the host sampler's `apply_penalties`, from counts on the device)."""
+    counts = t.output_counts
+    seen = t.prompt_mask | (counts > 0)
+    repetition = t.repetition_penalty.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
+    logits = torch.where(seen, penalized, logits)
+    logits = logits - t.frequency_penalty.unsqueeze(1) * counts
+    return logits - t.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
+
+
+def _top_logprobs(logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor, logprobs: torch.Tensor):
+    """Ranks `[rows]`, and the `max_logprobs` most likely tokens and their logprobs, in the
+    distribution that was sampled from (z over the kept set; outside it -inf)."""
+    from minivllm.kernels import reference
+
+    z = logits.float() / torch.where(t.temperature == 0, 1.0, t.temperature).unsqueeze(1)
+    chosen_z = z.gather(1, tokens.unsqueeze(1))
+    ranks = (z > chosen_z).sum(dim=-1) + 1
+    top_z, top_ids = torch.topk(z, t.max_logprobs, dim=-1)
+    log_normalizer = chosen_z - logprobs.unsqueeze(1)  # logsumexp over the kept set
+    top_logprobs = top_z - log_normalizer
+    if t.needs_truncation:
+        kept = reference.kept_mask(z, t.top_k, t.top_p, t.min_p).gather(1, top_ids)
+        top_logprobs = top_logprobs.masked_fill(~kept, -float("inf"))
+    return ranks, top_ids, top_logprobs

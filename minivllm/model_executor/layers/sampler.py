@@ -25,9 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.kernels import reference
-from minivllm.model_executor.custom_op import CustomOp
-from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample
+from minivllm.model_executor.layers.device_sampler import DeviceSampler
+from minivllm.model_executor.sampling_metadata import SamplingMetadata, SamplingTensors, SequenceGroupToSample, token_counts
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupOutput, SequenceOutput
 
@@ -36,30 +35,22 @@ from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupOutput, 
 _BEAM_CANDIDATE_FACTOR = 2
 
 
-class GreedySample(CustomOp):
-    """`[rows, vocab]` logits -> each row's arg-max `[rows]` int64 and its logprob `[rows]` fp32,
-    logit - logsumexp(row), with no `[rows, vocab]` log-softmax written out."""
-
-    def forward_native(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return reference.greedy_sample(logits)
-
-    def forward_triton(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        from minivllm.kernels import sampling  # imports triton: only when this backend is chosen
-
-        return sampling.greedy_sample(logits)  # one pass over the logits, any float dtype
-
-
 class Sampler(nn.Module):
     """Turn selected logits rows into one `SequenceGroupOutput` per scheduled request.
 
+    Requests with one sequence and no beams or logits processors (nearly all) are sampled on
+    the logits' device by `DeviceSampler` (one kernel for the whole batch, one copy back);
+    the others (beam search, `n > 1`'s first fan-out, Python logits processors) by the host
+    code below, the steps of the module docstring written out one by one.
+
     Args:
-        backend: "torch" or "triton", for the greedy pick (`GreedySample`); the same setting
-            as the model's attention.
+        backend: "torch" or "triton", the kernels' backend; the same setting as the model's
+            attention.
     """
 
     def __init__(self, backend: str = "torch") -> None:
         super().__init__()
-        self.greedy_sample = GreedySample(backend)
+        self.device_sampler = DeviceSampler(backend)
 
     def forward(self, logits: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
         """
@@ -74,67 +65,42 @@ class Sampler(nn.Module):
         for group, output in zip(groups, outputs):
             if group.prompt_logprob_indices:
                 output.prompt_logprobs, output.prompt_ranks = _prompt_logprobs(logits.float(), group)
+        on_device = [g.do_sample and _on_device(g) for g in groups]
+        device_groups = [(g, o) for g, o, d in zip(groups, outputs, on_device) if d]
+        host_groups = [(g, o) for g, o, d in zip(groups, outputs, on_device) if g.do_sample and not d]
+        if device_groups:
+            self._sample_on_device(logits, *zip(*device_groups))
+        if host_groups:
+            self._sample_on_host(logits, *zip(*host_groups))
+        return SamplerOutput(outputs)
+
+    def _sample_on_device(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
+        rows = [group.sample_indices[0] for group in groups]
+        sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        tensors = SamplingTensors.from_groups(list(groups), logits.shape[-1], logits.device)
+        drawn = self.device_sampler(sample_logits, tensors).to_host()  # the step's one host sync
+        for output, sample in zip(outputs, drawn.sequence_outputs(list(groups), tensors)):
+            output.samples = [sample]
+
+    def _sample_on_host(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
+        """Beam search, the first fan-out of n > 1, logits processors (module docstring)."""
         sample_rows = [row for group in groups for row in group.sample_indices]
-        if not sample_rows:
-            return SamplerOutput(outputs)
-        if all(_is_plain_greedy(group) for group in groups):
-            return SamplerOutput(self._greedy(logits, sample_rows, groups, outputs))
         # fp32 from here: a softmax in fp16 underflows, and 0 / 0 in the exponential race is NaN.
-        sample_logits = process_logits(logits[sample_rows].float(), groups)
+        sample_logits = process_logits(logits[sample_rows].float(), list(groups))
         logprobs = torch.log_softmax(sample_logits, dim=-1)
         # One token per row for the whole batch at once (few kernel launches, one host sync).
-        row_tokens = choose_tokens(sample_logits, groups)
+        row_tokens = choose_tokens(sample_logits, list(groups))
         row_token_logprobs = logprobs.gather(1, row_tokens.unsqueeze(1)).squeeze(1)
         chosen = list(zip(row_tokens.tolist(), row_token_logprobs.tolist()))
         row = 0
         for group, output in zip(groups, outputs):
-            if group.do_sample:
-                rows = slice(row, row + len(group.sample_indices))
-                output.samples = _sample_group(group, sample_logits[rows], logprobs[rows], chosen[rows])
-                row += len(group.sample_indices)
-        return SamplerOutput(outputs)
-
-    def _greedy(self, logits: torch.Tensor, sample_rows: list[int], groups: list[SequenceGroupToSample],
-                outputs: list[SequenceGroupOutput]) -> list[SequenceGroupOutput]:
-        """Arg-max rows, and each chosen token's logprob as logit - logsumexp(row).
-
-        The general path materializes `[rows, vocab]` log-probabilities (and slices them per
-        row in Python); at 256 rows x 150k vocab that is 150 MB written and read back per
-        step, and hundreds of small tensor ops on the host. Here one pass over the logits and
-        one device-to-host copy give the same tokens and logprobs (the step's only host sync).
-        """
-        # With no prompt-logprob rows, the selected rows are exactly the sample rows, in order.
-        sample_logits = logits if len(sample_rows) == logits.shape[0] else logits[sample_rows]
-        tokens, token_logprobs = self.greedy_sample(sample_logits)
-        token_list, logprob_list = tokens.tolist(), token_logprobs.tolist()
-        row = 0
-        for group, output in zip(groups, outputs):
-            if group.do_sample:
-                token = token_list[row]
-                output.samples = [SequenceOutput(group.seq_ids[0], token, {token: logprob_list[row]})]
-                row += 1
-        return outputs
+            rows = slice(row, row + len(group.sample_indices))
+            output.samples = _sample_group(group, sample_logits[rows], logprobs[rows], chosen[rows])
+            row += len(group.sample_indices)
 
 
-def _is_plain_greedy(group: SequenceGroupToSample) -> bool:
-    """One greedy sequence with nothing to process on the host: no penalties, no min_tokens
-    still pending, no logprobs asked for, no prompt logprobs (`Sampler._greedy`)."""
-    if group.prompt_logprob_indices:
-        return False
-    if not group.do_sample:
-        return True
-    seq_datas = [group.seq_data[seq_id] for seq_id in group.seq_ids]
-    return (group.sampling_params.sampling_type == SamplingType.GREEDY
-            and needs_nothing_per_token(group.sampling_params, seq_datas))
-
-
-def needs_nothing_per_token(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
-    """One sequence, no logprobs, no penalties, no pending min_tokens: its next token depends
-    on the logits alone (and the temperature / top-k / top-p, applied on the device)."""
-    return (params.logprobs is None and params.best_of == 1 and len(seq_datas) == 1
-            and params.repetition_penalty == 1.0 and params.frequency_penalty == 0.0
-            and params.presence_penalty == 0.0 and not params.logits_processors
-            and (params.min_tokens == 0 or seq_datas[0].get_output_len() >= params.min_tokens))
+def _on_device(group: SequenceGroupToSample) -> bool:
+    return DeviceSampler.can_sample(group.sampling_params, [group.seq_data[i] for i in group.seq_ids])
 
 
 # --------------------------------------------------------------------------- logits processing
@@ -209,10 +175,10 @@ def apply_penalties(logits: torch.Tensor, rows: list) -> torch.Tensor:
         for p in params
     ):
         return logits  # the common case: skip building [rows, vocab] count tensors
-    num_rows, vocab_size = logits.shape
+    vocab_size = logits.shape[1]
     datas = [group.seq_data[seq_id] for group, seq_id in rows]
-    output_counts = _token_counts([d.output_token_ids for d in datas], num_rows, vocab_size, logits.device)
-    prompt_counts = _token_counts([d.prompt_token_ids for d in datas], num_rows, vocab_size, logits.device)
+    output_counts = token_counts([d.output_token_ids for d in datas], vocab_size, logits.device)
+    prompt_counts = token_counts([d.prompt_token_ids for d in datas], vocab_size, logits.device)
     seen = (output_counts > 0) | (prompt_counts > 0)
     repetition = logits.new_tensor([p.repetition_penalty for p in params]).unsqueeze(1)
     penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
@@ -221,20 +187,6 @@ def apply_penalties(logits: torch.Tensor, rows: list) -> torch.Tensor:
     presence = logits.new_tensor([p.presence_penalty for p in params]).unsqueeze(1)
     logits = logits - frequency * output_counts
     return logits - presence * (output_counts > 0).to(logits.dtype)
-
-
-def _token_counts(token_lists: list[list[int]], num_rows: int, vocab_size: int, device) -> torch.Tensor:
-    """`[num_rows, vocab_size]` counts of each token id in each row's list (vectorized)."""
-    counts = torch.zeros(num_rows, vocab_size + 1, device=device)
-    max_len = max((len(t) for t in token_lists), default=0)
-    if max_len:
-        # Pad with an extra column `vocab_size` that is dropped afterwards.
-        padded = torch.full((num_rows, max_len), vocab_size, dtype=torch.long)
-        for i, tokens in enumerate(token_lists):
-            padded[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-        padded = padded.to(device)
-        counts.scatter_add_(1, padded, torch.ones_like(padded, dtype=counts.dtype))
-    return counts[:, :vocab_size]
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
