@@ -133,7 +133,7 @@ def time_forward(llm, batch: int, enforce_eager: bool) -> float:
         fn = graph.replay
     else:
         fn = _eager_forward(llm, batch)
-    return _cuda_median_ms(fn, MEASURE_STEPS)
+    return cuda_median_ms(fn, MEASURE_STEPS)
 
 
 def _eager_forward(llm, batch: int):
@@ -147,7 +147,7 @@ def _eager_forward(llm, batch: int):
                                 model_input.attn_metadata)
 
 
-def _cuda_median_ms(fn, reps: int) -> float:
+def cuda_median_ms(fn, reps: int) -> float:
     if not torch.cuda.is_available():  # CPU smoke tests
         return _median_wall_ms(fn, reps)
     times = []

@@ -408,22 +408,12 @@ def _sdpa_flash(device: str, inputs: dict):
 
 
 def _median_ms(fn, device: str, warmup: int, reps: int) -> float:
+    """Median ms of `fn` after `warmup` calls (CUDA events on a GPU, wall time on a CPU)."""
+    from decode_latency import cuda_median_ms  # a sibling script: benchmarks/ is on sys.path
+
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(reps):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            start = time.perf_counter()
-            fn()
-            times.append(1e3 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+    return cuda_median_ms(fn, reps)
 
 
 def bench_prefill(batch: int, seq_len: int, device: str, warmup: int, reps: int) -> dict:
