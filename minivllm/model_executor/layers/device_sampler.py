@@ -18,7 +18,7 @@ so a seeded request gets the same tokens whatever shares its batch and whichever
 global generator (so `torch.manual_seed` still makes a run reproducible).
 
 It serves every request with one sequence and no beams or logits processors (`can_sample`);
-the `Sampler` keeps its host code for the others (beam search, `n > 1`'s first fan-out,
+the `Sampler` keeps its host code for the others (beam search, parallel sampling (`n > 1`),
 Python logits processors). The multi-step runner uses it to feed each step's tokens straight
 into the next forward pass (`step` advances positions, counts and min_tokens on the device).
 """

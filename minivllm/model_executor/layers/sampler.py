@@ -40,7 +40,7 @@ class Sampler(nn.Module):
 
     Requests with one sequence and no beams or logits processors (nearly all) are sampled on
     the logits' device by `DeviceSampler` (one kernel for the whole batch, one copy back);
-    the others (beam search, `n > 1`'s first fan-out, Python logits processors) by the host
+    the others (beam search, parallel sampling (`n > 1`), Python logits processors) by the host
     code below, the steps of the module docstring written out one by one.
 
     Args:
@@ -83,7 +83,7 @@ class Sampler(nn.Module):
             output.samples = [sample]
 
     def _sample_on_host(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
-        """Beam search, the first fan-out of n > 1, logits processors (module docstring)."""
+        """Beam search, parallel sampling (n > 1), logits processors (module docstring)."""
         sample_rows = [row for group in groups for row in group.sample_indices]
         # fp32 from here: a softmax in fp16 underflows, and 0 / 0 in the exponential race is NaN.
         sample_logits = process_logits(logits[sample_rows].float(), list(groups))
