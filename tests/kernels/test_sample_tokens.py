@@ -298,3 +298,22 @@ def test_bf16_nucleus_past_the_candidate_cap_falls_back():
     untied = logits.float() + 1e-3 * torch.randn(logits.shape, generator=generator).to(DEVICE)
     tokens, logprobs = sampling.sample_tokens(untied, *params)  # exactly the host sampler's kept set
     check_against_spec(untied, params, tokens, logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_rows_cut_into_slices_give_the_one_program_result(monkeypatch, num_splits):
+    """At small batches each row is read by several programs (`_num_row_splits`), whose
+    partials are merged: the same tokens (ties to the first index) and logprobs, for greedy,
+    random and threshold (top-k) rows, including slices with nothing kept."""
+    vocab = 96
+    logits = torch.randn(4, vocab, device=DEVICE)
+    logits[0, 5] = logits[0, 70] = logits[0].max() + 1.0  # a tie across two slices: token 5 wins
+    params = make_params(4, temperature=[0.0, 0.7, 1.3, 0.9], top_k=[-1, -1, 3, -1], seed=[1, 2, 3, 4])
+    one_tokens, one_logprobs = sampling.sample_tokens(logits, *params)
+    monkeypatch.setattr(sampling, "_num_row_splits", lambda *args: num_splits)
+    monkeypatch.setattr(sampling, "_block", lambda vocab_size: 16)  # several blocks per slice
+    tokens, logprobs = sampling.sample_tokens(logits, *params)
+    assert tokens.tolist() == one_tokens.tolist()
+    assert tokens[0] == 5
+    torch.testing.assert_close(logprobs, one_logprobs, rtol=1e-5, atol=1e-5)
+    check_against_spec(logits, params, tokens, logprobs)
