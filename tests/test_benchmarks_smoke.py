@@ -16,10 +16,15 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+# The scripts import each other by name; their folder is on sys.path only while they are
+# imported, since it also holds `kernels.py`, which must never shadow the `kernels` name in
+# this process (tests/test_architecture.py checks it).
 sys.path.insert(0, str(BENCHMARKS))
-
-import issue15  # noqa: E402
-import throughput  # noqa: E402
+try:
+    import issue15  # noqa: E402
+    import throughput  # noqa: E402
+finally:
+    sys.path.remove(str(BENCHMARKS))
 
 
 def test_workload_is_nano_vllm_bench_draw():

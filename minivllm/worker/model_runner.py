@@ -176,9 +176,10 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def release_requests(self, finished_requests_ids: list[str]) -> None:
-        """Forget per-request state (seeded generators) of requests that ended."""
+        """Forget per-request state (seeded generators, penalty statistics) of requests that ended."""
         for request_id in finished_requests_ids:
             self.generators.pop(request_id, None)
+        self.sampler.device_sampler.release(finished_requests_ids)
 
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
         """Prepare for serving once the KV cache exists. Nothing to do when running eagerly;

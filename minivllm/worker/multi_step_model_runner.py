@@ -59,7 +59,7 @@ class MultiStepModelRunner:
         limits = to_device(torch.tensor(steps_allowed), base.device)
         input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
         groups = model_input.sampling_metadata.seq_groups
-        tensors = SamplingTensors.from_groups(groups, base.model_config.hf_config.vocab_size, base.device)
+        tensors = self.sampler.prepare(groups, base.model_config.hf_config.vocab_size, base.device)
         pending = None  # the previous step's samples on their way to the host
         for step in range(num_steps):
             if step:

@@ -6,8 +6,8 @@ rebuilt from token lists for penalties) and to copy every chosen token back befo
 step could start. This module does all of it for a whole batch with a few tensor operations
 and one sampling kernel (`kernels/sampling.py`, or its PyTorch reference on the CPU):
 
-    penalties      from `[rows, vocab]` token counts kept on the device (built once per batch,
-                   then one scatter per step)
+    penalties      from each request's token counts, kept on the device between steps
+                   (`TokenStatsCache`: a step adds only its new tokens)
     min_tokens     stop tokens masked while `min_tokens` is not reached
     temperature, top-k, top-p, min-p, the draw and its logprob     `sample_tokens`, one kernel
     top-N logprobs and the chosen token's rank    only for rows that asked
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model_executor.custom_op import CustomOp
-from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceOutput
 
@@ -102,6 +102,18 @@ class DeviceSampler:
 
     def __init__(self, backend: str = "torch") -> None:
         self.sample_tokens = SampleTokens(backend)
+        self.token_stats: TokenStatsCache | None = None  # made on the first request with penalties
+
+    def prepare(self, groups: list[SequenceGroupToSample], vocab_size: int, device) -> SamplingTensors:
+        """The batch's `SamplingTensors` (penalty statistics from this sampler's cache)."""
+        if self.token_stats is None:
+            self.token_stats = TokenStatsCache(vocab_size, device)
+        return SamplingTensors.from_groups(groups, vocab_size, device, self.token_stats)
+
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the token statistics of requests that ended."""
+        if self.token_stats is not None:
+            self.token_stats.release(request_ids)
 
     @staticmethod
     def can_sample(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
-from minivllm.model_executor.sampling_metadata import SamplingMetadata, SamplingTensors, SequenceGroupToSample, token_counts
+from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample, token_counts
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupOutput, SequenceOutput
 
@@ -77,7 +77,7 @@ class Sampler(nn.Module):
     def _sample_on_device(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
         rows = [group.sample_indices[0] for group in groups]
         sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        tensors = SamplingTensors.from_groups(list(groups), logits.shape[-1], logits.device)
+        tensors = self.device_sampler.prepare(list(groups), logits.shape[-1], logits.device)
         drawn = self.device_sampler(sample_logits, tensors).to_host()  # the step's one host sync
         for output, sample in zip(outputs, drawn.sequence_outputs(list(groups), tensors)):
             output.samples = [sample]
