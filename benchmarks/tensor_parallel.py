@@ -30,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -45,7 +46,7 @@ DECODE_PROMPT_LEN, DECODE_STEPS, DECODE_WARMUP = 1024, 32, 4
 TARGET_DECODE_RATIO, TARGET_THROUGHPUT_RATIO = 0.6, 1.5
 
 
-def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> dict:
+def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> tuple[dict, Callable[[], None]]:
     from minivllm import LLM, SamplingParams
 
     prompts, max_tokens = throughput.make_workload(num_seqs)
@@ -64,11 +65,10 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> d
     elapsed = time.perf_counter() - start
     result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks)
-    llm.llm_engine.shutdown()
-    return result
+    return result, llm.llm_engine.shutdown
 
 
-def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> dict:
+def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> tuple[dict, Callable[[], None]]:
     from minivllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -85,19 +85,22 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> dict:
         start = time.perf_counter()
         engine.step()  # returns once the token is on the host: the step is complete
         times.append(time.perf_counter() - start)
-    engine.shutdown()
-    return {"median_step_ms": round(1e3 * statistics.median(times), 3), "min_step_ms": round(1e3 * min(times), 3),
-            "steps": DECODE_STEPS, "prompt_len": DECODE_PROMPT_LEN}
+    result = {"median_step_ms": round(1e3 * statistics.median(times), 3), "min_step_ms": round(1e3 * min(times), 3),
+              "steps": DECODE_STEPS, "prompt_len": DECODE_PROMPT_LEN}
+    return result, engine.shutdown
 
 
 def run_one(args) -> int:
     ckpt = Path(args.ckpt)
     if args.kind == "throughput":
-        result = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager)
+        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager)
     else:
-        result = run_decode(ckpt, args.tp, args.enforce_eager)
+        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager)
+    # The result is saved before the engine shuts down: a 2-GPU shutdown once hung in NCCL's
+    # teardown, and a measurement must not be lost to it.
     Path(args.result).write_text(json.dumps(result))
     print(json.dumps(result), flush=True)
+    shutdown()
     return 0
 
 
