@@ -60,7 +60,7 @@ def make_engine(args, model: str | None, batch: int, **spec) -> LLMEngine:
     # the memory profile, and the block manager would spend seconds creating them.
     tokens_per_seq = PASSAGE_TOKENS + REPEATED_PREFIX + 8 + args.max_tokens + args.k + 16
     return LLMEngine.from_engine_args(EngineArgs(
-        model=model, device=args.device, max_num_seqs=max(batch, 8), enforce_eager=args.enforce_eager,
+        model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(batch, 8), enforce_eager=args.enforce_eager,
         max_num_batched_tokens=max(2048, batch * (PASSAGE_TOKENS + REPEATED_PREFIX + 8)),
         num_gpu_blocks_override=2 * batch * -(-tokens_per_seq // 16) + 64, **spec))
 
@@ -150,6 +150,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--workloads", nargs="+", default=["repeat", "free"], choices=["repeat", "free"])
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", help="the models' dtype; float32 tells numerics from logic when "
+                                                   "agreement with the baseline is below 1 (bf16 on a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the baseline or the draft")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
@@ -171,7 +173,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
         meta = {"device": device, "torch": torch.__version__, "host": platform.node(), "k": args.k,
-                "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager}
+                "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager, "dtype": args.dtype}
         args.out.write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "tokens"}
                                                                 for r in rows]}, indent=2))
 
