@@ -92,6 +92,12 @@ async def stream(client: httpx.AsyncClient, url: str, body: dict) -> list[float]
 
 async def workload(url: str, args) -> dict:
     async with httpx.AsyncClient(timeout=None) as client:
+        # Untimed: one long and one short request through the whole path first, so that what
+        # runs for the first time (Triton compiling the kernels of a prefill over loaded KV,
+        # the store's first files) is not counted as a stall of the timed streams.
+        for length in (args.long_prompt, 8):
+            await stream(client, url, {"model": "m", "prompt": [(11 * j) % 500 + 3 for j in range(length)],
+                                       "max_tokens": 4, "temperature": 0, "ignore_eos": True})
         decodes = [asyncio.create_task(stream(client, url, dict(
             model="m", prompt=f"ROMEO {i}:", max_tokens=args.decode_tokens, temperature=0, ignore_eos=True)))
             for i in range(args.num_decodes)]
