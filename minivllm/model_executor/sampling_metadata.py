@@ -193,11 +193,12 @@ class SamplingTensors:
     @staticmethod
     def from_groups(groups: list[SequenceGroupToSample], vocab_size: int, device: torch.device | str,
                     token_stats: "TokenStatsCache | None" = None) -> "SamplingTensors":
-        """One row per group (each with one sequence and a sample row). token_stats: where
-        the penalties' per-request token statistics are kept between steps (None: built
-        from the token lists)."""
-        params = [g.sampling_params for g in groups]
-        datas = [g.seq_data[g.seq_ids[0]] for g in groups]
+        """One row per sample row of the groups (`sample_rows`). token_stats: where the
+        penalties' per-sequence token statistics are kept between steps (None: built from
+        the token lists)."""
+        rows = sample_rows(groups)
+        params = [g.sampling_params for g, _ in rows]
+        datas = [g.seq_data[seq_id] for g, seq_id in rows]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else -1 for p in params]
         # Unseeded rows: fresh seeds from torch's generator (torch.manual_seed reproduces them).
@@ -214,7 +215,7 @@ class SamplingTensors:
             offsets=ints[2], needs_truncation=any(truncating),
             num_candidates=_num_candidates(top_k, truncating, vocab_size) if any(truncating) else None,
             num_logprobs=num_logprobs, max_logprobs=max((n for n in num_logprobs if n), default=0))
-        _add_penalties(tensors, groups, vocab_size, device, token_stats)
+        _add_penalties(tensors, rows, vocab_size, device, token_stats)
         _add_min_tokens(tensors, params, datas, vocab_size, device)
         return tensors
 
@@ -239,9 +240,16 @@ def _to(tensor: torch.Tensor, device) -> torch.Tensor:
     return tensor.to(device)
 
 
-def _add_penalties(t: SamplingTensors, groups: list[SequenceGroupToSample], vocab_size: int, device,
+def sample_rows(groups: list[SequenceGroupToSample]) -> list[tuple[SequenceGroupToSample, int]]:
+    """(group, sequence id) of each sample row, in order: one per sequence of a decode, one
+    for a prompt (whose sequence continues its prompt)."""
+    return [(group, seq_id) for group in groups if group.do_sample
+            for seq_id in group.seq_ids[: len(group.sample_indices)]]
+
+
+def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, int]], vocab_size: int, device,
                    token_stats: "TokenStatsCache | None") -> None:
-    params = [g.sampling_params for g in groups]
+    params = [g.sampling_params for g, _ in rows]
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
            for p in params):
         return  # the common case: no [rows, vocab] tensors at all
@@ -249,13 +257,13 @@ def _add_penalties(t: SamplingTensors, groups: list[SequenceGroupToSample], voca
                                   [p.presence_penalty for p in params]], dtype=torch.float32), device)
     t.repetition_penalty, t.frequency_penalty, t.presence_penalty = penalties
     token_stats = token_stats or TokenStatsCache(vocab_size, device)
-    t.prompt_mask, t.output_counts = token_stats.rows(groups)
+    t.prompt_mask, t.output_counts = token_stats.rows(rows)
 
 
 class TokenStatsCache:
-    """The penalties' token statistics of each request, kept on the device between steps:
+    """The penalties' token statistics of each sequence, kept on the device between steps:
     which tokens its prompt holds (`[vocab]` bool) and how often each appears in its output
-    (`[vocab]` fp32), one row of a pool per request.
+    (`[vocab]` fp32), one row of a pool per sequence.
 
     Building them from the token lists every step costs the host a pass over every token of
     the batch (~250k at 256 requests of 1,000 tokens); here a request's prompt is read once,
@@ -266,41 +274,41 @@ class TokenStatsCache:
         self.vocab_size, self.device = vocab_size, torch.device(device)
         self.prompt_mask = torch.zeros(0, vocab_size, dtype=torch.bool, device=device)
         self.output_counts = torch.zeros(0, vocab_size, device=device)
-        self.slots: dict[str, int] = {}  # request id -> its pool row
-        self.num_counted: dict[str, int] = {}  # request id -> output tokens already counted
+        self.slots: dict[tuple[str, int], int] = {}  # (request id, sequence id) -> its pool row
+        self.num_counted: dict[tuple[str, int], int] = {}  # ... -> output tokens already counted
         self.free_slots: list[int] = []
 
-    def rows(self, groups: list[SequenceGroupToSample]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[rows, vocab]` prompt masks and output counts of these requests (copies: a
-        multi-step run may add to its counts without touching the pool)."""
+    def rows(self, rows: list[tuple[SequenceGroupToSample, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """`[rows, vocab]` prompt masks and output counts of these (group, sequence id) rows
+        (copies: a multi-step run may add to its counts without touching the pool)."""
         prompt_rows, prompt_tokens, count_rows, count_tokens = [], [], [], []
-        for group in groups:
-            data = group.seq_data[group.seq_ids[0]]
-            if group.request_id not in self.slots:
-                slot = self._allocate(group.request_id)
+        for group, seq_id in rows:
+            key, data = (group.request_id, seq_id), group.seq_data[seq_id]
+            if key not in self.slots:
+                slot = self._allocate(key)
                 prompt_rows += [slot] * data.get_prompt_len()
                 prompt_tokens += data.prompt_token_ids
-            slot, start = self.slots[group.request_id], self.num_counted[group.request_id]
+            slot, start = self.slots[key], self.num_counted[key]
             new_tokens = data.output_token_ids[start:]
             count_rows += [slot] * len(new_tokens)
             count_tokens += new_tokens
-            self.num_counted[group.request_id] = start + len(new_tokens)
+            self.num_counted[key] = start + len(new_tokens)
         if prompt_tokens:
             self.prompt_mask[self._index(prompt_rows), self._index(prompt_tokens)] = True
         if count_tokens:
             ones = torch.ones(len(count_tokens), device=self.device)
             self.output_counts.index_put_((self._index(count_rows), self._index(count_tokens)), ones, accumulate=True)
-        slots = self._index([self.slots[g.request_id] for g in groups])
+        slots = self._index([self.slots[(group.request_id, seq_id)] for group, seq_id in rows])
         return self.prompt_mask[slots], self.output_counts[slots]
 
     def release(self, request_ids: list[str]) -> None:
-        """Give back the rows of requests that ended."""
-        for request_id in request_ids:
-            if request_id in self.slots:
-                self.free_slots.append(self.slots.pop(request_id))
-                del self.num_counted[request_id]
+        """Give back the rows of (every sequence of) requests that ended."""
+        ended = set(request_ids)
+        for key in [key for key in self.slots if key[0] in ended]:
+            self.free_slots.append(self.slots.pop(key))
+            del self.num_counted[key]
 
-    def _allocate(self, request_id: str) -> int:
+    def _allocate(self, key: tuple[str, int]) -> int:
         if not self.free_slots:  # grow the pool: double it (rows are copied once per doubling)
             old = self.prompt_mask.shape[0]
             new = max(2 * old, 16)
@@ -310,7 +318,7 @@ class TokenStatsCache:
         slot = self.free_slots.pop()
         self.prompt_mask[slot] = False
         self.output_counts[slot] = 0
-        self.slots[request_id], self.num_counted[request_id] = slot, 0
+        self.slots[key], self.num_counted[key] = slot, 0
         return slot
 
     def _index(self, values: list[int]) -> torch.Tensor:

@@ -100,9 +100,9 @@ def _step_output(pending, step: int, groups: list[SequenceGroupToSample], tensor
     drawn, ready = pending
     if ready is not None:
         ready.synchronize()  # this step's copy only, not the steps queued after it
-    samples = drawn.sequence_outputs(groups, tensors)
-    return SamplerOutput([SequenceGroupOutput(samples=[sample] if step < allowed else [])
-                          for sample, allowed in zip(samples, steps_allowed)])
+    samples = drawn.sequence_outputs(groups, tensors)  # one per group: each has one sequence
+    return SamplerOutput([SequenceGroupOutput(samples=group_samples if step < allowed else [])
+                          for group_samples, allowed in zip(samples, steps_allowed)])
 
 
 def _copy_to_host(drawn: DeviceSample):

@@ -241,3 +241,23 @@ def test_a_zero_noise_draw_never_samples_a_token_of_probability_zero(monkeypatch
         logits[:, 2:] = -float("inf")  # two tokens: one impossible, one certain
         outputs = run_sampler(metadata_list, logits)
         assert {o.samples[0].output_token for o in outputs} == {1}, dtype
+
+
+def test_parallel_sampling_steps_are_sampled_on_the_device_row_by_row(monkeypatch):
+    """After its fan-out, an unseeded n > 1 request's sequences are rows of the device path,
+    each with its own penalties; a seeded one stays on the host path."""
+    host_calls = []
+    original = Sampler._sample_on_host
+    monkeypatch.setattr(Sampler, "_sample_on_host", lambda self, *args: host_calls.append(1) or original(self, *args))
+    logits = torch.zeros(3, VOCAB)
+    logits[:, 7] = 5.0  # token 7 is far ahead...
+    logits[:, 9] = 4.0
+    # ...but sequence 0 has produced it three times already, and a frequency penalty of 1
+    # costs it 3: sequence 0 picks 9, sequence 1 (no 7 yet) keeps 7.
+    params = SamplingParams(n=2, temperature=1e-3, frequency_penalty=1.0, max_tokens=9)
+    outs = run_sampler([decode_metadata("r", params, [[1, 2, 3, 7, 7, 7], [1, 2, 3, 4, 4, 4]])], logits)
+    assert [(s.parent_seq_id, s.output_token) for s in outs[0].samples] == [(0, 9), (1, 7)]
+    assert not host_calls
+    seeded = SamplingParams(n=2, temperature=1.0, seed=5, max_tokens=9)
+    run_sampler([decode_metadata("s", seeded, [[1, 2, 3, 7], [1, 2, 3, 4]])], logits)
+    assert host_calls

@@ -52,7 +52,7 @@ def test_cached_statistics_equal_a_count_from_scratch(ops):
             cache.release([request_id])
         elif op == "step" and live:
             ids = sorted(live)
-            prompt_mask, counts = cache.rows([group(i, live[i]) for i in ids])
+            prompt_mask, counts = cache.rows([(group(i, live[i]), 0) for i in ids])
             datas = [live[i] for i in ids]
             assert torch.equal(prompt_mask, token_counts([d.prompt_token_ids for d in datas], VOCAB, "cpu") > 0)
             assert torch.equal(counts, token_counts([d.output_token_ids for d in datas], VOCAB, "cpu"))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model_executor.custom_op import CustomOp
-from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache, sample_rows
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceOutput
 
@@ -73,14 +73,14 @@ class DeviceSample:
         return DeviceSample(*(copy(t) for t in (self.tokens, self.logprobs, self.ranks, self.top_ids,
                                                    self.top_logprobs)))
 
-    def sequence_outputs(self, groups: list[SequenceGroupToSample], t: SamplingTensors) -> list[SequenceOutput]:
-        """One `SequenceOutput` per row (host tensors: call `to_host` first)."""
+    def sequence_outputs(self, groups: list[SequenceGroupToSample], t: SamplingTensors) -> list[list[SequenceOutput]]:
+        """Each group's `SequenceOutput`s, one per sample row (host tensors: `to_host` first)."""
         tokens, logprobs = self.tokens.tolist(), self.logprobs.tolist()
         ranks = self.ranks.tolist() if self.ranks is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
-        outputs = []
-        for row, group in enumerate(groups):
+        outputs = {id(group): [] for group in groups}
+        for row, (group, seq_id) in enumerate(sample_rows(groups)):
             token = tokens[row]
             entry = {token: logprobs[row]}
             rank = None
@@ -89,8 +89,8 @@ class DeviceSample:
                 rank = ranks[row]
                 for top_token, value in zip(top_ids[row][:num_logprobs], top_values[row][:num_logprobs]):
                     entry.setdefault(top_token, value)
-            outputs.append(SequenceOutput(group.seq_ids[0], token, entry, rank))
-        return outputs
+            outputs[id(group)].append(SequenceOutput(seq_id, token, entry, rank))
+        return [outputs[id(group)] for group in groups]
 
 
 class DeviceSampler:
@@ -117,9 +117,23 @@ class DeviceSampler:
 
     @staticmethod
     def can_sample(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
-        """One sequence, one sample, no beams and no Python logits processors."""
+        """One sequence, one sample, no beams and no Python logits processors (what the
+        multi-step runner needs)."""
         return (len(seq_datas) == 1 and params.best_of == 1 and params.sampling_type != SamplingType.BEAM
                 and not params.logits_processors)
+
+    @staticmethod
+    def can_sample_group(group: SequenceGroupToSample) -> bool:
+        """`can_sample`, or a step of parallel sampling (`n > 1`) after its fan-out, unseeded:
+        each of its sequences is a row. (The fan-out itself draws `best_of` tokens from one
+        row, and seeded siblings would need a seed each that is stable across runs: both stay
+        on the host.)"""
+        params = group.sampling_params
+        if params.sampling_type == SamplingType.BEAM or params.logits_processors:
+            return False
+        if DeviceSampler.can_sample(params, [group.seq_data[i] for i in group.seq_ids]):
+            return True
+        return params.seed is None and not group.is_first_sample
 
     @staticmethod
     def depends_on_logits_alone(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:

@@ -75,12 +75,12 @@ class Sampler(nn.Module):
         return SamplerOutput(outputs)
 
     def _sample_on_device(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
-        rows = [group.sample_indices[0] for group in groups]
+        rows = [row for group in groups for row in group.sample_indices]
         sample_logits = logits if rows == list(range(logits.shape[0])) else logits[rows]
         tensors = self.device_sampler.prepare(list(groups), logits.shape[-1], logits.device)
         drawn = self.device_sampler(sample_logits, tensors).to_host()  # the step's one host sync
-        for output, sample in zip(outputs, drawn.sequence_outputs(list(groups), tensors)):
-            output.samples = [sample]
+        for output, samples in zip(outputs, drawn.sequence_outputs(list(groups), tensors)):
+            output.samples = samples
 
     def _sample_on_host(self, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
         """Beam search, parallel sampling (n > 1), logits processors (module docstring)."""
@@ -100,7 +100,7 @@ class Sampler(nn.Module):
 
 
 def _on_device(group: SequenceGroupToSample) -> bool:
-    return DeviceSampler.can_sample(group.sampling_params, [group.seq_data[i] for i in group.seq_ids])
+    return DeviceSampler.can_sample_group(group)
 
 
 # --------------------------------------------------------------------------- logits processing
