@@ -254,6 +254,7 @@ def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Pa
 B1_PROMPT_LEN, B1_STEPS, B1_WARMUP_STEPS, B1_GEN_TOKENS, B1_REPS = 128, 64, 8, 512, 3
 B1_MAX_MODEL_LEN = 4096  # as nano-vllm's bench.py
 B1_TOP_KERNELS = 25
+FULL_STEPS = 6  # engine steps timed at the full batch (each several tokens with multi-step)
 
 
 def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
@@ -319,9 +320,55 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     return result
 
 
-def profile_one_step(engine, seq, path: Path) -> dict:
+def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
+    """The headline's batch, profiled: nano-vllm's 256 requests at temperature 0.6 with `LLM()`
+    defaults, stepped until every request decodes, then the wall time of FULL_STEPS engine
+    steps and torch.profiler over one more (where the time of a full decode step goes, to
+    attribute the gap between the headline and its target)."""
+    import sys
+
+    from minivllm import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from throughput import NANO_MAX_MODEL_LEN, engine_args_used, make_workload
+
+    prompts, max_tokens = make_workload(4 if smoke else 256)
+    if smoke:
+        prompts, max_tokens = [p[:16] for p in prompts], [40] * len(prompts)
+    given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16",
+             "max_model_len": 256 if smoke else NANO_MAX_MODEL_LEN}
+    llm = LLM(**given)
+    engine = llm.llm_engine
+    for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt},
+                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=limit, detokenize=False))
+    while engine.scheduler.waiting or any(g.is_prefill() for g in engine.scheduler.running):
+        engine.step()
+    engine.step()  # one decode-only step first (its shapes warm)
+    seq = engine.scheduler.running[0].first_seq
+    batch = len(engine.scheduler.running)
+    times, tokens = [], 0
+    for _ in range(2 if smoke else FULL_STEPS):
+        before, start = seq.get_output_len(), time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+        tokens += seq.get_output_len() - before
+    result = {"engine_args": engine_args_used(given), "batch": batch,
+              "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps,
+              "step_ms_median": round(1e3 * sorted(times)[len(times) // 2], 3),
+              "ms_per_token_per_sequence": round(1e3 * sum(times) / max(1, tokens), 4),
+              "output_tok_s_while_decoding": round(batch * tokens / sum(times), 1)}
+    if profile_path is not None:
+        result["profile"] = profile_one_step(engine, seq, profile_path, label=f"at batch {batch}")
+    for i in range(len(prompts)):
+        engine.abort_request(str(i))
+    engine.step()
+    return result
+
+
+def profile_one_step(engine, seq, path: Path, label: str = "at batch 1") -> dict:
     """torch.profiler over one decode step(): a table of the top kernels by GPU time and the
-    kernel count, written to `path`; a summary returned."""
+    kernel count, written to `path`; a summary returned. `seq` counts the step's tokens."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -341,7 +388,7 @@ def profile_one_step(engine, seq, path: Path) -> dict:
         by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())  # a kernel's own duration
     total_us = sum(sum(v) for v in by_name.values())
     ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:B1_TOP_KERNELS]
-    lines = [f"One decode step() at batch 1 ({step_tokens} token(s)): wall {wall_ms:.3f} ms, {len(kernels)} GPU "
+    lines = [f"One decode step() {label} ({step_tokens} token(s) per sequence): wall {wall_ms:.3f} ms, {len(kernels)} GPU "
              f"kernels, {total_us:.1f} us of kernel time", "",
              f"{'GPU us':>10} {'share':>6} {'calls':>6}  kernel"]
     lines += [f"{sum(v):10.1f} {sum(v) / total_us:6.1%} {len(v):6d}  {name[:120]}" for name, v in ranked] if total_us else []
@@ -365,8 +412,17 @@ def main() -> int:
     parser.add_argument("--batch1", action="store_true",
                         help="issue 15: batch-1 decode step, TPOT through LLM.generate and a one-step profile, "
                              "with LLM() defaults")
-    parser.add_argument("--smoke", action="store_true", help="with --batch1: few steps, fp32 (CPU)")
+    parser.add_argument("--full-batch", action="store_true",
+                        help="issue 15: the headline's 256-request batch at temperature 0.6, LLM() defaults: "
+                             "decode step time and a one-step profile")
+    parser.add_argument("--smoke", action="store_true", help="with --batch1 / --full-batch: tiny, fp32 (CPU)")
     args = parser.parse_args()
+    if args.full_batch:
+        profile_path = Path(args.profile_dir) / "profile_full_batch_decode_step.txt" if args.profile_dir else None
+        report = full_batch(args.ckpt, profile_path, smoke=args.smoke)
+        Path(args.result).write_text(json.dumps(report, indent=1))
+        print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
+        return 0
     if args.batch1:
         profile_path = Path(args.profile_dir) / "profile_batch1_decode_step.txt" if args.profile_dir else None
         report = batch1(args.ckpt, profile_path, smoke=args.smoke)

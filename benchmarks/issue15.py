@@ -17,6 +17,7 @@ that matter most first, so a run cut short still has them):
     penalties     defaults, temperature 0.6, repetition 1.1, frequency 0.5, presence 0.5
     prefill-attn  paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (benchmarks/kernels.py)
     batch1        decode step and TPOT at batch 1, one-step profile (benchmarks/decode_latency.py)
+    full-batch    the headline's 256 requests once all decode: step time and a one-step profile
     serving       256 streaming clients through the OpenAI server (benchmarks/serving.py)
     llama-1b      Llama-3.2-1B shape, defaults, temperature 0.6
     ms16          tuned: num_scheduler_steps=16, temperature 0.6
@@ -60,7 +61,7 @@ class Row:
 
     name: str
     label: str
-    kind: str  # "throughput", "prefill", "batch1", "serving"
+    kind: str  # "throughput", "prefill", "batch1", "full-batch", "serving"
     timeout_s: float
     model: str = "qwen3-0.6b"
     spec: dict = field(default_factory=dict)
@@ -78,6 +79,8 @@ ROWS = [
     Row("penalties", "minivllm, defaults, temperature 0.6 + repetition 1.1 / frequency 0.5 / presence 0.5",
         "throughput", 80, spec={"sampling": {**TEMPERATURE, "repetition_penalty": 1.1, "frequency_penalty": 0.5,
                                              "presence_penalty": 0.5}}),
+    Row("full-batch", "the headline's 256 requests decoding (temperature 0.6, defaults): step time and a profile",
+        "full-batch", 75),
     Row("prefill-attn", "paged prefill attention (Triton) vs SDPA flash, contiguous K/V", "prefill", 60),
     Row("batch1", "batch 1: decode step and TPOT through LLM.generate, LLM() defaults", "batch1", 75),
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
@@ -140,6 +143,9 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
             (["--smoke"] if smoke else [])
     if row.kind == "batch1":
         return [py, str(HERE / "decode_latency.py"), "--batch1", "--ckpt", str(ckpt), "--result", str(result),
+                "--profile-dir", str(out)] + (["--smoke"] if smoke else [])
+    if row.kind == "full-batch":
+        return [py, str(HERE / "decode_latency.py"), "--full-batch", "--ckpt", str(ckpt), "--result", str(result),
                 "--profile-dir", str(out)] + (["--smoke"] if smoke else [])
     if row.kind == "serving":
         return [py, str(HERE / "serving.py"), "--workload", "--ckpt", str(ckpt), "--json", str(result),
@@ -282,6 +288,13 @@ def _extra_lines(rows: dict, base: float | None) -> list[str]:
                      f"token(s) per step, {b1['decode_ms_per_token']} ms per token; target <= 1.0), TPOT through "
                      f"LLM.generate {b1['tpot_ms']} ms (target <= 1.2); profile: {b1.get('profile', {}).get('file')}, "
                      f"{b1.get('profile', {}).get('kernel_count')} kernels in one step")
+    full = rows.get("full-batch", {})
+    if "step_ms_median" in full:
+        profile = full.get("profile", {})
+        lines.append(f"\nfull batch ({full['batch']} sequences decoding): step {full['step_ms_median']} ms median, "
+                     f"{full['ms_per_token_per_sequence']} ms per token, {full['output_tok_s_while_decoding']:,.0f} "
+                     f"tok/s while decoding; profiled step: {profile.get('kernel_time_us', 0) / 1e3:.2f} ms of "
+                     f"kernels in {profile.get('step_wall_ms')} ms wall ({profile.get('file')})")
     for r in rows.get("prefill-attn", {}).get("rows", []):
         lines.append(f"\nprefill attention {r['batch']} x {r['seq_len']}: paged Triton {r['paged_triton_ms']} ms, "
                      f"SDPA flash {r['sdpa_flash_ms']} ms: {r['paged_speed_vs_sdpa']:.2f}x SDPA's speed "

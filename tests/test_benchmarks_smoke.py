@@ -70,12 +70,12 @@ def test_a_row_past_its_timeout_is_killed(tmp_path):
 def test_issue15_smoke_end_to_end(tmp_path):
     """One row of each kind through the real entry point (each its own process), on the CPU."""
     cmd = [sys.executable, str(BENCHMARKS / "throughput.py"), "issue15", "--smoke", "--out", str(tmp_path),
-           "--only", "headline", "prefill-attn", "batch1", "serving"]
+           "--only", "headline", "prefill-attn", "batch1", "full-batch", "serving"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "issue15.json").read_text())
     rows = report["rows"]
-    assert set(rows) == {"headline", "prefill-attn", "batch1", "serving"}
+    assert set(rows) == {"headline", "prefill-attn", "batch1", "full-batch", "serving"}
     assert not [name for name, r in rows.items() if "error" in r], rows
 
     headline = rows["headline"]
@@ -94,13 +94,17 @@ def test_issue15_smoke_end_to_end(tmp_path):
     assert batch1["tokens_checked"] and batch1["tpot_ms"] > 0 and batch1["decode_step_ms_median"] > 0
     assert Path(batch1["profile"]["file"]).read_text().startswith("One decode step()")
 
+    full = rows["full-batch"]  # every request decoding when the step is timed and profiled
+    assert full["batch"] == 4 and full["step_ms_median"] > 0
+    assert Path(full["profile"]["file"]).read_text().startswith("One decode step() at batch 4")
+
     serving = rows["serving"]
     assert serving["tokens_checked"] and serving["completed"] == serving["num_requests"] == 4
     assert serving["streamed_chunks"] == serving["output_tokens"]  # token by token
     assert serving["output_tokens_per_s"] > 0
 
     table = (tmp_path / "issue15.md").read_text()
-    assert "nano-vllm bench.py" in table and "serving / offline" in table
+    assert "nano-vllm bench.py" in table and "serving / offline" in table and "full batch (4 sequences" in table
 
 
 @pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb"])
