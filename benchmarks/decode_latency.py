@@ -417,18 +417,14 @@ def main() -> int:
                              "decode step time and a one-step profile")
     parser.add_argument("--smoke", action="store_true", help="with --batch1 / --full-batch: tiny, fp32 (CPU)")
     args = parser.parse_args()
-    if args.full_batch:
-        profile_path = Path(args.profile_dir) / "profile_full_batch_decode_step.txt" if args.profile_dir else None
-        report = full_batch(args.ckpt, profile_path, smoke=args.smoke)
-        Path(args.result).write_text(json.dumps(report, indent=1))
-        print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
-        return 0
-    if args.batch1:
-        profile_path = Path(args.profile_dir) / "profile_batch1_decode_step.txt" if args.profile_dir else None
-        report = batch1(args.ckpt, profile_path, smoke=args.smoke)
-        Path(args.result).write_text(json.dumps(report, indent=1))
-        print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
-        return 0
+    for wanted, measure_fn, profile_name in ((args.full_batch, full_batch, "profile_full_batch_decode_step.txt"),
+                                             (args.batch1, batch1, "profile_batch1_decode_step.txt")):
+        if wanted:
+            profile_path = Path(args.profile_dir) / profile_name if args.profile_dir else None
+            report = measure_fn(args.ckpt, profile_path, smoke=args.smoke)
+            Path(args.result).write_text(json.dumps(report, indent=1))
+            print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
+            return 0
     bandwidth = copy_bandwidth(args.device)
     report = {"copy_bandwidth_tb_s": round(bandwidth / 1e12, 3)}
     profile_dir = Path(args.profile_dir) if args.profile_dir else None
