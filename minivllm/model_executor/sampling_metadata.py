@@ -267,7 +267,9 @@ class TokenStatsCache:
 
     Building them from the token lists every step costs the host a pass over every token of
     the batch (~250k at 256 requests of 1,000 tokens); here a request's prompt is read once,
-    and each step adds only the output tokens that are new since its last step.
+    and each step adds only the output tokens that are new since its last step. The pool
+    doubles when full and never shrinks: it keeps the most sequences with penalties that ran
+    at once (5 bytes per vocabulary entry each: 0.76 MB for Qwen3's 151,936 tokens).
     """
 
     def __init__(self, vocab_size: int, device: torch.device | str) -> None:
