@@ -222,15 +222,6 @@ def swap_blocks(
         dst_kv_cache[:, dst_block].copy_(src_kv_cache[:, src_block])
 
 
-def greedy_sample(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each row's arg-max `[rows]` int64 and its logprob `[rows]` fp32: logit - logsumexp(row),
-    in fp32 whatever the logits' dtype (the spec of `sampling.greedy_sample`)."""
-    logits = logits.float()
-    tokens = logits.argmax(dim=-1)
-    chosen = logits.gather(1, tokens.unsqueeze(1)).squeeze(1)
-    return tokens, chosen - torch.logsumexp(logits, dim=-1)
-
-
 # --------------------------------------------------------------------------- sampling
 _MASK64 = (1 << 64) - 1
 

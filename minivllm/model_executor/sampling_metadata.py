@@ -192,10 +192,9 @@ class SamplingTensors:
 
     @staticmethod
     def from_groups(groups: list[SequenceGroupToSample], vocab_size: int, device: torch.device | str,
-                    token_stats: "TokenStatsCache | None" = None) -> "SamplingTensors":
+                    token_stats: "TokenStatsCache") -> "SamplingTensors":
         """One row per sample row of the groups (`sample_rows`). token_stats: where the
-        penalties' per-sequence token statistics are kept between steps (None: built from
-        the token lists)."""
+        penalties' per-sequence token statistics are kept between steps."""
         rows = sample_rows(groups)
         params = [g.sampling_params for g, _ in rows]
         datas = [g.seq_data[seq_id] for g, seq_id in rows]
@@ -215,7 +214,7 @@ class SamplingTensors:
             offsets=ints[2], needs_truncation=any(truncating),
             num_candidates=_num_candidates(top_k, truncating, vocab_size) if any(truncating) else None,
             num_logprobs=num_logprobs, max_logprobs=max((n for n in num_logprobs if n), default=0))
-        _add_penalties(tensors, rows, vocab_size, device, token_stats)
+        _add_penalties(tensors, rows, device, token_stats)
         _add_min_tokens(tensors, params, datas, vocab_size, device)
         return tensors
 
@@ -247,8 +246,8 @@ def sample_rows(groups: list[SequenceGroupToSample]) -> list[tuple[SequenceGroup
             for seq_id in group.seq_ids[: len(group.sample_indices)]]
 
 
-def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, int]], vocab_size: int, device,
-                   token_stats: "TokenStatsCache | None") -> None:
+def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, int]], device,
+                   token_stats: "TokenStatsCache") -> None:
     params = [g.sampling_params for g, _ in rows]
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
            for p in params):
@@ -256,7 +255,6 @@ def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, i
     penalties = _to(torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
                                   [p.presence_penalty for p in params]], dtype=torch.float32), device)
     t.repetition_penalty, t.frequency_penalty, t.presence_penalty = penalties
-    token_stats = token_stats or TokenStatsCache(vocab_size, device)
     t.prompt_mask, t.output_counts = token_stats.rows(rows)
 
 

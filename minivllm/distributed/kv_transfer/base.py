@@ -138,6 +138,16 @@ class KVConnectorBase(ABC):
         holds, block-aligned and never the block of the prompt's last token; and whether they
         load asynchronously (always False here: they load inside the next step)."""
 
+    def _leading_tokens_held(self, digests: list[str], num_computed_tokens: int, is_held) -> int:
+        """Tokens of the blocks after the first `num_computed_tokens` that the store holds, up
+        to the first it does not (a hit must continue a prefix). is_held: digest -> bool."""
+        num_matched = 0
+        for digest in digests[num_computed_tokens // self.block_size:]:
+            if not is_held(digest):
+                break
+            num_matched += 1
+        return num_matched * self.block_size
+
     @abstractmethod
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         """The request got its blocks (`block_ids`, its whole table); `num_external_tokens`

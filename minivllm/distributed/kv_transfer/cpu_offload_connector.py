@@ -68,12 +68,7 @@ class CPUOffloadConnector(LayerwiseConnectorMixin, KVConnectorBase):
         self._confirm_pending()
         if not self.is_consumer:
             return 0, False
-        num_matched = 0
-        for digest in self._digests(request)[num_computed_tokens // self.block_size:]:
-            if digest not in self.index:
-                break
-            num_matched += 1
-        return num_matched * self.block_size, False
+        return self._leading_tokens_held(self._digests(request), num_computed_tokens, self.index.__contains__), False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:

@@ -124,14 +124,11 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
         if not self.is_consumer:
             return 0, False
         self._digests.pop(request.request_id, None)  # (re)admission: its tokens may have grown
-        digests = self._request_digests(request)
-        num_matched = 0
-        for digest in digests[num_computed_tokens // self.block_size:]:
+        def is_held(digest: str) -> bool:  # every shard's copy of the block
             keys = [self._key(shard, digest) for shard in self.shards]
-            if not self._call("exists", self.store.exists, keys, default=False):
-                break
-            num_matched += 1
-        return num_matched * self.block_size, False
+            return self._call("exists", self.store.exists, keys, default=False)
+
+        return self._leading_tokens_held(self._request_digests(request), num_computed_tokens, is_held), False
 
     def update_state_after_alloc(self, request: Any, block_ids: list[int], num_external_tokens: int) -> None:
         if num_external_tokens == 0:
