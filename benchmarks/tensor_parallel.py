@@ -14,6 +14,10 @@ The model: benchmarks/configs/llama-3-8b (random weights, transformers `from_con
 bf16), saved once to a temporary directory. Targets (issue 16): batch-1 decode step at TP=2
 <= 0.6x TP=1, throughput at TP=2 >= 1.5x TP=1.
 
+Both TP sizes run one step per schedule (`--num-scheduler-steps 1`): multi-step is off at
+TP > 1, and at TP=1 its GPU default of 8 makes most `step()` calls return a token already
+computed (a "median step" of 17 us was measured that way, not a decode).
+
     python benchmarks/tensor_parallel.py --out benchmarks/results/        # needs 2 GPUs
 
 NCCL on these machines needs NVLink multicast off; the script sets NCCL_NVLS_ENABLE=0,
@@ -46,7 +50,8 @@ DECODE_PROMPT_LEN, DECODE_STEPS, DECODE_WARMUP = 1024, 32, 4
 TARGET_DECODE_RATIO, TARGET_THROUGHPUT_RATIO = 0.6, 1.5
 
 
-def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> tuple[dict, Callable[[], None]]:
+def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
+                   steps: int) -> tuple[dict, Callable[[], None]]:
     from minivllm import LLM, SamplingParams
 
     prompts, max_tokens = throughput.make_workload(num_seqs)
@@ -54,7 +59,8 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> t
     llm = LLM(model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
               max_model_len=throughput.MAX_MODEL_LEN, max_num_seqs=throughput.MAX_NUM_SEQS,
               max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
-              gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager)
+              gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
+              num_scheduler_steps=steps)
     startup_s = time.perf_counter() - start
     inputs = [{"prompt_token_ids": p} for p in prompts]
     warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS, detokenize=False)
@@ -68,12 +74,12 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool) -> t
     return result, llm.llm_engine.shutdown
 
 
-def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> tuple[dict, Callable[[], None]]:
+def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int) -> tuple[dict, Callable[[], None]]:
     from minivllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_model_len=2048,
-        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager))
+        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager, num_scheduler_steps=steps))
     prompt = {"prompt_token_ids": list(range(100, 100 + DECODE_PROMPT_LEN))}
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
                                                    max_tokens=DECODE_WARMUP + DECODE_STEPS + 2, detokenize=False))
@@ -93,9 +99,9 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool) -> tuple[dict, Callable
 def run_one(args) -> int:
     ckpt = Path(args.ckpt)
     if args.kind == "throughput":
-        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager)
+        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps)
     else:
-        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager)
+        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps)
     # The result is saved before the engine shuts down: a 2-GPU shutdown once hung in NCCL's
     # teardown, and a measurement must not be lost to it.
     Path(args.result).write_text(json.dumps(result))
@@ -115,13 +121,14 @@ def run_all(args) -> int:
     print("== building the checkpoint", flush=True)
     ckpt = throughput.build_checkpoint(MODEL, tmp, "cuda")
     report = {"environment": throughput._environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
-              "cuda_graphs": not args.enforce_eager,
+              "cuda_graphs": not args.enforce_eager, "num_scheduler_steps": args.num_scheduler_steps,
               "nccl_env": NCCL_ENV, "results": {}}
     for kind in ("decode", "throughput"):
         for tp in TP_SIZES:
             result_file = tmp / f"{kind}-tp{tp}.json"
             cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
                    "--result", str(result_file), "--num-seqs", str(args.num_seqs),
+                   "--num-scheduler-steps", str(args.num_scheduler_steps),
                    *(["--enforce-eager"] if args.enforce_eager else [])]
             print(f"== {kind}, TP={tp}", flush=True)
             try:
@@ -160,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=throughput.NUM_SEQS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=1,
+                        help="for both TP sizes (multi-step is off at TP > 1, so TP=1 runs one step too)")
     parser.add_argument("--kind", choices=("throughput", "decode"))
     parser.add_argument("--tp", type=int)
     parser.add_argument("--ckpt")

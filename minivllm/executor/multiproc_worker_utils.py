@@ -5,7 +5,9 @@ The parent puts `(method, args)` on the task queue; the child runs `method(worke
 and puts `(ok, result or traceback text)` on the result queue. `None` asks it to stop. The
 first answer, before any task, says the worker was built (imports and config fine), so a
 child that fails to start is reported at once instead of as a rendezvous timeout. A child
-whose parent is gone (killed without a chance to clean up) exits by itself: no orphans.
+whose parent is gone (killed without a chance to clean up) exits by itself: no orphans. A
+step's `ExecuteModelRequest` crosses the queue as deltas after a request's first step
+(`metadata_delta.py`): the prompts are not pickled again every step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import traceback
 from typing import Any
 
 from minivllm.config import EngineConfig
+from minivllm.executor.metadata_delta import MetadataDecoder, MetadataEncoder
+from minivllm.sequence import ExecuteModelRequest
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +43,10 @@ class ProcessWorkerWrapper:
             target=_worker_main, name=f"minivllm-worker-{rank}", daemon=True,
             args=(engine_config, rank, local_rank, distributed_init_method, self.tasks, self.results, os.getpid()))
         self.process.start()
+        self.encoder = MetadataEncoder()  # a step's requests travel as deltas (metadata_delta.py)
 
     def submit(self, method, args: tuple) -> None:
+        args = tuple(self.encoder.encode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
         self.tasks.put((method, args))
 
     def result(self, died_error: type[Exception]) -> Any:
@@ -92,18 +98,22 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
         results.put((False, traceback.format_exc()))
         return
     results.put((True, "ready"))
+    decoder = MetadataDecoder()
     try:
         while True:
             try:
                 task = tasks.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
-                if not _is_alive(parent_pid):  # the engine's process is gone: so are we
-                    return
+                if not _is_alive(parent_pid):
+                    # The engine's process is gone: so are we, at once. A graceful teardown
+                    # would wait on communicators whose peer no longer exists.
+                    os._exit(1)
                 continue
             if task is None:
                 return
             method, args = task
             try:
+                args = tuple(decoder.decode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
                 results.put((True, method(worker, *args)))
             except Exception:
                 results.put((False, traceback.format_exc()))

@@ -118,3 +118,38 @@ def test_shutdown_leaves_no_process_behind(llama):
     while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(is_running(pid) for pid in pids)
+
+
+ENGINE_THEN_WAIT = """
+import sys, time
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+if __name__ == "__main__":  # the workers' processes import this module
+    engine = LLMEngine.from_engine_args(EngineArgs(model=sys.argv[1], device="cpu", block_size=8,
+                                                   tensor_parallel_size=2))
+    print(*[w.process.pid for w in engine.model_executor.workers], flush=True)
+    time.sleep(600)
+"""
+
+
+def test_workers_of_a_killed_engine_process_exit_by_themselves(llama, tmp_path):
+    """The engine's process gets no chance to clean up (SIGKILL): its workers notice within
+    a poll interval and exit at once, without waiting on a teardown with a dead peer."""
+    import subprocess
+    import sys
+
+    path, _ = llama
+    script = tmp_path / "engine.py"
+    script.write_text(ENGINE_THEN_WAIT)
+    engine_process = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(pid) for pid in engine_process.stdout.readline().split()]
+        assert len(pids) == 1 and is_running(pids[0])
+        engine_process.kill()
+        engine_process.wait()
+        deadline = time.monotonic() + DEATH_REPORTED_WITHIN_S
+        while any(is_running(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(is_running(pid) for pid in pids)
+    finally:
+        engine_process.kill()
