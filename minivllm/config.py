@@ -601,9 +601,10 @@ class EngineConfig:
             if parallel.world_size > torch.cuda.device_count():
                 raise ValueError(f"world size {parallel.world_size} (tensor_parallel_size x pipeline_parallel_size) "
                                  f"but this machine has {torch.cuda.device_count()} GPU(s): one rank per GPU.")
-        if self.scheduler_config.num_scheduler_steps > 1:
-            raise ValueError("num_scheduler_steps > 1 (multi-step) runs on one worker only in minivllm; "
-                             "use num_scheduler_steps=1 with tensor or pipeline parallelism.")
+        if self.scheduler_config.num_scheduler_steps > 1 and parallel.pipeline_parallel_size > 1:
+            raise ValueError("num_scheduler_steps > 1 (multi-step) works with tensor parallelism but not with "
+                             "pipeline parallelism in minivllm; use num_scheduler_steps=1 with "
+                             "pipeline_parallel_size > 1.")
         if self.speculative_config is not None:
             raise ValueError("speculative decoding runs on one worker only in minivllm (its SpecDecodeWorker "
                              "is the single-process executor's); use tensor and pipeline parallel sizes of 1.")

@@ -175,8 +175,8 @@ def test_an_invalid_hub_id_is_named(monkeypatch):
 
 
 def test_multi_step_is_the_default_only_where_it_can_run():
-    """num_scheduler_steps=None: 8 on a GPU with graphs and one plain worker, else 1; a value
-    given is kept."""
+    """num_scheduler_steps=None: 8 on a GPU with graphs and plain workers (tensor parallel
+    ones too), else 1; a value given is kept."""
     from types import SimpleNamespace
 
     from minivllm.engine.arg_utils import DEFAULT_GPU_SCHEDULER_STEPS, EngineArgs
@@ -184,7 +184,8 @@ def test_multi_step_is_the_default_only_where_it_can_run():
     gpu, cpu = SimpleNamespace(device_type="cuda"), SimpleNamespace(device_type="cpu")
     assert EngineArgs()._num_scheduler_steps(gpu) == DEFAULT_GPU_SCHEDULER_STEPS == 8
     assert EngineArgs()._num_scheduler_steps(cpu) == 1
-    for ruled_out in ({"enforce_eager": True}, {"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+    assert EngineArgs(tensor_parallel_size=2)._num_scheduler_steps(gpu) == 8
+    for ruled_out in ({"enforce_eager": True}, {"pipeline_parallel_size": 2},
                       {"speculative_model": "[ngram]"}, {"enable_lora": True}):
         assert EngineArgs(**ruled_out)._num_scheduler_steps(gpu) == 1, ruled_out
     assert EngineArgs(num_scheduler_steps=3)._num_scheduler_steps(gpu) == 3

@@ -3,6 +3,7 @@
 from minivllm.distributed.communication_op import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_broadcast,
     tensor_model_parallel_gather,
 )
 from minivllm.distributed.parallel_state import (
@@ -38,5 +39,6 @@ __all__ = [
     "model_parallel_is_initialized",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_broadcast",
     "tensor_model_parallel_gather",
 ]

@@ -24,3 +24,8 @@ def tensor_model_parallel_all_gather(input_: torch.Tensor, dim: int = -1) -> tor
 def tensor_model_parallel_gather(input_: torch.Tensor, dst: int = 0, dim: int = -1) -> torch.Tensor | None:
     """Concatenate along `dim` on TP rank `dst` only (the logits, for the rank that samples)."""
     return get_tp_group().gather(input_, dst, dim)
+
+
+def tensor_model_parallel_broadcast(input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+    """Every TP rank gets TP rank `src`'s `input_`, in place (a multi-step run's sampled tokens)."""
+    return get_tp_group().broadcast(input_, src)

@@ -115,6 +115,13 @@ class GroupCoordinator:
         dist.gather(input_.contiguous(), parts, dst=self.ranks[dst], group=self.device_group)
         return torch.cat(parts, dim=dim) if is_dst else None
 
+    def broadcast(self, input_: torch.Tensor, src: int = 0) -> torch.Tensor:
+        """Overwrite `input_` on every rank with group rank `src`'s, in place (the sampled
+        tokens of a multi-step run: only TP rank 0 samples, every rank feeds them back)."""
+        if self.world_size > 1:
+            dist.broadcast(input_, src=self.ranks[src], group=self.device_group)
+        return input_
+
     def barrier(self) -> None:
         if self.world_size > 1:
             dist.barrier(group=self.device_group)

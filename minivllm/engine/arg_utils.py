@@ -151,7 +151,7 @@ class EngineArgs:
         if self.num_scheduler_steps is not None:
             return self.num_scheduler_steps
         fast_path = (device_config.device_type == "cuda" and not self.enforce_eager
-                     and self.tensor_parallel_size == 1 and self.pipeline_parallel_size == 1
+                     and self.pipeline_parallel_size == 1
                      and self.speculative_model is None and self.kv_transfer_config is None and not self.enable_lora)
         return DEFAULT_GPU_SCHEDULER_STEPS if fast_path else 1
 

@@ -53,5 +53,12 @@ class DistributedExecutorBase(ExecutorBase):
         self._run_workers(Worker.initialize_cache, num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
-        results = self._run_workers(Worker.execute_model, execute_model_req)
+        results = self._run_workers(run_every_step, execute_model_req)
         return results[self.engine_config.parallel_config.output_rank]
+
+
+def run_every_step(worker: Worker, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
+    """`worker.execute_model`, every step of it run before returning: a multi-step worker
+    hands out its steps lazily (a generator), but each rank must run all of them at once,
+    since the ranks meet in every step's collectives."""
+    return list(worker.execute_model(execute_model_req))

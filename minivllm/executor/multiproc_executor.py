@@ -24,6 +24,7 @@ from torch.distributed import DistNetworkError
 from minivllm.distributed.utils import get_distributed_init_method, get_open_port
 from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError
 from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper
+from minivllm.worker.multi_step_worker import worker_class
 from minivllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)
@@ -80,7 +81,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         try:
             self.workers = [ProcessWorkerWrapper(context, self.engine_config, rank, rank, init_method)
                             for rank in range(1, world_size)]
-            self.driver_worker = Worker(self.engine_config, local_rank=0, rank=0,
+            self.driver_worker = worker_class(self.engine_config)(self.engine_config, local_rank=0, rank=0,
                                         distributed_init_method=init_method, is_driver_worker=True)
             for worker in self.workers:  # each child says it started before anyone waits to meet it
                 worker.result(WorkerDiedError)

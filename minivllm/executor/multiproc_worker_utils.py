@@ -89,10 +89,10 @@ class ProcessWorkerWrapper:
 def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str,
                  tasks, results, parent_pid: int) -> None:
     """The child process: build the worker, then serve calls until told to stop."""
-    from minivllm.worker.worker import Worker  # in the child: torch is imported here
+    from minivllm.worker.multi_step_worker import worker_class  # in the child: torch is imported here
 
     try:
-        worker = Worker(engine_config, local_rank=local_rank, rank=rank,
+        worker = worker_class(engine_config)(engine_config, local_rank=local_rank, rank=rank,
                         distributed_init_method=distributed_init_method, is_driver_worker=False)
     except Exception:
         results.put((False, traceback.format_exc()))

@@ -34,9 +34,9 @@ class RayWorkerWrapper:
         return get_open_port()
 
     def init_worker(self, engine_config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str) -> None:
-        from minivllm.worker.worker import Worker
+        from minivllm.worker.multi_step_worker import worker_class
 
-        self.worker = Worker(engine_config, local_rank=local_rank, rank=rank,
+        self.worker = worker_class(engine_config)(engine_config, local_rank=local_rank, rank=rank,
                              distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
 
     def execute_method(self, method, *args: Any) -> Any:

@@ -10,20 +10,17 @@ from collections.abc import Iterable
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.spec_decode.spec_decode_worker import SpecDecodeWorker
-from minivllm.worker.multi_step_worker import MultiStepWorker
-from minivllm.worker.worker import Worker
+from minivllm.worker.multi_step_worker import worker_class
 
 
 class UniProcExecutor(ExecutorBase):
     """Forwards every call to one in-process worker."""
 
     def _init_executor(self) -> None:
-        # vLLM picks the worker class the same way: the multi-step one only when asked for.
-        multi_step = self.engine_config.scheduler_config.num_scheduler_steps > 1
-        worker_class = MultiStepWorker if multi_step else Worker
+        cls = worker_class(self.engine_config)
         if self.engine_config.speculative_config is not None:  # (never with multi-step: config checks)
-            worker_class = SpecDecodeWorker
-        self.driver_worker = worker_class(self.engine_config)
+            cls = SpecDecodeWorker
+        self.driver_worker = cls(self.engine_config)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 

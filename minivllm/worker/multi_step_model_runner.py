@@ -8,6 +8,10 @@ length + 1, the slot from the block table the scheduler already grew by its look
 slots). Each step's tokens are copied to the host as soon as they exist and handed to the
 engine once the next step is queued, so the engine's output processing overlaps the GPU,
 and the scheduling and batch building around the GPU are paid once per run.
+
+With tensor parallelism every rank runs the same steps on its share of each layer; TP rank 0
+gathers the logits and samples, and broadcasts the tokens (on the device) that every rank
+feeds into its next step.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.metadata import slot_of, to_device
+from minivllm.distributed import get_tp_group, tensor_model_parallel_broadcast
 from minivllm.model_executor.layers.device_sampler import DeviceSample
 from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
 from minivllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
@@ -59,6 +64,9 @@ class MultiStepModelRunner:
         limits = to_device(torch.tensor(steps_allowed), base.device)
         input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
         groups = model_input.sampling_metadata.seq_groups
+        if not get_tp_group().is_first_rank:  # tensor parallelism: TP rank 0 samples
+            yield from self._follow_rank0(input_ids, positions, md, kv_caches, num_steps, limits)
+            return
         tensors = self.sampler.prepare(groups, base.model_config.hf_config.vocab_size, base.device)
         pending = None  # the previous step's samples on their way to the host
         for step in range(num_steps):
@@ -69,11 +77,22 @@ class MultiStepModelRunner:
             logits = base.model.compute_logits(hidden_states, upcast=False)
             drawn = self.sampler(logits, tensors, step)
             self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
-            input_ids = drawn.tokens  # still on the device: the next step's input ids
+            input_ids = tensor_model_parallel_broadcast(drawn.tokens)  # still on the device: the next input ids
             if pending is not None:  # step - 1 is done once step is queued: hand it over
                 yield _step_output(pending, step - 1, groups, tensors, steps_allowed)
             pending = _copy_to_host(drawn)
         yield _step_output(pending, num_steps - 1, groups, tensors, steps_allowed)
+
+    def _follow_rank0(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                      kv_caches: list[torch.Tensor], num_steps: int, limits: torch.Tensor) -> Iterator[SamplerOutput]:
+        """A TP rank other than 0: the same forward passes, its share of every layer; the next
+        input ids are the tokens rank 0 sampled, received on the device (no host between)."""
+        for step in range(num_steps):
+            if step:
+                input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
+            self.base.model.compute_logits(self.base.run_model(input_ids, positions, md, kv_caches))  # (the gather)
+            input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
+            yield SamplerOutput([])
 
     def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                      active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:

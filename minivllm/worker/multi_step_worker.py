@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from minivllm.config import EngineConfig
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.multi_step_model_runner import MultiStepModelRunner
 from minivllm.worker.worker import Worker
@@ -34,3 +35,9 @@ class MultiStepWorker(Worker):
         self.apply_block_moves(req)
         return self.multi_step_runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.num_steps,
                                                     req.finished_requests_ids)
+
+
+def worker_class(engine_config: EngineConfig) -> type[Worker]:
+    """The class every rank's worker is built from (vLLM picks the same way: the multi-step
+    worker only when multi-step scheduling is on)."""
+    return MultiStepWorker if engine_config.scheduler_config.num_scheduler_steps > 1 else Worker

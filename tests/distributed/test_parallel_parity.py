@@ -83,7 +83,7 @@ def test_layouts_the_model_cannot_take_are_refused(parallel_checkpoints):
         EngineArgs(model=path, device="cpu", tensor_parallel_size=2,
                    distributed_executor_backend="threads").create_engine_config()
     with pytest.raises(ValueError, match="multi-step"):
-        EngineArgs(model=path, device="cpu", tensor_parallel_size=2, num_scheduler_steps=4).create_engine_config()
+        EngineArgs(model=path, device="cpu", pipeline_parallel_size=2, num_scheduler_steps=4).create_engine_config()
 
 
 def test_more_ranks_than_gpus_is_refused(parallel_checkpoints, monkeypatch):
@@ -116,3 +116,32 @@ def test_command_line_flags_with_vllm_names():
     assert long_form.tensor_parallel_size == 4 and long_form.distributed_executor_backend is None
     with pytest.raises(SystemExit):  # argparse refuses a backend it does not know
         parser.parse_args(["--distributed-executor-backend", "threads"])
+
+
+def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, references):
+    """Multi-step scheduling with tensor parallelism: TP rank 0 samples and broadcasts each
+    step's tokens, which rank 1 feeds into its next step on the device. Greedy: transformers'
+    tokens; seeded sampling: exactly the tokens of one step per schedule (same logits, same
+    seeds), which a rank fed the wrong tokens could not reproduce (its partial sums go into
+    every layer's all-reduce)."""
+    path, _ = parallel_checkpoints["llama"]
+    sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True)
+
+    def run(steps: int) -> tuple[list[list[int]], list[list[int]]]:
+        engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, tensor_parallel_size=2,
+                                                       num_scheduler_steps=steps))
+        try:
+            greedy = run_greedy(engine, PROMPTS)
+            for i, prompt in enumerate(PROMPTS):
+                engine.add_request(f"s{i}", {"prompt_token_ids": prompt}, sampled)
+            outputs = {}
+            while engine.has_unfinished_requests():
+                outputs.update({o.request_id: o.outputs[0].token_ids for o in engine.step() if o.finished})
+            assert_all_blocks_free(engine)
+            return greedy, [outputs[f"s{i}"] for i in range(len(PROMPTS))]
+        finally:
+            engine.shutdown()
+
+    greedy, sampled_multi = run(steps=4)
+    assert greedy == references["llama"]
+    assert run(steps=1)[1] == sampled_multi
