@@ -6,17 +6,18 @@ Two measurements, each system in its own process (so one's GPU memory never limi
                    requests, prompts of 100-1024 random token ids, 100-1024 new tokens each,
                    EOS ignored, greedy), output tokens per second, every request checked to
                    get exactly its max_tokens
-    batch-1 decode one request with a 1024-token prompt; the median wall time of
-                   LLMEngine.step() over 32 decode steps (CUDA graphs on: at TP=2 the graph
-                   holds the two all-reduces of every layer)
+    batch-1 decode one request with a 1024-token prompt; wall time per output token over
+                   32 LLMEngine.step() calls after a warm-up (CUDA graphs on: at TP=2 the
+                   graph holds the two all-reduces of every layer)
 
 The model: benchmarks/configs/llama-3-8b (random weights, transformers `from_config`, seed 0,
 bf16), saved once to a temporary directory. Targets (issue 16): batch-1 decode step at TP=2
 <= 0.6x TP=1, throughput at TP=2 >= 1.5x TP=1.
 
-Both TP sizes run one step per schedule (`--num-scheduler-steps 1`): multi-step is off at
-TP > 1, and at TP=1 its GPU default of 8 makes most `step()` calls return a token already
-computed (a "median step" of 17 us was measured that way, not a decode).
+Both TP sizes run with the engine's defaults (8 decode steps per schedule on a GPU, TP or
+not) unless `--num-scheduler-steps` says otherwise; the decode time is per token, since one
+`step()` may produce several (a "median step" of 17 us was once measured per call, not per
+token).
 
     python benchmarks/tensor_parallel.py --out benchmarks/results/        # needs 2 GPUs
 
@@ -29,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,18 +81,20 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int) -> tuple[di
         model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_model_len=2048,
         max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager, num_scheduler_steps=steps))
     prompt = {"prompt_token_ids": list(range(100, 100 + DECODE_PROMPT_LEN))}
-    engine.add_request("0", prompt, SamplingParams(temperature=0.0, ignore_eos=True,
-                                                   max_tokens=DECODE_WARMUP + DECODE_STEPS + 2, detokenize=False))
+    engine.add_request("0", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4096,
+                                                   detokenize=False))
     engine.step()  # the prefill
     for _ in range(DECODE_WARMUP):
         engine.step()
-    times = []
+    # A call may produce several tokens (multi-step): count tokens, not calls.
+    request = engine.scheduler.running[0]
+    tokens_before, start = request.first_seq.get_output_len(), time.perf_counter()
     for _ in range(DECODE_STEPS):
-        start = time.perf_counter()
-        engine.step()  # returns once the token is on the host: the step is complete
-        times.append(time.perf_counter() - start)
-    result = {"median_step_ms": round(1e3 * statistics.median(times), 3), "min_step_ms": round(1e3 * min(times), 3),
-              "steps": DECODE_STEPS, "prompt_len": DECODE_PROMPT_LEN}
+        engine.step()  # returns once its tokens are on the host
+    elapsed, tokens = time.perf_counter() - start, request.first_seq.get_output_len() - tokens_before
+    engine.abort_request("0")
+    result = {"ms_per_token": round(1e3 * elapsed / tokens, 3), "tokens": tokens, "calls": DECODE_STEPS,
+              "prompt_len": DECODE_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
     return result, engine.shutdown
 
 
@@ -128,7 +130,7 @@ def run_all(args) -> int:
             result_file = tmp / f"{kind}-tp{tp}.json"
             cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
                    "--result", str(result_file), "--num-seqs", str(args.num_seqs),
-                   "--num-scheduler-steps", str(args.num_scheduler_steps),
+                   *(["--num-scheduler-steps", str(args.num_scheduler_steps)] if args.num_scheduler_steps else []),
                    *(["--enforce-eager"] if args.enforce_eager else [])]
             print(f"== {kind}, TP={tp}", flush=True)
             try:
@@ -148,9 +150,9 @@ def summary(results: dict) -> dict:
     def get(key, field):
         return results.get(key, {}).get(field)
 
-    decode = [get(f"decode-tp{tp}", "median_step_ms") for tp in TP_SIZES]
+    decode = [get(f"decode-tp{tp}", "ms_per_token") for tp in TP_SIZES]
     tput = [get(f"throughput-tp{tp}", "output_tokens_per_s") for tp in TP_SIZES]
-    out = {"decode_step_ms": dict(zip(("tp1", "tp2"), decode)), "output_tokens_per_s": dict(zip(("tp1", "tp2"), tput))}
+    out = {"decode_ms_per_token": dict(zip(("tp1", "tp2"), decode)), "output_tokens_per_s": dict(zip(("tp1", "tp2"), tput))}
     if all(decode):
         out["decode_ratio_tp2_over_tp1"] = round(decode[1] / decode[0], 3)
         out["decode_target_met"] = out["decode_ratio_tp2_over_tp1"] <= TARGET_DECODE_RATIO
@@ -167,8 +169,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-seqs", type=int, default=throughput.NUM_SEQS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
-    parser.add_argument("--num-scheduler-steps", type=int, default=1,
-                        help="for both TP sizes (multi-step is off at TP > 1, so TP=1 runs one step too)")
+    parser.add_argument("--num-scheduler-steps", type=int, default=None,
+                        help="for both TP sizes (default: the engine's, 8 on a GPU with CUDA graphs)")
     parser.add_argument("--kind", choices=("throughput", "decode"))
     parser.add_argument("--tp", type=int)
     parser.add_argument("--ckpt")

@@ -185,8 +185,9 @@ def test_multi_step_is_the_default_only_where_it_can_run():
     assert EngineArgs()._num_scheduler_steps(gpu) == DEFAULT_GPU_SCHEDULER_STEPS == 8
     assert EngineArgs()._num_scheduler_steps(cpu) == 1
     assert EngineArgs(tensor_parallel_size=2)._num_scheduler_steps(gpu) == 8
+    assert EngineArgs(enable_lora=True)._num_scheduler_steps(gpu) == 8
     for ruled_out in ({"enforce_eager": True}, {"pipeline_parallel_size": 2},
-                      {"speculative_model": "[ngram]"}, {"enable_lora": True}):
+                      {"speculative_model": "[ngram]"}):
         assert EngineArgs(**ruled_out)._num_scheduler_steps(gpu) == 1, ruled_out
     assert EngineArgs(num_scheduler_steps=3)._num_scheduler_steps(gpu) == 3
     assert EngineArgs(device="cpu").create_engine_config().scheduler_config.num_scheduler_steps == 1

@@ -53,8 +53,9 @@ def _mixed_case(lora_base, adapters, requests):
 
 
 @pytest.mark.parametrize("kwargs", [{}, {"max_loras": 1},
-                                    {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_num_seqs": 8}],
-                         ids=["torch", "max_loras=1", "chunked-prefill"])
+                                    {"enable_chunked_prefill": True, "max_num_batched_tokens": 16, "max_num_seqs": 8},
+                                    {"num_scheduler_steps": 4}],
+                         ids=["torch", "max_loras=1", "chunked-prefill", "multi-step"])
 def test_a_batch_mixing_two_adapters_and_the_base_model(lora_base, adapters, requests, kwargs):
     prompts, loras, expected = _mixed_case(lora_base, adapters, requests)
     llm = make_llm(lora_base[0], **kwargs)
