@@ -119,7 +119,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.executor.distributed_executor": "vllm/executor/distributed_gpu_executor.py",
     "minivllm.executor.multiproc_executor": "vllm/executor/multiproc_gpu_executor.py",
     "minivllm.executor.multiproc_worker_utils": "vllm/executor/multiproc_worker_utils.py",
-    "minivllm.executor.metadata_delta": "vllm/sequence.py (SequenceGroupMetadataDelta)",
+    "minivllm.executor.metadata_delta": "vllm/sequence.py",
     "minivllm.executor.ray_executor": "vllm/executor/ray_gpu_executor.py",
     "minivllm.executor.ray_utils": "vllm/executor/ray_utils.py",
     "minivllm.executor.virtual_engine": "vllm/executor/ray_gpu_executor.py",  # its pp_locks / virtual_engine calls
