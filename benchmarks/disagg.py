@@ -9,7 +9,8 @@ while they run, `--num-long` requests with `--long-prompt`-token prompts arrive 
     split    a kv_producer on GPU 0 and a kv_consumer on GPU 1 sharing a SharedStorageConnector
              folder, behind `minivllm proxy` (prefill with max_tokens=1, then decode)
 
-Reported: the decode streams' inter-token latency (p50, p99, max: the stall a long prefill
+Reported: each side's KV-transfer gauges after the split's run (seconds loading and saving,
+bytes moved), and the decode streams' inter-token latency (p50, p99, max: the stall a long prefill
 causes when it joins a decode batch) and the long requests' time to first token. Expected: the
 split keeps the decode streams' ITL flat (no prefill ever enters their batches) at the price of
 a higher TTFT (the prompt is prefilled, written to the store, read back, and its last block
@@ -115,6 +116,13 @@ async def workload(url: str, args) -> dict:
             "long_ttft_mean_ms": statistics.mean(t[0] for t in long_times) * 1000}
 
 
+def kv_transfer_gauges(url: str) -> dict[str, float]:
+    """The server's `vllm:kv_transfer_*` gauges (tokens and bytes moved, seconds spent)."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    return {line.split("{")[0].removeprefix("vllm:kv_transfer_"): float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith("vllm:kv_transfer_")}
+
+
 def run_setup(name: str, model: str, args, work: Path) -> dict:
     engine = ["--model", model, "--device", args.device, "--served-model-name", "m", "--max-model-len",
               str(args.long_prompt + 64), "--uvicorn-log-level", "warning"]
@@ -138,7 +146,11 @@ def run_setup(name: str, model: str, args, work: Path) -> dict:
                 wait_ready(f"http://127.0.0.1:{port}", "/health")
             url = "http://127.0.0.1:8304"
             wait_ready(url, "/v1/models")
-        return asyncio.run(workload(url, args))
+        result = asyncio.run(workload(url, args))
+        if name == "split":  # where the split's time goes: each side's KV-transfer gauges
+            result["kv_transfer"] = {role: kv_transfer_gauges(f"http://127.0.0.1:{port}")
+                                     for role, port in (("producer", 8302), ("consumer", 8303))}
+        return result
     finally:
         for process in processes:
             process.terminate()
