@@ -13,7 +13,9 @@ v1 puts the same calls in `KVConnectorModelRunnerMixin` and the attention layer)
     clear_connector_metadata()
 
 The hooks sit on the model's `Attention` modules, so the model file knows nothing of
-connectors. The runner is eager (no CUDA-graph replay: a replayed graph would run no hooks).
+connectors. A replayed CUDA graph runs no hooks, so a step that loads or saves runs eagerly;
+the steps that move nothing (decodes: loads and saves happen in prefill steps) replay graphs
+as usual when the engine captured them (`KVConnectorCUDAGraphModelRunner`).
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ import torch
 from minivllm.attention import Attention
 from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorMetadata, KVConnectorRole
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
+from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.model_runner import ModelRunner
 
 
-class KVConnectorModelRunner(ModelRunner):
-    """`ModelRunner` plus the worker side of the engine's KV connector (`kv_connector`)."""
+class KVConnectorModelRunnerMixin:
+    """The worker side of the engine's KV connector (`kv_connector`), over a model runner
+    (the eager `ModelRunner` or the `CUDAGraphModelRunner`: see the two classes below)."""
 
     def __init__(self, engine_config, device=None) -> None:
         super().__init__(engine_config, device)
         self.kv_connector = KVConnectorFactory.create_connector(engine_config, KVConnectorRole.WORKER)
         self._connector_metadata: KVConnectorMetadata | None = None
         self._hooks_load = self._hooks_save = False  # hooks act only inside a step that transfers
+        self._transfers = False  # this step loads or saves: its forward passes run eagerly
 
     def load_model(self) -> None:
         super().load_model()
@@ -50,6 +55,12 @@ class KVConnectorModelRunner(ModelRunner):
         super().capture_model(kv_caches)
         self.kv_connector.register_kv_caches(
             {name: kv_cache for (name, _), kv_cache in zip(self.attention_layers, kv_caches)})
+
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, kv_caches: list[torch.Tensor],
+                  intermediate_tensors=None):
+        if self._transfers:  # the hooks must run: no graph replay (the eager forward of ModelRunner)
+            return ModelRunner.run_model(self, input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
+        return super().run_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
 
     def _before_attention(self, layer_name: str, module, args) -> None:
         if self._hooks_load:
@@ -77,6 +88,7 @@ class KVConnectorModelRunner(ModelRunner):
         bound = meta.with_block_tables(tables)
         connector = self.kv_connector
         connector.bind_connector_metadata(bound)
+        self._transfers = bool(bound.requests)
         try:
             connector.start_load_kv()
             self._hooks_load = True
@@ -87,7 +99,7 @@ class KVConnectorModelRunner(ModelRunner):
             self._hooks_load = self._hooks_save = False
             connector.wait_for_save()
         finally:
-            self._hooks_load = self._hooks_save = False
+            self._hooks_load = self._hooks_save = self._transfers = False
             connector.clear_connector_metadata()
         if isinstance(output, SamplerOutput):
             output.kv_transfer_stats = connector.stats.copy()
@@ -121,3 +133,11 @@ class KVConnectorModelRunner(ModelRunner):
         redo = SequenceData(list(data.prompt_token_ids), list(data.output_token_ids), num_computed_tokens=start)
         return dataclasses.replace(metadata, is_prompt=True, seq_data={seq_id: redo},
                                    token_chunk_size=data.num_computed_tokens - start, do_sample=False)
+
+
+class KVConnectorModelRunner(KVConnectorModelRunnerMixin, ModelRunner):
+    """Every step eager (a CPU, `enforce_eager`)."""
+
+
+class KVConnectorCUDAGraphModelRunner(KVConnectorModelRunnerMixin, CUDAGraphModelRunner):
+    """Decode steps that move no KV replay CUDA graphs; steps that load or save run eagerly."""

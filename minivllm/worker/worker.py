@@ -52,7 +52,7 @@ from minivllm.plugins import load_general_plugins
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
-from minivllm.worker.kv_connector_model_runner import KVConnectorModelRunner
+from minivllm.worker.kv_connector_model_runner import KVConnectorCUDAGraphModelRunner, KVConnectorModelRunner
 from minivllm.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -104,8 +104,8 @@ class Worker:
         use_graphs = (self.device.type == "cuda" and not engine_config.enforce_eager
                       and parallel_config.pipeline_parallel_size == 1)
         runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
-        if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward (eager)
-            runner_class = KVConnectorModelRunner
+        if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward
+            runner_class = KVConnectorCUDAGraphModelRunner if use_graphs else KVConnectorModelRunner
         self.model_runner: ModelRunner = runner_class(engine_config, self.device)
         self.cache_engine: CacheEngine | None = None
 

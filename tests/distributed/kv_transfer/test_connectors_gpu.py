@@ -61,3 +61,19 @@ def test_damaged_file_recomputed_on_gpu(tmp_path, gpu_reference):
 def test_producer_consumer_on_gpu(tmp_path, gpu_reference):
     kvt.run(_cuda_engine(kvt.shared_storage(tmp_path, "kv_producer")), max_tokens=1)
     assert kvt.tokens(kvt.run(_cuda_engine(kvt.shared_storage(tmp_path, "kv_consumer")))) == gpu_reference
+
+
+def test_decode_steps_replay_graphs_while_loads_run_eagerly(tmp_path, gpu_reference):
+    """The consumer loads in its prefill steps (eager: the hooks run) and decodes from captured
+    graphs (the steps that move no KV), with the tokens of an engine without a connector."""
+    from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
+
+    kvt.run(_cuda_engine(kvt.shared_storage(tmp_path, "kv_producer")), max_tokens=1)
+    consumer = _cuda_engine(kvt.shared_storage(tmp_path, "kv_consumer"))
+    runner = consumer.model_executor.driver_worker.model_runner
+    assert isinstance(runner, CUDAGraphModelRunner) and runner.graph_runners
+    replays = []
+    for graph in runner.graph_runners.values():
+        graph.replay = lambda *args, _replay=graph.replay: (replays.append(1), _replay(*args))[1]
+    assert kvt.tokens(kvt.run(consumer)) == gpu_reference
+    assert replays and consumer.kv_transfer_stats.num_tokens_loaded > 0
