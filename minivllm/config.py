@@ -612,8 +612,6 @@ class EngineConfig:
     def _check_kv_transfer(self) -> None:
         """A connector moves blocks inside the plain model runner's forward pass: the modes
         that replace that runner, or split the layers over stages, cannot carry it."""
-        if self.scheduler_config.num_scheduler_steps > 1:
-            raise ValueError("kv_transfer_config cannot be combined with num_scheduler_steps > 1 (multi-step).")
         if self.speculative_config is not None:
             raise ValueError("kv_transfer_config cannot be combined with speculative decoding.")
         if self.parallel_config.pipeline_parallel_size > 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.config import CacheConfig, DeviceConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minivllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig
 
 
 @pytest.fixture(scope="module")
@@ -186,6 +186,7 @@ def test_multi_step_is_the_default_only_where_it_can_run():
     assert EngineArgs()._num_scheduler_steps(cpu) == 1
     assert EngineArgs(tensor_parallel_size=2)._num_scheduler_steps(gpu) == 8
     assert EngineArgs(enable_lora=True)._num_scheduler_steps(gpu) == 8
+    assert EngineArgs(kv_transfer_config=KVTransferConfig("CPUOffloadConnector"))._num_scheduler_steps(gpu) == 8
     for ruled_out in ({"enforce_eager": True}, {"pipeline_parallel_size": 2},
                       {"speculative_model": "[ngram]"}):
         assert EngineArgs(**ruled_out)._num_scheduler_steps(gpu) == 1, ruled_out

@@ -152,7 +152,7 @@ class EngineArgs:
             return self.num_scheduler_steps
         fast_path = (device_config.device_type == "cuda" and not self.enforce_eager
                      and self.pipeline_parallel_size == 1
-                     and self.speculative_model is None and self.kv_transfer_config is None)
+                     and self.speculative_model is None)
         return DEFAULT_GPU_SCHEDULER_STEPS if fast_path else 1
 
     def _lora_config(self) -> LoRAConfig | None:

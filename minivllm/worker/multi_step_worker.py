@@ -30,7 +30,8 @@ class MultiStepWorker(Worker):
         prefills) run one step.
         """
         req = execute_model_req
-        if req.num_steps == 1 or not self.multi_step_runner.can_run(req.seq_group_metadata_list):
+        moves_kv = bool(getattr(req.kv_connector_metadata, "requests", None))  # loads and saves: one step
+        if req.num_steps == 1 or moves_kv or not self.multi_step_runner.can_run(req.seq_group_metadata_list):
             return super().execute_model(req)
         self.apply_block_moves(req)
         return self.multi_step_runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.num_steps,

@@ -9,18 +9,27 @@ import pytest
 
 import kv_transfer_testing as kvt
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.multi_step_model_runner import MultiStepModelRunner
 
 
-def test_producer_hands_off_to_consumer(tmp_path, reference):
+@pytest.mark.parametrize("consumer_steps", [1, 4], ids=["one-step", "multi-step consumer"])
+def test_producer_hands_off_to_consumer(tmp_path, reference, consumer_steps, monkeypatch):
+    """The consumer loads in its prefill steps and decodes; with multi-step its decode runs
+    move no KV (the connector is not called) and give the same tokens."""
+    multi_step_runs = []
+    run_steps = MultiStepModelRunner.execute_model
+    monkeypatch.setattr(MultiStepModelRunner, "execute_model",
+                        lambda self, *args: (multi_step_runs.append(1), run_steps(self, *args))[1])
     producer = kvt.make_engine(kvt.shared_storage(tmp_path, "kv_producer"))
     first_tokens = kvt.run(producer, max_tokens=1)
     assert {rid: toks for rid, toks in kvt.tokens(first_tokens).items()} == \
         {rid: toks[:1] for rid, toks in reference.items()}
     assert producer.kv_transfer_stats.num_tokens_saved > 0 and producer.kv_transfer_stats.num_tokens_loaded == 0
-    consumer = kvt.make_engine(kvt.shared_storage(tmp_path, "kv_consumer"))
+    consumer = kvt.make_engine(kvt.shared_storage(tmp_path, "kv_consumer"), num_scheduler_steps=consumer_steps)
     files_before = sorted(tmp_path.rglob("*.kv"))
     decoded = kvt.run(consumer)
     assert kvt.tokens(decoded) == reference
+    assert bool(multi_step_runs) == (consumer_steps > 1)
     for rid, (_, cached) in decoded.items():  # the consumer computed only each prompt's last block
         assert cached == kvt.full_blocks_before_last_token(consumer, kvt.PROMPTS[int(rid)])
     assert consumer.kv_transfer_stats.num_tokens_saved == 0  # a consumer never writes
