@@ -1,9 +1,10 @@
 """Send a request's metadata to a worker process once, then only what changed.
 
 vLLM 0.6 calls the message `SequenceGroupMetadataDelta` (in `vllm/sequence.py`; its SPMD
-workers keep a cache and apply it). Here the `mp` executor encodes on its side of each
-worker's queue and the worker process decodes on the other, so the engine, the scheduler and
-the in-process driver worker still see whole `SequenceGroupMetadata`.
+workers keep a cache and apply it). Here the executors encode on their side of each call to a
+worker in another process (the `mp` executor's queues, the `ray` executor's actor calls) and
+the worker decodes on the other, so the engine, the scheduler and the in-process driver
+worker still see whole `SequenceGroupMetadata`.
 
 Why: in full, a decode step of 256 requests carries every prompt and every token generated so
 far, about 1.3 MB to pickle and unpickle per worker per step (20 ms on a laptop CPU) while
@@ -56,6 +57,10 @@ class MetadataEncoder:
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, int]] = {}  # request id -> seq id -> output tokens sent
 
+    def encode_args(self, args: tuple) -> tuple:
+        """A call's arguments, each `ExecuteModelRequest` among them encoded."""
+        return tuple(self.encode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
+
     def encode(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
         for request_id in request.finished_requests_ids:
             self._sent.pop(request_id, None)
@@ -81,6 +86,10 @@ class MetadataDecoder:
 
     def __init__(self) -> None:
         self._groups: dict[str, SequenceGroupMetadata] = {}
+
+    def decode_args(self, args: tuple) -> tuple:
+        """A call's arguments, each encoded `ExecuteModelRequest` among them rebuilt."""
+        return tuple(self.decode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
 
     def decode(self, request: ExecuteModelRequest) -> ExecuteModelRequest:
         for request_id in request.finished_requests_ids:

@@ -20,7 +20,6 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.executor.metadata_delta import MetadataDecoder, MetadataEncoder
-from minivllm.sequence import ExecuteModelRequest
 
 logger = logging.getLogger(__name__)
 
@@ -46,8 +45,7 @@ class ProcessWorkerWrapper:
         self.encoder = MetadataEncoder()  # a step's requests travel as deltas (metadata_delta.py)
 
     def submit(self, method, args: tuple) -> None:
-        args = tuple(self.encoder.encode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
-        self.tasks.put((method, args))
+        self.tasks.put((method, self.encoder.encode_args(args)))
 
     def result(self, died_error: type[Exception]) -> Any:
         """Wait for the answer to the last `submit`; `died_error` if the process is gone."""
@@ -113,8 +111,7 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
                 return
             method, args = task
             try:
-                args = tuple(decoder.decode(a) if isinstance(a, ExecuteModelRequest) else a for a in args)
-                results.put((True, method(worker, *args)))
+                results.put((True, method(worker, *decoder.decode_args(args))))
             except Exception:
                 results.put((False, traceback.format_exc()))
     finally:

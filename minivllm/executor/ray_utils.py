@@ -11,6 +11,7 @@ from typing import Any
 
 from minivllm.config import EngineConfig
 from minivllm.distributed.utils import get_open_port
+from minivllm.executor.metadata_delta import MetadataDecoder
 
 
 def import_ray():
@@ -26,6 +27,7 @@ class RayWorkerWrapper:
 
     def __init__(self) -> None:
         self.worker = None
+        self.decoder = MetadataDecoder()  # a step's requests arrive as deltas (metadata_delta.py)
 
     def get_node_ip(self) -> str:
         return import_ray().util.get_node_ip_address()
@@ -40,7 +42,7 @@ class RayWorkerWrapper:
                              distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
 
     def execute_method(self, method, *args: Any) -> Any:
-        return method(self.worker, *args)
+        return method(self.worker, *self.decoder.decode_args(args))
 
     def shutdown(self) -> None:
         if self.worker is not None:
