@@ -18,6 +18,7 @@ from minivllm.distributed.parallel_state import (
     get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
+    wait_for_pending_teardown,
     model_parallel_is_initialized,
 )
 from minivllm.distributed.utils import divide, get_pp_indices
@@ -36,6 +37,7 @@ __all__ = [
     "get_tp_group",
     "init_distributed_environment",
     "initialize_model_parallel",
+    "wait_for_pending_teardown",
     "model_parallel_is_initialized",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",

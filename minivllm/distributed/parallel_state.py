@@ -207,7 +207,7 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
 
     backend: "nccl" for GPUs, "gloo" for CPUs; None picks by whether CUDA is available.
     """
-    _wait_for_pending_abort()
+    wait_for_pending_teardown()
     if dist.is_initialized():
         raise RuntimeError("torch.distributed is already initialized in this process; shut the other "
                            "engine down first (one distributed engine per process).")
@@ -261,6 +261,9 @@ def destroy_model_parallel() -> None:
 def destroy_distributed_environment() -> None:
     """Leave the world (so this process can later join another one, e.g. the next engine)."""
     global _TP, _PP
+    if _PENDING_ABORT is not None and _PENDING_ABORT.is_alive():  # already leaving (torch clears its state last)
+        _TP = _PP = None
+        return
     if dist.is_initialized() and dist.get_backend() == "nccl" and hasattr(c10d, "_abort_process_group"):
         _abort_nccl_world()
         _TP = _PP = None
@@ -293,8 +296,9 @@ def _abort_nccl_world() -> None:
     _PENDING_ABORT.join(NCCL_SHUTDOWN_WAIT_S)
 
 
-def _wait_for_pending_abort() -> None:
-    """Let the last engine's NCCL teardown (see `_abort_nccl_world`) finish before joining a new world."""
+def wait_for_pending_teardown() -> None:
+    """Let the last engine's NCCL teardown (see `_abort_nccl_world`) finish: before joining a new
+    world, and before any engine of this process measures free GPU memory."""
     if _PENDING_ABORT is None or not _PENDING_ABORT.is_alive():
         return
     logger.info("waiting for the previous engine's NCCL teardown")

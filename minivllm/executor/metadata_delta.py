@@ -71,14 +71,20 @@ class MetadataEncoder:
         sent = self._sent.get(metadata.request_id)
         lengths = {seq_id: data.get_output_len() for seq_id, data in metadata.seq_data.items()}
         self._sent[metadata.request_id] = lengths
-        if (metadata.is_prompt or sent is None or sent.keys() != lengths.keys()
-                or any(lengths[seq_id] < sent[seq_id] for seq_id in lengths)):
+        if _must_send_whole(metadata, sent, lengths):
             return metadata
         deltas = {seq_id: SequenceDataDelta(data.output_token_ids[sent[seq_id]:], data.cumulative_logprob,
                                             data.num_computed_tokens)
                   for seq_id, data in metadata.seq_data.items()}
         return SequenceGroupMetadataDelta(metadata.request_id, deltas, metadata.block_tables,
                                           metadata.token_chunk_size, metadata.do_sample, metadata.num_lookahead_slots)
+
+
+def _must_send_whole(metadata: SequenceGroupMetadata, sent: dict[int, int] | None, lengths: dict[int, int]) -> bool:
+    return (metadata.is_prompt  # a prefill, or a recompute after preemption: the worker's copy is stale
+            or sent is None  # the worker has never seen this request
+            or sent.keys() != lengths.keys()  # sequences forked or left: the group changed shape
+            or any(lengths[s] < sent[s] for s in lengths))  # tokens taken back: a delta only appends
 
 
 class MetadataDecoder:

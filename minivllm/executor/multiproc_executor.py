@@ -81,8 +81,9 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         try:
             self.workers = [ProcessWorkerWrapper(context, self.engine_config, rank, rank, init_method)
                             for rank in range(1, world_size)]
-            self.driver_worker = worker_class(self.engine_config)(self.engine_config, local_rank=0, rank=0,
-                                        distributed_init_method=init_method, is_driver_worker=True)
+            driver_class = worker_class(self.engine_config)
+            self.driver_worker = driver_class(self.engine_config, local_rank=0, rank=0,
+                                              distributed_init_method=init_method, is_driver_worker=True)
             for worker in self.workers:  # each child says it started before anyone waits to meet it
                 worker.result(WorkerDiedError)
             self._init_workers()

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 import queue
 import traceback
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -45,7 +47,10 @@ class ProcessWorkerWrapper:
         self.encoder = MetadataEncoder()  # a step's requests travel as deltas (metadata_delta.py)
 
     def submit(self, method, args: tuple) -> None:
-        self.tasks.put((method, self.encoder.encode_args(args)))
+        # Pickled here, not later in the queue's feeder thread: the encoder has just recorded
+        # what the worker will hold, so the bytes must be taken now, before the engine's
+        # sequences can change.
+        self.tasks.put(bytes(ForkingPickler.dumps((method, self.encoder.encode_args(args)))))
 
     def result(self, died_error: type[Exception]) -> Any:
         """Wait for the answer to the last `submit`; `died_error` if the process is gone."""
@@ -90,8 +95,9 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
     from minivllm.worker.multi_step_worker import worker_class  # in the child: torch is imported here
 
     try:
-        worker = worker_class(engine_config)(engine_config, local_rank=local_rank, rank=rank,
-                        distributed_init_method=distributed_init_method, is_driver_worker=False)
+        cls = worker_class(engine_config)
+        worker = cls(engine_config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method,
+                     is_driver_worker=False)
     except Exception:
         results.put((False, traceback.format_exc()))
         return
@@ -109,8 +115,8 @@ def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distri
                 continue
             if task is None:
                 return
-            method, args = task
             try:
+                method, args = pickle.loads(task)
                 results.put((True, method(worker, *decoder.decode_args(args))))
             except Exception:
                 results.put((False, traceback.format_exc()))

@@ -38,8 +38,9 @@ class RayWorkerWrapper:
     def init_worker(self, engine_config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str) -> None:
         from minivllm.worker.multi_step_worker import worker_class
 
-        self.worker = worker_class(engine_config)(engine_config, local_rank=local_rank, rank=rank,
-                             distributed_init_method=distributed_init_method, is_driver_worker=rank == 0)
+        cls = worker_class(engine_config)
+        self.worker = cls(engine_config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method,
+                          is_driver_worker=rank == 0)
 
     def execute_method(self, method, *args: Any) -> Any:
         return method(self.worker, *self.decoder.decode_args(args))

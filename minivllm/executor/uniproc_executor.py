@@ -17,10 +17,10 @@ class UniProcExecutor(ExecutorBase):
     """Forwards every call to one in-process worker."""
 
     def _init_executor(self) -> None:
-        cls = worker_class(self.engine_config)
+        worker_cls = worker_class(self.engine_config)
         if self.engine_config.speculative_config is not None:  # (never with multi-step: config checks)
-            cls = SpecDecodeWorker
-        self.driver_worker = cls(self.engine_config)
+            worker_cls = SpecDecodeWorker
+        self.driver_worker = worker_cls(self.engine_config)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 

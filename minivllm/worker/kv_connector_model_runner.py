@@ -26,6 +26,7 @@ from functools import partial
 import torch
 
 from minivllm.attention import Attention
+from minivllm.distributed import get_tp_group
 from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorMetadata, KVConnectorRole
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
@@ -113,11 +114,8 @@ class KVConnectorModelRunnerMixin:
         failed_blocks = self.kv_connector.get_block_ids_with_load_errors()
         loading = [r for r in bound.requests if r.load]
         flags = torch.tensor([float(bool(failed_blocks & set(r.load_block_ids))) for r in loading])
-        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-            # With a connector the world is one tensor-parallel group (no pipeline stages).
-            flags = flags.to(self.device)
-            torch.distributed.all_reduce(flags)
-            flags = flags.cpu()
+        if get_tp_group().world_size > 1:  # (with a connector the world is one TP group: no stages)
+            flags = get_tp_group().all_reduce(flags.to(self.device)).cpu()
         failed = {r.request_id: r.load[0][0] for r, flag in zip(loading, flags.tolist()) if flag > 0}
         if not failed:
             return

@@ -11,7 +11,10 @@ and the scheduling and batch building around the GPU are paid once per run.
 
 With tensor parallelism every rank runs the same steps on its share of each layer; TP rank 0
 gathers the logits and samples, and broadcasts the tokens (on the device) that every rank
-feeds into its next step.
+feeds into its next step. Rank 0's sampling sits between collectives: should it raise, the
+other ranks wait in the next collective until its timeout (`COLLECTIVE_TIMEOUT`), where a
+single-step TP engine would have finished the step; the sampler's inputs are validated before
+they get here.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ class MultiStepModelRunner:
             logits = base.model.compute_logits(hidden_states, upcast=False)
             drawn = self.sampler(logits, tensors, step)
             self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
-            input_ids = tensor_model_parallel_broadcast(drawn.tokens)  # still on the device: the next input ids
+            input_ids = drawn.tokens  # still on the device: the next step's input ids
+            if step + 1 < num_steps:  # (every TP rank feeds rank 0's tokens into the next step)
+                tensor_model_parallel_broadcast(input_ids)
             if pending is not None:  # step - 1 is done once step is queued: hand it over
                 yield _step_output(pending, step - 1, groups, tensors, steps_allowed)
             pending = _copy_to_host(drawn)
@@ -90,8 +95,10 @@ class MultiStepModelRunner:
         for step in range(num_steps):
             if step:
                 input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
-            self.base.model.compute_logits(self.base.run_model(input_ids, positions, md, kv_caches))  # (the gather)
-            input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
+            # The logits gather is a collective: every rank joins it, only rank 0 gets logits.
+            self.base.model.compute_logits(self.base.run_model(input_ids, positions, md, kv_caches))
+            if step + 1 < num_steps:
+                input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
             yield SamplerOutput([])
 
     def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,

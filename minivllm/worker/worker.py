@@ -46,7 +46,7 @@ import torch
 
 from minivllm.config import EngineConfig
 from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
-                                  initialize_model_parallel)
+                                  initialize_model_parallel, wait_for_pending_teardown)
 from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.plugins import load_general_plugins
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
@@ -114,6 +114,7 @@ class Worker:
         return self.cache_engine.gpu_cache
 
     def init_device(self) -> None:
+        wait_for_pending_teardown()  # an earlier engine of this process may still be leaving its NCCL world
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             # Hand memory freed by earlier engines (maybe still in reference cycles) back to the

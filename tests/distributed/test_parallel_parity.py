@@ -15,6 +15,7 @@ from minivllm.distributed import model_parallel_is_initialized
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.multi_step_model_runner import MultiStepModelRunner
 
 import engine_test_checkpoints as checkpoints
 from engine_test_checkpoints import assert_all_blocks_free
@@ -118,7 +119,7 @@ def test_command_line_flags_with_vllm_names():
         parser.parse_args(["--distributed-executor-backend", "threads"])
 
 
-def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, references):
+def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, references, monkeypatch):
     """Multi-step scheduling with tensor parallelism: TP rank 0 samples and broadcasts each
     step's tokens, which rank 1 feeds into its next step on the device. Greedy: transformers'
     tokens; seeded sampling: exactly the tokens of one step per schedule (same logits, same
@@ -126,6 +127,10 @@ def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, re
     every layer's all-reduce)."""
     path, _ = parallel_checkpoints["llama"]
     sampled = SamplingParams(temperature=0.9, seed=7, max_tokens=9, ignore_eos=True)
+    multi_step_runs = []  # on rank 0, the engine's process (the other rank runs the same steps)
+    run_steps = MultiStepModelRunner.execute_model
+    monkeypatch.setattr(MultiStepModelRunner, "execute_model",
+                        lambda self, *args: (multi_step_runs.append(1), run_steps(self, *args))[1])
 
     def run(steps: int) -> tuple[list[list[int]], list[list[int]]]:
         engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, tensor_parallel_size=2,
@@ -143,5 +148,6 @@ def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, re
             engine.shutdown()
 
     greedy, sampled_multi = run(steps=4)
+    assert multi_step_runs  # the tokens came from multi-step runs, not a silent single-step fallback
     assert greedy == references["llama"]
     assert run(steps=1)[1] == sampled_multi

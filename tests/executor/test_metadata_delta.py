@@ -4,6 +4,7 @@ whatever happens to the requests between steps; and a decode step travels small.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 from hypothesis import given, settings
@@ -41,41 +42,56 @@ def test_a_decode_step_travels_as_a_delta_of_its_new_token():
     assert decoder.decode(encoded) == step
 
 
-# One step of a random history: each live request decodes (one token per sequence), is
-# preempted by recompute (sent again as a prompt), forks a sequence, finishes, or a new one arrives.
-ACTIONS = st.lists(st.sampled_from(["decode", "decode", "decode", "recompute", "fork", "finish", "arrive"]),
-                   min_size=1, max_size=60)
+# One step of a random history: live requests decode (one token per sequence, or several as in
+# a multi-step run), one may be left out of the step (swapped out, not scheduled), be preempted
+# by recompute (sent again as a prompt), fork a sequence, lose one (a finished sibling), finish,
+# or a new one arrives. The per-step fields vary too, so a decoder that kept stale ones fails.
+ACTIONS = st.lists(st.sampled_from(["decode", "decode", "multi", "skip", "recompute", "fork", "drop", "finish",
+                                    "arrive"]), min_size=1, max_size=60)
 
 
-@settings(max_examples=60, deadline=None)
-@given(actions=ACTIONS, seed=st.integers(0, 1000))
-def test_the_worker_rebuilds_exactly_the_engines_metadata(actions, seed):
+@settings(max_examples=80, deadline=None)
+@given(actions=ACTIONS, data=st.data())
+def test_the_worker_rebuilds_exactly_the_engines_metadata(actions, data):
     encoder, decoder = MetadataEncoder(), MetadataDecoder()
     live: dict[str, dict[int, SequenceData]] = {}
     next_id = 0
     for step, action in enumerate(actions):
-        finished, prompts = [], set()
-        target = sorted(live)[(seed + step) % len(live)] if live else None
+        finished, prompts, skipped = [], set(), set()
+        target = data.draw(st.sampled_from(sorted(live))) if live else None
         if action == "arrive" or target is None:
-            live[str(next_id)] = {next_id: SequenceData(list(range(seed % 50 + 1)))}
+            live[str(next_id)] = {next_id: SequenceData(list(range(data.draw(st.integers(1, 50)))))}
             prompts.add(str(next_id))
             next_id += 1
         elif action == "finish":
             del live[target]
             finished.append(target)
+        elif action == "skip":
+            skipped.add(target)
         elif action == "recompute":
-            for data in live[target].values():
-                data.num_computed_tokens = 0
+            for seq_data in live[target].values():
+                seq_data.num_computed_tokens = 0
             prompts.add(target)
         elif action == "fork":
             parent = next(iter(live[target].values()))
             live[target][1000 + next_id] = SequenceData(list(parent.prompt_token_ids), list(parent.output_token_ids))
             next_id += 1
+        elif action == "drop" and len(live[target]) > 1:
+            del live[target][max(live[target])]
+        new_tokens = data.draw(st.integers(2, 8)) if action == "multi" else 1
         for request_id, seqs in live.items():
-            if request_id not in prompts:
-                for seq_id, data in seqs.items():
-                    data.append_token_id(seq_id + step, -1.0)
-                    data.num_computed_tokens = data.get_len() - 1
-        request = ExecuteModelRequest([_group(r, seqs, r in prompts) for r, seqs in live.items()],
-                                      finished_requests_ids=finished)
+            if request_id in prompts:
+                continue
+            for seq_id, seq_data in seqs.items():  # a skipped request may still have moved on
+                for k in range(new_tokens):
+                    seq_data.append_token_id(seq_id + step + k, -1.0)
+                seq_data.num_computed_tokens = seq_data.get_len() - 1
+        groups = []
+        for request_id, seqs in live.items():
+            if request_id in skipped:
+                continue
+            group = _group(request_id, seqs, request_id in prompts)
+            groups.append(dataclasses.replace(group, do_sample=data.draw(st.booleans()),
+                                              num_lookahead_slots=data.draw(st.integers(0, 7))))
+        request = ExecuteModelRequest(groups, finished_requests_ids=finished)
         assert _send(encoder, decoder, request) == request

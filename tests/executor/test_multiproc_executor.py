@@ -135,6 +135,7 @@ if __name__ == "__main__":  # the workers' processes import this module
 def test_workers_of_a_killed_engine_process_exit_by_themselves(llama, tmp_path):
     """The engine's process gets no chance to clean up (SIGKILL): its workers notice within
     a poll interval and exit at once, without waiting on a teardown with a dead peer."""
+    import select
     import subprocess
     import sys
 
@@ -143,6 +144,8 @@ def test_workers_of_a_killed_engine_process_exit_by_themselves(llama, tmp_path):
     script.write_text(ENGINE_THEN_WAIT)
     engine_process = subprocess.Popen([sys.executable, str(script), path], stdout=subprocess.PIPE, text=True)
     try:
+        ready, _, _ = select.select([engine_process.stdout], [], [], 120)  # the engine started, or fail
+        assert ready, "the engine process printed no worker pid within 120 s"
         pids = [int(pid) for pid in engine_process.stdout.readline().split()]
         assert len(pids) == 1 and is_running(pids[0])
         engine_process.kill()

@@ -63,17 +63,21 @@ def test_producer_consumer_on_gpu(tmp_path, gpu_reference):
     assert kvt.tokens(kvt.run(_cuda_engine(kvt.shared_storage(tmp_path, "kv_consumer")))) == gpu_reference
 
 
-def test_decode_steps_replay_graphs_while_loads_run_eagerly(tmp_path, gpu_reference):
+@pytest.mark.parametrize("steps", [1, 8])
+def test_decode_steps_replay_graphs_while_loads_run_eagerly(tmp_path, gpu_reference, steps):
     """The consumer loads in its prefill steps (eager: the hooks run) and decodes from captured
-    graphs (the steps that move no KV), with the tokens of an engine without a connector."""
+    graphs (the steps that move no KV), single-step or multi-step, with the tokens of an engine
+    without a connector."""
     from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 
     kvt.run(_cuda_engine(kvt.shared_storage(tmp_path, "kv_producer")), max_tokens=1)
-    consumer = _cuda_engine(kvt.shared_storage(tmp_path, "kv_consumer"))
+    consumer = _cuda_engine(kvt.shared_storage(tmp_path, "kv_consumer"), num_scheduler_steps=steps)
     runner = consumer.model_executor.driver_worker.model_runner
     assert isinstance(runner, CUDAGraphModelRunner) and runner.graph_runners
-    replays = []
+    transferring_at_replay = []
     for graph in runner.graph_runners.values():
-        graph.replay = lambda *args, _replay=graph.replay: (replays.append(1), _replay(*args))[1]
+        graph.replay = lambda *args, _replay=graph.replay: (transferring_at_replay.append(runner._transfers),
+                                                             _replay(*args))[1]
     assert kvt.tokens(kvt.run(consumer)) == gpu_reference
-    assert replays and consumer.kv_transfer_stats.num_tokens_loaded > 0
+    assert transferring_at_replay and not any(transferring_at_replay)  # no step that moved KV replayed
+    assert consumer.kv_transfer_stats.num_tokens_loaded > 0
