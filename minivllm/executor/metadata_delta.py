@@ -52,7 +52,8 @@ class SequenceGroupMetadataDelta:
 
 
 class MetadataEncoder:
-    """The sending side: one per worker process (each has its own cache)."""
+    """The sending side: one per executor (every worker receives the same calls, so their
+    copies of each request are alike)."""
 
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, int]] = {}  # request id -> seq id -> output tokens sent

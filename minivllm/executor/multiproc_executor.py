@@ -23,7 +23,8 @@ from torch.distributed import DistNetworkError
 
 from minivllm.distributed.utils import get_distributed_init_method, get_open_port
 from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError
-from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper
+from minivllm.executor.metadata_delta import MetadataEncoder
+from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper, pack_task
 from minivllm.worker.multi_step_worker import worker_class
 from minivllm.worker.worker import Worker
 
@@ -78,6 +79,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         context = _process_context()
         self.workers: list[ProcessWorkerWrapper] = []
         self.driver_worker: Worker | None = None
+        self.encoder = MetadataEncoder()  # the workers' copy of every request, sent as deltas
         try:
             self.workers = [ProcessWorkerWrapper(context, self.engine_config, rank, rank, init_method)
                             for rank in range(1, world_size)]
@@ -103,8 +105,9 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         `executor/virtual_engine.py`): the driver's stage may start the next call while the
         later stages still work on this one."""
         self.check_health()
+        task = pack_task(self.encoder, method, args)
         for worker in self.workers:
-            worker.submit(method, args)
+            worker.submit(task)
         try:
             return method(self.driver_worker, *args)
         except Exception as error:

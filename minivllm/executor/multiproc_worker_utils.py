@@ -1,8 +1,8 @@
 """One worker in a process of its own, reached through two queues (vLLM's
 `vllm/executor/multiproc_worker_utils.py`, without its result-handler thread).
 
-The parent puts `(method, args)` on the task queue; the child runs `method(worker, *args)`
-and puts `(ok, result or traceback text)` on the result queue. `None` asks it to stop. The
+The parent puts `(method, args)`, pickled (`pack_task`), on the task queue; the child runs
+`method(worker, *args)` and puts `(ok, result or traceback text)` on the result queue. `None` asks it to stop. The
 first answer, before any task, says the worker was built (imports and config fine), so a
 child that fails to start is reported at once instead of as a rendezvous timeout. A child
 whose parent is gone (killed without a chance to clean up) exits by itself: no orphans. A
@@ -44,13 +44,10 @@ class ProcessWorkerWrapper:
             target=_worker_main, name=f"minivllm-worker-{rank}", daemon=True,
             args=(engine_config, rank, local_rank, distributed_init_method, self.tasks, self.results, os.getpid()))
         self.process.start()
-        self.encoder = MetadataEncoder()  # a step's requests travel as deltas (metadata_delta.py)
 
-    def submit(self, method, args: tuple) -> None:
-        # Pickled here, not later in the queue's feeder thread: the encoder has just recorded
-        # what the worker will hold, so the bytes must be taken now, before the engine's
-        # sequences can change.
-        self.tasks.put(bytes(ForkingPickler.dumps((method, self.encoder.encode_args(args)))))
+    def submit(self, task: bytes) -> None:
+        """Send a call packed by `pack_task` (the same bytes go to every worker)."""
+        self.tasks.put(task)
 
     def result(self, died_error: type[Exception]) -> Any:
         """Wait for the answer to the last `submit`; `died_error` if the process is gone."""
@@ -87,6 +84,14 @@ class ProcessWorkerWrapper:
             self.process.join(JOIN_TIMEOUT_S)
         self.tasks.close()
         self.results.close()
+
+
+def pack_task(encoder: MetadataEncoder, method, args: tuple) -> bytes:
+    """One call for every worker process: its requests as deltas (`metadata_delta.py`; the
+    workers all receive the same calls, so one encoder serves them all), pickled once, here
+    rather than later in each queue's feeder thread, since the encoder has just recorded what
+    the workers will hold and the engine's sequences may change after this returns."""
+    return bytes(ForkingPickler.dumps((method, encoder.encode_args(args))))
 
 
 def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str,

@@ -62,7 +62,7 @@ class RayDistributedExecutor(DistributedExecutorBase):
             actor_class.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
                 placement_group=self.placement_group, placement_group_bundle_index=rank)).remote()
             for rank in range(world_size)]
-        self.encoders = [MetadataEncoder() for _ in self.workers]  # each actor's requests as deltas
+        self.encoder = MetadataEncoder()  # the actors' copy of every request, sent as deltas
         try:
             ip, port = self._get([self.workers[0].get_node_ip.remote(), self.workers[0].get_open_port.remote()])
             init_method = get_distributed_init_method(ip, port)
@@ -102,8 +102,8 @@ class RayDistributedExecutor(DistributedExecutorBase):
                                       f"without it: {err}") from err
 
     def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
-        return self._get([worker.execute_method.remote(method, *encoder.encode_args(args))
-                          for worker, encoder in zip(self.workers, self.encoders)])
+        args = self.encoder.encode_args(args)  # once: every actor receives the same calls
+        return self._get([worker.execute_method.remote(method, *args) for worker in self.workers])
 
     def shutdown(self) -> None:
         """Kill the actors and free the placement group (a cluster we joined stays up)."""
