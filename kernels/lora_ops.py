@@ -15,13 +15,20 @@ adapter's matrix with `tl.dot`, whatever the mix in the batch, and rows of the b
 
 Split-K for shrink on small batches: a decode batch of 256 rows over 8 adapters leaves ONE
 16..64-row tile per adapter, so only 8 programs would walk all of K (1024-3072) alone. Below
-`_SPLIT_K_MAX_TOKENS` rows the K loop is cut into `split_k` chunks (a third grid axis); each
-writes its partial [rows, r] into its own plane of a zeroed fp32 buffer and one sum adds the
-planes: deterministic (no atomics), so a CUDA-graph replay gives the eager bits. The grid depends only on T and L, never on the mapping: a
+`_SPLIT_K_MAX_TOKENS` rows the K loop is cut into P chunks (a third grid axis); each writes
+its partial [rows, S*R] into its own plane of h `[P, T, S*R]`, and expand adds the P planes
+as it loads them: deterministic (no atomics, so a CUDA-graph replay gives the eager bits), and
+no launch zeroes or sums a buffer. The grid depends only on T and L, never on the mapping: a
 CUDA graph captured once replays for any mix of adapters.
 
-Products accumulate in fp32 (`input_precision="ieee"`: no TF32, so fp32 matches the
-reference to rounding). Importing this module imports triton: import it lazily.
+Launches per LoRA layer: two, whatever the number of slices or adapters (a decode step of a
+28-layer model with LoRA on all seven projections adds 8 launches per layer; an earlier
+version, with zeroed buffers, a separate split-K sum and one expand per slice, added 27).
+
+Products: operands in the model's dtype (bf16 on tensor cores; fp32 with
+`input_precision="ieee"`, no TF32, so fp32 matches the reference to rounding), accumulated in
+fp32. Expand rounds h to B's dtype first, as vLLM's expand does. Importing this module imports
+triton: import it lazily.
 """
 
 from __future__ import annotations
@@ -58,10 +65,10 @@ def _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M: tl.con
 
 @triton.jit
 def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, count_ptr, start_ptr, K, R, k_per_split,
-                   stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_os, stride_om, stride_or,
-                   ACCUMULATE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                   stride_xm, stride_xk, stride_al, stride_ar, stride_ak, stride_op, stride_om, stride_or,
+                   BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (m, slot, split): rows of tile m of `slot`, K range [split * k_per_split, ...)
-    -> plane `split` of out (or, with ACCUMULATE and one split, added into buf itself)."""
+    -> plane `split` of out."""
     pid_m, slot, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows, row_mask, count = _rows_of_slot(sorted_ptr, count_ptr, start_ptr, slot, pid_m, BLOCK_M)
     if pid_m * BLOCK_M >= count:
@@ -79,18 +86,17 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, count_ptr, start_ptr, K, R
         # A^T tile [BLOCK_K, BLOCK_R] of this slot's adapter (ranks past R read as 0).
         a = tl.load(a_ptr + slot * stride_al + r[None, :] * stride_ar + k[:, None] * stride_ak,
                     mask=r_mask[None, :] & k_mask[:, None], other=0.0)
-        acc += tl.dot(x.to(tl.float32), a.to(tl.float32), input_precision="ieee")
-    out_ptrs = out_ptr + split * stride_os + rows[:, None] * stride_om + r[None, :] * stride_or
-    mask = row_mask[:, None] & r_mask[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out_ptrs, mask=mask, other=0.0)
-    tl.store(out_ptrs, acc, mask=mask)
+        acc += tl.dot(x, a, input_precision="ieee")
+    out_ptrs = out_ptr + split * stride_op + rows[:, None] * stride_om + r[None, :] * stride_or
+    tl.store(out_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
 @triton.jit
-def _expand_kernel(buf_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, N, R, offset,
-                   stride_bm, stride_br, stride_bl, stride_bn, stride_bk, stride_ym, stride_yn,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, N, R, bound1, bound2, num_planes,
+                   stride_hp, stride_hm, stride_hr, stride_bl, stride_bn, stride_bk, stride_ym, stride_yn,
+                   NUM_SLICES: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
+    """Program (m * n_blocks + n, slot): y[rows, n-block] += sum over slices s of
+    h_s[rows] @ B[slot, n-block columns of slice s]^T (slice s: columns [bound_s, bound_s+1))."""
     pid, slot = tl.program_id(0), tl.program_id(1)
     num_n_blocks = tl.cdiv(N, BLOCK_N)
     pid_m, pid_n = pid // num_n_blocks, pid % num_n_blocks
@@ -101,12 +107,20 @@ def _expand_kernel(buf_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, N, R
     r_mask = r < R
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = n < N
-    buf = tl.load(buf_ptr + rows[:, None] * stride_bm + r[None, :] * stride_br,
-                  mask=row_mask[:, None] & r_mask[None, :], other=0.0)            # [BLOCK_M, BLOCK_R]
     b = tl.load(b_ptr + slot * stride_bl + n[None, :] * stride_bn + r[:, None] * stride_bk,
                 mask=r_mask[:, None] & n_mask[None, :], other=0.0)                # B^T [BLOCK_R, BLOCK_N]
-    delta = tl.dot(buf.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-    y_ptrs = y_ptr + rows[:, None] * stride_ym + (offset + n)[None, :] * stride_yn
+    delta = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for s in tl.static_range(NUM_SLICES):
+        lo = tl.where(s == 0, 0, tl.where(s == 1, bound1, bound2))
+        hi = tl.where(s == NUM_SLICES - 1, N, tl.where(s == 0, bound1, bound2))
+        h = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for p in range(num_planes):  # shrink's split-K partials
+            h += tl.load(h_ptr + p * stride_hp + rows[:, None] * stride_hm + (s * R + r)[None, :] * stride_hr,
+                         mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+        in_slice = (n >= lo) & (n < hi)
+        b_s = tl.where(in_slice[None, :], b, 0.0).to(b.dtype)  # only slice s's columns use h_s
+        delta += tl.dot(h.to(b.dtype), b_s, input_precision="ieee")
+    y_ptrs = y_ptr + rows[:, None] * stride_ym + n[None, :] * stride_yn
     mask = row_mask[:, None] & n_mask[None, :]
     y = tl.load(y_ptrs, mask=mask, other=0.0)
     # Each row belongs to one slot, so no two programs write the same element.
@@ -123,33 +137,35 @@ def _split_k(num_tokens: int, k: int) -> int:
     return max(1, min(_MAX_SPLIT_K, triton.cdiv(k, _K_PER_SPLIT)))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, buf: torch.Tensor, mapping: LoRAMapping) -> None:
-    """Same contract as `lora_reference.lora_shrink`."""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    """Same contract as `lora_reference.lora_shrink`, with P >= 1 planes."""
     num_tokens, k = x.shape
     num_slots, rank, _ = lora_a.shape
     block_m = _block_m(num_tokens)
     split_k = _split_k(num_tokens, k)
-    # K per split, a whole number of BLOCK_K tiles.
+    # K per split, a whole number of BLOCK_K tiles (so no split is empty).
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), _BLOCK_K) * _BLOCK_K
     split_k = triton.cdiv(k, k_per_split)
-    out = buf.unsqueeze(0) if split_k == 1 else torch.zeros(split_k, *buf.shape, dtype=torch.float32, device=buf.device)
+    h = torch.empty(split_k, num_tokens, rank, dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(num_tokens, block_m), num_slots, split_k)
-    _shrink_kernel[grid](x, lora_a, out, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
+    _shrink_kernel[grid](x, lora_a, h, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
                          mapping.slot_start, k, rank, k_per_split, x.stride(0), x.stride(1), *lora_a.stride(),
-                         out.stride(0), out.stride(1), out.stride(2),
-                         ACCUMULATE=split_k == 1, BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_K=_BLOCK_K)
-    if split_k > 1:
-        buf.add_(out.sum(0))  # rows without a slot: planes of zeros, buf unchanged
+                         *h.stride(), BLOCK_M=block_m, BLOCK_R=_rank_block(rank), BLOCK_K=_BLOCK_K)
+    return h
 
 
-def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int,
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, slice_bounds: tuple[int, ...],
                 mapping: LoRAMapping) -> None:
-    """Same contract as `lora_reference.lora_expand`."""
-    num_tokens = buf.shape[0]
+    """Same contract as `lora_reference.lora_expand` (at most three slices: q, k, v)."""
+    num_planes, num_tokens, _ = h.shape
     num_slots, n, rank = lora_b.shape
+    num_slices = len(slice_bounds) - 1
+    if not 1 <= num_slices <= 3 or slice_bounds[0] != 0 or slice_bounds[-1] != n:
+        raise ValueError(f"slice_bounds {slice_bounds} must run from 0 to {n} in one to three slices.")
+    inner = list(slice_bounds[1:-1]) + [n] * (3 - num_slices)  # bound1, bound2 (unused ones: N)
     block_m = _block_m(num_tokens)
     grid = (triton.cdiv(num_tokens, block_m) * triton.cdiv(n, _BLOCK_N), num_slots)
-    _expand_kernel[grid](buf, lora_b, y, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
-                         mapping.slot_start, n, rank, offset, buf.stride(0), buf.stride(1),
+    _expand_kernel[grid](h, lora_b, y, mapping.sorted_token_ids, mapping.num_tokens_per_slot,
+                         mapping.slot_start, n, rank, inner[0], inner[1], num_planes, *h.stride(),
                          *lora_b.stride(), y.stride(0), y.stride(1),
-                         BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=_rank_block(rank))
+                         NUM_SLICES=num_slices, BLOCK_M=block_m, BLOCK_N=_BLOCK_N, BLOCK_R=_rank_block(rank))

@@ -6,15 +6,26 @@ mixes requests of different adapters, and each row must be multiplied by ITS ada
 matrices. With every adapter's A and B stacked into one tensor per layer (a "slot" each),
 one launch applies them all:
 
-    shrink   buf[t, :] += x[t, :] @ lora_a[slot(t)].T        [T, K] -> [T, R]   (K -> rank)
-    expand   y[t, n0:n0+N] += buf[t, :] @ lora_b[slot(t)].T  [T, R] -> [T, N]   (rank -> out)
+    shrink   h[t, :] = x[t, :] @ lora_a[slot(t)].T             [T, K] -> [T, S*R]  (K -> rank)
+    expand   y[t, slice s] += h[t, s*R:(s+1)*R] @ B_s[slot(t)].T  [T, S*R] -> [T, N]  (rank -> out)
 
 so W x + B (A x) costs two skinny matmuls per row instead of a second full-size weight.
 `slot(t) = -1` means no adapter (the base model): the row is left alone. The scaling
 (lora_alpha / r) is folded into B when an adapter is loaded, so neither op takes it.
 
-Shapes: x `[T, K]` (model dtype); lora_a `[L, R, K]`; lora_b `[L, N, R]` (L slots, R the
-largest rank: a smaller adapter is zero-padded); buf `[T, R]` fp32; y `[T, >= n0 + N]`.
+A fused projection has S output SLICES (q, k, v of qkv_proj: S = 3; gate, up: S = 2; one
+elsewhere). They share their input, so their A matrices are stacked along the rank (ONE
+shrink gives every slice's h), and their B matrices along the output (ONE expand fills y):
+
+    x `[T, K]` (model dtype); lora_a `[L, S*R, K]` (L slots, R the largest rank: a smaller
+    adapter is zero-padded); lora_b `[L, N, R]` with slice s in rows
+    slice_bounds[s] : slice_bounds[s + 1] (slice_bounds = (0, N_0, N_0 + N_1, ..., N));
+    y `[T, N]`.
+
+h, what shrink returns and expand takes, is `[P, T, S*R]` fp32 whose SUM over its first
+dimension is the product: the Triton shrink splits K over P programs on small batches and
+leaves the P partial planes for expand to add, so no launch zeroes or sums a buffer. The
+reference returns one plane. Rows without a slot hold anything: expand never reads them.
 `LoRAMapping` carries `token_lora_indices` `[T]` (slot per row) and the same grouped by slot,
 which the kernels use (the reference reads only `token_lora_indices`).
 """
@@ -58,25 +69,26 @@ class LoRAMapping:
                    (idx[None, :] < slots[:, None]).sum(1).to(torch.int32))
 
 
-def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, buf: torch.Tensor, mapping: LoRAMapping) -> None:
-    """buf[t] += x[t] @ lora_a[slot(t)].T for every row with a slot (others untouched), in place.
-    (Callers pass zeros; adding lets the kernel sum split-K partials into it.)"""
+def lora_shrink(x: torch.Tensor, lora_a: torch.Tensor, mapping: LoRAMapping) -> torch.Tensor:
+    """h `[1, T, S*R]` fp32: h[0, t] = x[t] @ lora_a[slot(t)].T for rows with a slot, 0 elsewhere."""
     idx = mapping.token_lora_indices[: x.shape[0]]
-    delta = torch.zeros_like(buf)
+    h = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
     for slot in range(lora_a.shape[0]):
         rows = (idx == slot)[:, None]  # a mask, not a gather: no host sync on a GPU
-        delta = torch.where(rows, x.float() @ lora_a[slot].float().T, delta)  # [T, K] @ [K, R]
-    buf.add_(delta)
+        h = torch.where(rows, x.float() @ lora_a[slot].float().T, h)  # [T, K] @ [K, S*R]
+    return h.unsqueeze(0)
 
 
-def lora_expand(buf: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, offset: int,
+def lora_expand(h: torch.Tensor, lora_b: torch.Tensor, y: torch.Tensor, slice_bounds: tuple[int, ...],
                 mapping: LoRAMapping) -> None:
-    """y[t, offset:offset+N] += buf[t] @ lora_b[slot(t)].T for every row with a slot, in place."""
-    idx = mapping.token_lora_indices[: buf.shape[0]]
-    n = lora_b.shape[1]
-    delta = torch.zeros(buf.shape[0], n, dtype=torch.float32, device=buf.device)
-    for slot in range(lora_b.shape[0]):
-        rows = (idx == slot)[:, None]
-        delta = torch.where(rows, buf @ lora_b[slot].float().T, delta)  # [T, R] @ [R, N]
-    out = y[:, offset : offset + n]
-    out.copy_((out.float() + delta).to(y.dtype))
+    """y[t, slice s] += h[:, t, s*R:(s+1)*R].sum(0) @ B_s[slot(t)].T for rows with a slot, in place."""
+    idx = mapping.token_lora_indices[: h.shape[1]]
+    rank = lora_b.shape[2]
+    hidden = h.sum(0)  # the split-K planes, added
+    delta = torch.zeros(h.shape[1], lora_b.shape[1], dtype=torch.float32, device=h.device)
+    for s, (lo, hi) in enumerate(zip(slice_bounds, slice_bounds[1:])):
+        h_s = hidden[:, s * rank : (s + 1) * rank]
+        for slot in range(lora_b.shape[0]):
+            rows = (idx == slot)[:, None]
+            delta[:, lo:hi] = torch.where(rows, h_s @ lora_b[slot, lo:hi].float().T, delta[:, lo:hi])  # [T, R] @ [R, N_s]
+    y.copy_((y.float() + delta).to(y.dtype))

@@ -6,9 +6,10 @@ output slice, two stacked tensors with one row per GPU slot:
     lora_a  [max_loras, max_lora_rank, in_features (this rank's)]
     lora_b  [max_loras, out_features of the slice (this rank's), max_lora_rank]
 
-The slices' A tensors are views into ONE `[max_loras, num_slices * max_lora_rank, in]` tensor
-(`lora_a_stacked`): the slices share their input, so one shrink serves them all (q, k and v
-read x once) and only expand runs per slice.
+The slices' tensors are views into two stacked ones: A into `lora_a_stacked`
+`[max_loras, num_slices * max_lora_rank, in]` (the slices share their input: one shrink
+reads x once for q, k and v), B into `lora_b_stacked` `[max_loras, out, max_lora_rank]` (the
+slices' outputs sit side by side in y: one expand fills them all).
 
 forward = the base layer's matmul, then `PunicaWrapper.add_lora_linear` adds each row's own
 adapter. Adapters of a smaller rank fill the first r ranks of a slot; the rest stay zero.
@@ -54,8 +55,15 @@ class BaseLayerWithLoRA(nn.Module):
         in_features, num_slices = weight.shape[1], len(self.output_slices())
         self.lora_a_stacked = torch.zeros(max_loras, num_slices * max_rank, in_features, **kw)
         self.lora_a = tuple(self.lora_a_stacked[:, i * max_rank : (i + 1) * max_rank] for i in range(num_slices))
-        self.lora_b = tuple(torch.zeros(max_loras, rows, max_rank, **kw) for rows, _ in self.output_slices())
+        widths = [rows for rows, _ in self.output_slices()]
+        self.slice_bounds = tuple(sum(widths[:i]) for i in range(num_slices + 1))  # (0, N_0, N_0 + N_1, ..., N)
+        self.lora_b_stacked = torch.zeros(max_loras, self.slice_bounds[-1], max_rank, **kw)
+        self.lora_b = tuple(self.lora_b_stacked[:, lo:hi] for lo, hi in zip(self.slice_bounds, self.slice_bounds[1:]))
         self.punica = punica
+
+    def add_lora(self, y: torch.Tensor, x: torch.Tensor) -> None:
+        """y += each row's own adapter applied to x, in place (every slice at once)."""
+        self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b_stacked, self.slice_bounds)
 
     def reset_lora(self, slot: int) -> None:
         for a, b in zip(self.lora_a, self.lora_b):
@@ -86,7 +94,7 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         y = F.linear(x, base.weight, base.bias)
-        self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
+        self.add_lora(y, x)
         if base.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
         return y
@@ -117,10 +125,10 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         base = self.base_layer
         if self.tp_size == 1:
             y = F.linear(x, base.weight, base.bias)
-            self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
+            self.add_lora(y, x)
             return y
         y = F.linear(x, base.weight)  # this rank's partial sum, LoRA's partial added before the reduce
-        self.punica.add_lora_linear(y, x, self.lora_a_stacked, self.lora_b)
+        self.add_lora(y, x)
         if base.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         return y if base.bias is None else y + base.bias

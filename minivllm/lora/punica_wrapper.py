@@ -2,9 +2,9 @@
 
 vLLM's `vllm/lora/punica_wrapper/`: ONE object shared by every LoRA layer of the model. The
 model runner updates it once per step (`update`: the slot of every token); each layer then
-calls `add_lora_linear`, which runs ONE shrink for all output slices (their A tensors are
-stacked) and an expand per slice (q, k, v of the fused qkv_proj; gate, up of gate_up_proj;
-one slice elsewhere).
+calls `add_lora_linear`, which runs ONE shrink and ONE expand for all the layer's output
+slices (q, k, v of the fused qkv_proj; gate, up of gate_up_proj; one slice elsewhere): their
+A tensors are stacked along the rank, their B tensors along the output.
 
 The mapping lives in tensors allocated once (`max_num_tokens` rows) and rewritten in place,
 so a CUDA graph captured with them replays any later step's mix of adapters. The kernels are
@@ -52,18 +52,13 @@ class PunicaWrapper:
         m.num_tokens_per_slot.copy_(host.num_tokens_per_slot, non_blocking=True)
         m.slot_start.copy_(host.slot_start, non_blocking=True)
 
-    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor,
-                        lora_b: tuple[torch.Tensor, ...]) -> None:
-        """y `[T, sum of slice widths]` += per slice s: (x @ A_s[slot].T) @ B_s[slot].T, in place.
+    def add_lora_linear(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                        slice_bounds: tuple[int, ...]) -> None:
+        """y `[T, N]` += per slice s: (x @ A_s[slot].T) @ B_s[slot].T, in place, in two launches.
 
-        x `[T, K]`; lora_a `[L, num_slices * R, K]` (the slices' A stacked: ONE shrink for all);
-        lora_b[s] `[L, N_s, R]` (B already scaled). Always launched, even when no row has an
-        adapter: the kernels return at once then, and a captured CUDA graph must contain them
-        for the steps that do."""
-        rank = lora_a.shape[1] // len(lora_b)
-        buf = torch.zeros(x.shape[0], lora_a.shape[1], dtype=torch.float32, device=x.device)
-        self.shrink(x, lora_a, buf, self.mapping)  # [T, K] -> [T, num_slices * R]
-        offset = 0
-        for i, b in enumerate(lora_b):
-            self.expand(buf[:, i * rank : (i + 1) * rank], b, y, offset, self.mapping)
-            offset += b.shape[1]
+        x `[T, K]`; lora_a `[L, S*R, K]` (the slices' A stacked); lora_b `[L, N, R]` (the
+        slices' B stacked, already scaled; slice s is rows slice_bounds[s]:slice_bounds[s+1]).
+        Always launched, even when no row has an adapter: the kernels return at once then,
+        and a captured CUDA graph must contain them for the steps that do."""
+        h = self.shrink(x, lora_a, self.mapping)  # [T, K] -> [P, T, S*R] (P split-K planes)
+        self.expand(h, lora_b, y, slice_bounds, self.mapping)  # -> y [T, N]
