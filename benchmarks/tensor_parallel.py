@@ -74,7 +74,8 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
     return result, llm.llm_engine.shutdown
 
 
-def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int) -> tuple[dict, Callable[[], None]]:
+def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
+               profile_path: Path | None = None) -> tuple[dict, Callable[[], None]]:
     from minivllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
@@ -92,9 +93,15 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int) -> tuple[di
     for _ in range(DECODE_STEPS):
         engine.step()  # returns once its tokens are on the host
     elapsed, tokens = time.perf_counter() - start, request.first_seq.get_output_len() - tokens_before
-    engine.abort_request("0")
     result = {"ms_per_token": round(1e3 * elapsed / tokens, 3), "tokens": tokens, "calls": DECODE_STEPS,
               "prompt_len": DECODE_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
+    if profile_path is not None:
+        # TP rank 0's kernels only (the other ranks run in their own processes): enough to
+        # see the all-reduces' share of a step next to the GEMMs they follow.
+        import decode_latency
+        result["profile"] = decode_latency.profile_one_step(engine, request.first_seq, profile_path,
+                                                            label=f"at batch 1, TP={tp} (rank 0)")
+    engine.abort_request("0")
     return result, engine.shutdown
 
 
@@ -103,7 +110,8 @@ def run_one(args) -> int:
     if args.kind == "throughput":
         result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps)
     else:
-        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps)
+        profile = Path(args.profile_dir) / f"profile_batch1_tp{args.tp}.txt" if args.profile_dir else None
+        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps, profile)
     # The result is saved before the engine shuts down: a 2-GPU shutdown once hung in NCCL's
     # teardown, and a measurement must not be lost to it.
     Path(args.result).write_text(json.dumps(result))
@@ -125,13 +133,14 @@ def run_all(args) -> int:
     report = {"environment": throughput._environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
               "cuda_graphs": not args.enforce_eager, "num_scheduler_steps": args.num_scheduler_steps,
               "nccl_env": NCCL_ENV, "results": {}}
-    for kind in ("decode", "throughput"):
+    for kind in args.kinds:
         for tp in TP_SIZES:
             result_file = tmp / f"{kind}-tp{tp}.json"
             cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
                    "--result", str(result_file), "--num-seqs", str(args.num_seqs),
                    *(["--num-scheduler-steps", str(args.num_scheduler_steps)] if args.num_scheduler_steps else []),
-                   *(["--enforce-eager"] if args.enforce_eager else [])]
+                   *(["--enforce-eager"] if args.enforce_eager else []),
+                   *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
             print(f"== {kind}, TP={tp}", flush=True)
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
@@ -171,6 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="for both TP sizes (default: the engine's, 8 on a GPU with CUDA graphs)")
+    parser.add_argument("--kinds", nargs="+", default=["decode", "throughput"], choices=("decode", "throughput"),
+                        help="which measurements `all` runs")
+    parser.add_argument("--profile-dir", default=None,
+                        help="decode: also a torch.profiler table of one step on TP rank 0, per TP size")
     parser.add_argument("--kind", choices=("throughput", "decode"))
     parser.add_argument("--tp", type=int)
     parser.add_argument("--ckpt")

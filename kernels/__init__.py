@@ -25,6 +25,9 @@ from types import SimpleNamespace
 BACKENDS = ("torch", "triton")  # built in; `register_backend` adds more by name
 # name -> module defining the five ops, for backends registered from outside minivllm.
 _REGISTERED_BACKENDS: dict[str, str] = {}
+# Backends whose ops a CUDA graph can capture: no host synchronisation, no shapes that depend
+# on the data. The PyTorch references fail both (boolean masks, loops over sequences).
+_GRAPH_SAFE_BACKENDS = {"triton"}
 OP_NAMES = (
     "reshape_and_cache",
     "paged_attention_decode",
@@ -34,12 +37,22 @@ OP_NAMES = (
 )
 
 
-def register_backend(name: str, module_path: str) -> None:
+def register_backend(name: str, module_path: str, cuda_graphs: bool = False) -> None:
     """Make `attention_backend=name` use the five ops (`OP_NAMES`) of `module_path`, imported
-    when an engine first asks for it (vLLM selects attention backends by name the same way)."""
+    when an engine first asks for it (vLLM selects attention backends by name the same way).
+    `cuda_graphs=True` declares the ops capturable; otherwise its decode steps run eagerly."""
     if name in BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend; choose another name.")
     _REGISTERED_BACKENDS[name] = module_path
+    if cuda_graphs:
+        _GRAPH_SAFE_BACKENDS.add(name)
+    else:
+        _GRAPH_SAFE_BACKENDS.discard(name)
+
+
+def supports_cuda_graphs(backend: str) -> bool:
+    """Whether a CUDA graph can capture `backend`'s ops (the worker runs eagerly otherwise)."""
+    return backend in _GRAPH_SAFE_BACKENDS
 
 
 def available_backends() -> tuple[str, ...]:

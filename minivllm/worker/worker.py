@@ -44,9 +44,11 @@ import os
 
 import torch
 
+from minivllm.attention.selector import get_attn_backend
 from minivllm.config import EngineConfig
 from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
                                   initialize_model_parallel, wait_for_pending_teardown)
+from minivllm.kernels import supports_cuda_graphs
 from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.plugins import load_general_plugins
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
@@ -100,9 +102,11 @@ class Worker:
             self.device = torch.device("cuda", index)
         # Decode steps replay CUDA graphs on a GPU unless told to run eagerly (the mode lives
         # in its own runner class; see cuda_graph_runner.py). Graphs hold the TP all-reduces;
-        # with pipeline stages the steps run eagerly (no graph of the send / receive).
+        # with pipeline stages the steps run eagerly (no graph of the send / receive), and
+        # with the PyTorch reference ops too (they synchronise with the host).
+        backend = get_attn_backend(engine_config.attention_backend, self.device)
         use_graphs = (self.device.type == "cuda" and not engine_config.enforce_eager
-                      and parallel_config.pipeline_parallel_size == 1)
+                      and parallel_config.pipeline_parallel_size == 1 and supports_cuda_graphs(backend))
         runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
         if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward
             runner_class = KVConnectorCUDAGraphModelRunner if use_graphs else KVConnectorModelRunner

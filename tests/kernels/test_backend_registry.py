@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from minivllm import LLM, SamplingParams
 from minivllm.kernels import available_backends, get_ops, reference, register_backend
@@ -40,3 +41,30 @@ def test_bad_backends_are_refused():
         get_ops("incomplete")
     with pytest.raises(ValueError, match="unknown attention backend"):
         LLM(device="cpu", attention_backend="nope")
+
+
+def test_only_capturable_backends_get_cuda_graphs():
+    """The PyTorch references synchronise with the host, so a CUDA graph cannot hold them; a
+    registered backend says whether it can be captured."""
+    from minivllm.kernels import supports_cuda_graphs
+
+    assert supports_cuda_graphs("triton") and not supports_cuda_graphs("torch")
+    register_backend("capturable", __name__, cuda_graphs=True)
+    assert supports_cuda_graphs("capturable")
+    register_backend("capturable", __name__)  # registered again without the promise
+    assert not supports_cuda_graphs("capturable")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_torch_backend_runs_eagerly_on_a_gpu():
+    from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
+
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    llm = LLM(device="cuda", dtype="float32", attention_backend="torch", gpu_memory_utilization=0.2)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    assert not isinstance(runner, CUDAGraphModelRunner)
+    graphs = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.2)
+    assert isinstance(graphs.llm_engine.model_executor.driver_worker.model_runner, CUDAGraphModelRunner)
+    assert (llm.generate(["ROMEO:"], params)[0].outputs[0].token_ids
+            == graphs.generate(["ROMEO:"], params)[0].outputs[0].token_ids)
