@@ -151,6 +151,8 @@ def test_triton_kernels_bf16_on_the_gpu(num_tokens):
     h_ref, out_ref = run(ref, x, lora_a, lora_b, idx, y, bounds)
     h, out = run(lora_ops, x, lora_a, lora_b, idx, y, bounds)
     torch.testing.assert_close(h, h_ref, rtol=1e-3, atol=1e-3)  # both accumulate in fp32
-    # Expand rounds h to bf16 before its product (as vLLM's does), y is rounded once more.
-    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=3e-2)
+    # Expand rounds h to bf16 before its product (as vLLM's does): 2^-9 of |h| (~3 here, B is
+    # not scaled down) over 16 ranks shows as a few hundredths on outputs of magnitude ~10, and
+    # y is rounded to bf16 once more (a step of 1/16 at 10).
+    torch.testing.assert_close(out.float(), out_ref.float(), rtol=2e-2, atol=1e-1)
     assert torch.equal(out[idx == NO_LORA], y[idx == NO_LORA])

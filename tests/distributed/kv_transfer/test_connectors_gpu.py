@@ -27,12 +27,15 @@ def gpu_reference():
 
 
 @pytest.mark.parametrize("attention_backend", ["torch", "triton"])
-def test_shared_storage_restart_on_gpu(tmp_path, gpu_reference, attention_backend):
+def test_shared_storage_restart_on_gpu(tmp_path, attention_backend):
+    # Against an engine of the SAME backend without a connector: in fp32 on a GPU the Triton
+    # kernels' tl.dot runs TF32, so the two backends may break a near-tie differently.
+    reference = kvt.tokens(kvt.run(_cuda_engine(attention_backend=attention_backend)))
     config = kvt.shared_storage(tmp_path)
-    assert kvt.tokens(kvt.run(_cuda_engine(config, attention_backend=attention_backend))) == gpu_reference
+    assert kvt.tokens(kvt.run(_cuda_engine(config, attention_backend=attention_backend))) == reference
     engine = _cuda_engine(config, attention_backend=attention_backend)
     results = kvt.run(engine)
-    assert kvt.tokens(results) == gpu_reference
+    assert kvt.tokens(results) == reference
     assert all(cached > 0 for _, cached in results.values())
     assert engine.kv_transfer_stats.num_tokens_loaded > 0 and engine.kv_transfer_stats.num_load_errors == 0
 
