@@ -44,6 +44,9 @@ import triton.language as tl
 # exp(x) == exp2(x * log2(e)); exp2 is the native instruction, so scores live in base 2.
 LOG2E = 1.4426950408889634
 # tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
+# Every tl.dot passes input_precision="ieee": with fp32 operands Triton's default is TF32 (a
+# 10-bit mantissa), which made fp32 engines on a GPU break greedy near-ties differently from
+# one code path to the next. bf16 and fp16 operands are unaffected (tensor cores either way).
 MIN_DOT_SIZE = 16
 # Launch configs, (tile tokens, num_warps, num_stages), measured on an H100 with
 # benchmarks/kernels.py --sweep (docs/benchmarks.md). Tile tokens = keys/values per loop
@@ -94,14 +97,14 @@ def _attend_token_range(
         k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
         v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
 
-        scores = tl.dot(q, tl.trans(k)) * qk_scale  # [GROUP_PAD, TILE_N], fp32
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [GROUP_PAD, TILE_N], fp32
         scores = tl.where(token_mask[None, :], scores, float("-inf"))
         # Online softmax: rescale what we have so far to the new running max.
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))
         alpha = tl.exp2(m_i - m_new)  # 0 on the first tile (m_i = -inf)
         p = tl.exp2(scores - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
         m_i = m_new
     return acc, l_i, m_i
 

@@ -30,6 +30,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634  # scores are kept in base 2: exp(x) = exp2(x * log2(e))
 MIN_DOT_SIZE = 16  # tl.dot needs every tile dimension >= 16
+# Dots in true fp32 for fp32 operands (input_precision="ieee", not TF32): see paged_attention.py.
 BLOCK_M = 64  # query rows (tokens x heads of one KV group) per program
 BLOCK_N = 32  # keys per loop iteration (may span several cache blocks)
 NUM_WARPS = 4
@@ -92,7 +93,7 @@ def _paged_prefill_kernel(
             k = tl.load(key_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
             v = tl.load(value_cache_ptr + kv_offs, mask=kv_mask, other=0.0)
 
-            scores = tl.dot(q, tl.trans(k)) * qk_scale  # [rows, BLOCK_N] fp32, base 2
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee") * qk_scale  # [rows, BLOCK_N] fp32, base 2
             # Causal over the new tokens, full over the context. Key 0 is visible to every
             # row, so no row is all -inf on the first tile (no NaN from -inf - -inf).
             visible = (offs_k[None, :] <= query_pos[:, None]) & key_mask[None, :]
@@ -101,7 +102,7 @@ def _paged_prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(scores - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
 
         out = acc / l_i[:, None]

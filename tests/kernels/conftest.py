@@ -15,9 +15,9 @@ import torch
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 # ‖out - ref‖ / ‖ref‖ allowed per dtype; the reference runs in fp32 on the same inputs.
-# fp32 on CUDA is looser: tl.dot rounds fp32 operands to tf32 there.
+# fp32: the kernels' dots run in true fp32 on a GPU too (input_precision="ieee", not TF32).
 REL_TOL = {
-    torch.float32: 1e-5 if DEVICE == "cpu" else 2e-3,
+    torch.float32: 1e-5 if DEVICE == "cpu" else 1e-4,
     torch.float16: 2e-3,
     torch.bfloat16: 1e-2,
 }

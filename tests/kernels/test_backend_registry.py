@@ -55,16 +55,21 @@ def test_only_capturable_backends_get_cuda_graphs():
     assert not supports_cuda_graphs("capturable")
 
 
+def _graphs_and_tokens(**kwargs) -> tuple[bool, list[int]]:
+    """Whether the engine's runner replays CUDA graphs, and its greedy tokens (the engine is
+    dropped on return, so the next one gets the GPU memory back)."""
+    from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
+
+    llm = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.2, **kwargs)
+    runner = llm.llm_engine.model_executor.driver_worker.model_runner
+    tokens = llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].token_ids
+    return isinstance(runner, CUDAGraphModelRunner), list(tokens)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_the_torch_backend_runs_eagerly_on_a_gpu():
-    from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
-
-    params = SamplingParams(temperature=0.0, max_tokens=8)
-    llm = LLM(device="cuda", dtype="float32", attention_backend="torch", gpu_memory_utilization=0.2)
-    runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    assert not isinstance(runner, CUDAGraphModelRunner)
-    graphs = LLM(device="cuda", dtype="float32", gpu_memory_utilization=0.2)
-    assert isinstance(graphs.llm_engine.model_executor.driver_worker.model_runner, CUDAGraphModelRunner)
-    assert (llm.generate(["ROMEO:"], params)[0].outputs[0].token_ids
-            == graphs.generate(["ROMEO:"], params)[0].outputs[0].token_ids)
+    eager, eager_tokens = _graphs_and_tokens(attention_backend="torch")
+    graphs, graph_tokens = _graphs_and_tokens()
+    assert not eager and graphs
+    assert eager_tokens == graph_tokens
