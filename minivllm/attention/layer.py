@@ -32,26 +32,30 @@ class Attention(nn.Module):
         self.backend = backend
         self.ops = get_ops(backend)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: torch.Tensor,
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim],
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
+
+        k and v None: this step's keys and values are already in the cache (a fused kernel
+        wrote them, rotating the keys on the way: `fused_ops.qk_norm_rope_and_cache`). Such a
+        model still calls the module, never `forward_over_cache` directly: hooks on this
+        module (a KV connector's per-layer load wait and save) must run on every path.
 
         An empty kv_cache (`kv_cache.numel() == 0`, the worker's memory-profiling run, made
         before the cache exists) means: no context, plain causal attention within each sequence.
         """
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, attn_metadata)
-        # Write first: the kernels read every key, the new ones included, from the cache.
-        self.ops.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping)
+        if k is not None:
+            # Write first: the kernels read every key, the new ones included, from the cache.
+            self.ops.reshape_and_cache(k, v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping)
         return self.forward_over_cache(q, kv_cache, attn_metadata)
 
     def forward_over_cache(self, q: torch.Tensor, kv_cache: torch.Tensor,
                            attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Attention of q `[num_tokens, num_heads, head_dim]` over a cache that already holds this
-        step's new keys and values: `forward` writes them just before; a model whose fused
-        kernel writes them itself (rotating the keys on the way, `fused_ops.
-        qk_norm_rope_and_cache`) calls this directly and saves the separate write."""
+        step's new keys and values (`forward` writes them just before, or a fused kernel did)."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         prefill, decode = attn_metadata.prefill_metadata, attn_metadata.decode_metadata
         num_prefill_tokens = attn_metadata.num_prefill_tokens

@@ -109,7 +109,7 @@ class LlamaAttention(CustomOp):
         norms = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.q_norm is not None else ()
         q = fused_ops.qk_norm_rope_and_cache(q, k, v, kv_cache[0], kv_cache[1], attn_metadata.slot_mapping,
                                              positions, cos_sin_cache, *norms)
-        out = self.attn.forward_over_cache(q, kv_cache, attn_metadata)
+        out = self.attn(q, None, None, kv_cache, attn_metadata)  # k, v are in the cache already
         return self.o_proj(out.reshape(hidden_states.shape[0], self.q_size))
 
 

@@ -35,6 +35,25 @@ def test_shared_storage_parity_and_restart(tmp_path, reference):
     assert stats.bytes_loaded > 0 and stats.num_load_errors == 0
 
 
+@pytest.mark.parametrize("connector", ["SharedStorageConnector", "CPUOffloadConnector"])
+def test_the_triton_backend_saves_and_loads_through_its_fused_attention_path(tmp_path, reference, connector):
+    """On the "triton" backend a fused kernel writes the new keys and values, and the model
+    calls the attention module with k = v = None; the connector's per-layer hooks sit on that
+    module and must still run. (They once did not: nothing was saved, the restart loaded
+    uninitialised host memory and decoded garbage, while every torch-backend test passed.)
+    Triton's interpreter on a CPU."""
+    extra = {"shared_storage_path": str(tmp_path)} if connector == "SharedStorageConnector" else {"num_cpu_blocks": 64}
+    config = KVTransferConfig(connector, "kv_both", extra)
+    first = kvt.make_engine(config, attention_backend="triton")
+    assert kvt.tokens(kvt.run(first)) == reference
+    assert first.kv_transfer_stats.num_tokens_saved > 0
+    # A restart (files), or the same engine again (host memory): every full block loaded.
+    engine = kvt.make_engine(config, attention_backend="triton") if connector == "SharedStorageConnector" else first
+    again = kvt.run(engine)
+    assert kvt.tokens(again) == reference
+    assert all(cached > 0 for _, cached in again.values()) and engine.kv_transfer_stats.num_tokens_loaded > 0
+
+
 def test_shared_prefix_hits_within_one_engine_after_prefix_cache_eviction(tmp_path, reference):
     """Requests run one after another: the second prompt's shared prefix comes from the store."""
     engine = kvt.make_engine(kvt.shared_storage(tmp_path))
