@@ -126,3 +126,14 @@ def test_progress_logger_says_how_far_an_unfinished_row_got(tmp_path):
     report = {"labels": {"penalties": "penalties row"},
               "rows": {"penalties": {"error": "timed out after 80 s", "partial": progress}}}
     assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in issue15.markdown_table(report)
+
+
+def test_kv_transfer_phases_round_trip_exactly():
+    """benchmarks/kv_transfer.py on tiny CPU shapes: every phase runs and the blocks come back
+    bit for bit (its exit status says so)."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "kv_transfer.py"), "--device", "cpu", "--small"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    report = json.loads(run.stdout[run.stdout.index("{\n"):])
+    assert len(report["rounds"]) == 3 and all(r["round_trip_exact"] for r in report["rounds"])
+    assert {"finish_save", "put_many (files)", "get + decode", "loads done"} <= set(report["rounds"][0]["ms"])
