@@ -45,8 +45,9 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
 # Every tl.dot passes input_precision="ieee": with fp32 operands Triton's default is TF32 (a
-# 10-bit mantissa), which made fp32 engines on a GPU break greedy near-ties differently from
-# one code path to the next. bf16 and fp16 operands are unaffected (tensor cores either way).
+# 10-bit mantissa, ~1e-3 relative error), and fp32 engines exist for exact parity with the
+# PyTorch reference and transformers. bf16 and fp16 operands still run on tensor cores (checked
+# in the compiled PTX on an H200: the bf16 kernels keep their mma instructions).
 MIN_DOT_SIZE = 16
 # Launch configs, (tile tokens, num_warps, num_stages), measured on an H100 with
 # benchmarks/kernels.py --sweep (docs/benchmarks.md). Tile tokens = keys/values per loop
