@@ -26,6 +26,8 @@ h, what shrink returns and expand takes, is `[P, T, S*R]` fp32 whose SUM over it
 dimension is the product: the Triton shrink splits K over P programs on small batches and
 leaves the P partial planes for expand to add, so no launch zeroes or sums a buffer. The
 reference returns one plane. Rows without a slot hold anything: expand never reads them.
+The Triton expand rounds h to B's dtype before its product (as vLLM's does); the reference
+keeps h in fp32: the same in fp32, one rounding of h apart in bf16 or fp16.
 `LoRAMapping` carries `token_lora_indices` `[T]` (slot per row) and the same grouped by slot,
 which the kernels use (the reference reads only `token_lora_indices`).
 """

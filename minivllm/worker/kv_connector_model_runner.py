@@ -119,6 +119,12 @@ class KVConnectorModelRunnerMixin:
         failed = {r.request_id: r.load[0][0] for r, flag in zip(loading, flags.tolist()) if flag > 0}
         if not failed:
             return
+        # The recompute rewrites loaded blocks too (from the first loaded block on), and on the
+        # Triton backend a fused kernel writes the cache BEFORE the attention module's load
+        # wait: let every layer's load land first, so the recomputed K/V are the last writes.
+        # (A normal step never overlaps: new tokens start in a block after the loaded ones.)
+        for name, _ in self.attention_layers:
+            self.kv_connector.wait_for_layer_load(name)
         redo = [self._recompute_metadata(m, failed[m.request_id]) for m in seq_group_metadata_list
                 if m.request_id in failed]
         super().execute_model(redo, kv_caches)

@@ -105,6 +105,9 @@ def test_split_k_leaves_planes_that_expand_adds():
     product = ref.lora_shrink(x, lora_a, mapping)[0][rows]
     assert not torch.allclose(h[0][rows], product, rtol=1e-3, atol=1e-3)
     torch.testing.assert_close(h.sum(0)[rows], product, rtol=1e-5, atol=1e-5)
+    out = y.clone()
+    lora_ops.lora_expand(h, lora_b, out, bounds, mapping)
+    torch.testing.assert_close(out, per_row(x, lora_a, lora_b, idx, y, bounds), rtol=1e-5, atol=1e-5)
 
 
 def test_expand_never_reads_rows_without_an_adapter():
