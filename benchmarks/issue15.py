@@ -85,6 +85,8 @@ ROWS = [
     Row("batch1", "batch 1: decode step and TPOT through LLM.generate, LLM() defaults", "batch1", 75),
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
         "serving", 130),
+    Row("serving-inproc", "extra: the same, the engine inside the server's process (--disable-frontend-multiprocessing)",
+        "serving", 130, spec={"server_args": ["--disable-frontend-multiprocessing"]}),
     Row("llama-1b", "minivllm, LLM() defaults, temperature 0.6, Llama-3.2-1B shape", "throughput", 90,
         model="llama-3.2-1b", spec={"sampling": TEMPERATURE}),
     Row("ms16", "minivllm, tuned: num_scheduler_steps=16, temperature 0.6", "throughput", 80,
@@ -149,8 +151,8 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
                 "--profile-dir", str(out)] + (["--smoke"] if smoke else [])
     if row.kind == "serving":
         return [py, str(HERE / "serving.py"), "--workload", "--ckpt", str(ckpt), "--json", str(result),
-                "--server-log", str(out / "logs" / "serving.server.log")] + \
-            (["--smoke"] if smoke else [])
+                "--server-log", str(out / "logs" / f"{row.name}.server.log")] + \
+            [f"--server-arg={a}" for a in row.spec.get("server_args", [])] + (["--smoke"] if smoke else [])
     raise ValueError(f"unknown row kind {row.kind!r}")
 
 
@@ -277,11 +279,12 @@ def _extra_lines(rows: dict, base: float | None) -> list[str]:
         rate = rows.get(name, {}).get("output_tokens_per_s")
         if rate and base:
             lines.append(f"\n{name}: costs {1 - rate / base:.1%} against plain temperature 0.6 (target <= {limit:.0%})")
-    serving = rows.get("serving", {})
-    if serving.get("output_tokens_per_s") and base:
-        lines.append(f"\nserving / offline (headline row, same engine arguments, workload, sampling): "
-                     f"{serving['output_tokens_per_s'] / base:.2f} (target >= 0.8); "
-                     f"TTFT p50 {serving['ttft_ms']['p50']:.0f} ms, TPOT p50 {serving['tpot_ms']['p50']:.1f} ms")
+    for name in ("serving", "serving-inproc"):
+        serving = rows.get(name, {})
+        if serving.get("output_tokens_per_s") and base:
+            lines.append(f"\n{name} / offline (headline row, same engine arguments, workload, sampling): "
+                         f"{serving['output_tokens_per_s'] / base:.2f} (target >= 0.8); "
+                         f"TTFT p50 {serving['ttft_ms']['p50']:.0f} ms, TPOT p50 {serving['tpot_ms']['p50']:.1f} ms")
     b1 = rows.get("batch1", {})
     if "tpot_ms" in b1:
         lines.append(f"\nbatch 1: decode step {b1['decode_step_ms_median']} ms median ({b1['tokens_per_step_median']} "

@@ -208,13 +208,13 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(ckpt: str, dtype: str, max_model_len: int, port: int, log_path: str):
-    """`minivllm serve` in a child process, with nano-vllm's engine arguments only."""
+def start_server(ckpt: str, dtype: str, max_model_len: int, port: int, log_path: str, extra: list[str] = ()):
+    """`minivllm serve` in a child process, with nano-vllm's engine arguments only (and `extra`)."""
     import subprocess
     import sys
 
     cmd = [sys.executable, "-m", "minivllm", "serve", ckpt, "--dtype", dtype, "--max-model-len", str(max_model_len),
-           "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning"]
+           "--host", "127.0.0.1", "--port", str(port), "--uvicorn-log-level", "warning", *extra]
     log = open(log_path, "w")  # noqa: SIM115 (the child writes to it until it ends)
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), cmd
 
@@ -274,7 +274,7 @@ def run_workload(args: argparse.Namespace) -> dict:
     log_path = args.server_log or (str(Path(args.json).with_suffix(".server.log")) if args.json
                                    else "minivllm_serving_server.log")
     start = time.perf_counter()
-    proc, cmd = start_server(args.ckpt, dtype, NANO_MAX_MODEL_LEN, port, log_path)
+    proc, cmd = start_server(args.ckpt, dtype, NANO_MAX_MODEL_LEN, port, log_path, args.server_arg or [])
     try:
         asyncio.run(wait_healthy(base_url, proc, SERVER_START_TIMEOUT_S))
         startup_s = time.perf_counter() - start
@@ -299,6 +299,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ckpt", default=None, help="with --workload: the checkpoint to serve")
     parser.add_argument("--num-prompts-workload", type=int, default=256, help="with --workload: clients")
     parser.add_argument("--smoke", action="store_true", help="with --workload: 4 tiny requests, fp32 (CPU)")
+    parser.add_argument("--server-arg", action="append", default=None,
+                        help="with --workload: one more `minivllm serve` argument (repeatable), e.g. "
+                             "--server-arg=--disable-frontend-multiprocessing")
     parser.add_argument("--server-log", default=None, help="with --workload: the server's output (default: beside --json)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the server's first model")

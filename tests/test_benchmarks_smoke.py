@@ -70,12 +70,12 @@ def test_a_row_past_its_timeout_is_killed(tmp_path):
 def test_issue15_smoke_end_to_end(tmp_path):
     """One row of each kind through the real entry point (each its own process), on the CPU."""
     cmd = [sys.executable, str(BENCHMARKS / "throughput.py"), "issue15", "--smoke", "--out", str(tmp_path),
-           "--only", "headline", "prefill-attn", "batch1", "full-batch", "serving"]
+           "--only", "headline", "prefill-attn", "batch1", "full-batch", "serving", "serving-inproc"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "issue15.json").read_text())
     rows = report["rows"]
-    assert set(rows) == {"headline", "prefill-attn", "batch1", "full-batch", "serving"}
+    assert set(rows) == {"headline", "prefill-attn", "batch1", "full-batch", "serving", "serving-inproc"}
     assert not [name for name, r in rows.items() if "error" in r], rows
 
     headline = rows["headline"]
@@ -98,16 +98,19 @@ def test_issue15_smoke_end_to_end(tmp_path):
     assert full["batch"] == 4 and full["step_ms_median"] > 0
     assert Path(full["profile"]["file"]).read_text().startswith("One decode step() at batch 4")
 
-    serving = rows["serving"]
-    assert serving["tokens_checked"] and serving["completed"] == serving["num_requests"] == 4
-    assert serving["streamed_chunks"] == serving["output_tokens"]  # token by token
-    assert serving["output_tokens_per_s"] > 0
+    for name in ("serving", "serving-inproc"):  # the engine in its own process, and in the server's
+        serving = rows[name]
+        assert serving["tokens_checked"] and serving["completed"] == serving["num_requests"] == 4
+        assert serving["streamed_chunks"] == serving["output_tokens"]  # token by token
+        assert serving["output_tokens_per_s"] > 0
+    assert "--disable-frontend-multiprocessing" in rows["serving-inproc"]["server_cmd"]
+    assert "--disable-frontend-multiprocessing" not in rows["serving"]["server_cmd"]
 
     table = (tmp_path / "issue15.md").read_text()
     assert "nano-vllm bench.py" in table and "serving / offline" in table and "full batch (4 sequences" in table
 
 
-@pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb"])
+@pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb", "serving-inproc"])
 def test_every_extra_row_is_labelled(name):
     row = next(row for row in issue15.ROWS if row.name == name)
     assert row.label and row.label != issue15.ROWS[0].label

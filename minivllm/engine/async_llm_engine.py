@@ -345,12 +345,33 @@ class AsyncLLMEngine:
             self._tracker.abort_request(request_id)
 
     # ------------------------------------------------------- engine pass-through
+    # What the API server asks of its engine, here or in another process (MQLLMEngineClient).
     def get_tokenizer(self):
         return self.engine.get_tokenizer()
 
     @property
     def model_config(self):
         return self.engine.model_config
+
+    @property
+    def scheduler_config(self):
+        return self.engine.scheduler_config
+
+    @property
+    def engine_config(self):
+        return self.engine.engine_config
+
+    def add_logger(self, logger_name: str, stat_logger) -> None:
+        self.engine.add_logger(logger_name, stat_logger)
+
+    def remove_logger(self, logger_name: str) -> None:
+        self.engine.remove_logger(logger_name)
+
+    def add_lora(self, lora_request) -> bool:
+        return self.engine.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self.engine.remove_lora(lora_int_id)
 
     async def check_health(self) -> None:
         """Raise if the loop has died (it should not: every step error is caught).

@@ -110,8 +110,8 @@ def build_app(
     stat_logger = PrometheusStatLogger(registry, model_name=names[0])
     # One metrics logger per engine: a new app (a notebook cell run twice) takes it over.
     with contextlib.suppress(KeyError):
-        engine.engine.remove_logger("prometheus")
-    engine.engine.add_logger("prometheus", stat_logger)
+        engine.remove_logger("prometheus")
+    engine.add_logger("prometheus", stat_logger)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -374,12 +374,27 @@ class ServerThread:
 
 
 def run_server(args: argparse.Namespace) -> None:
-    """`minivllm serve`: build the engine from the command line and serve until Ctrl-C."""
-    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
-    app = build_app(engine, args.served_model_name, **app_options(args, os.environ))
-    logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
-    engine.shutdown()
+    """`minivllm serve`: build the engine from the command line and serve until Ctrl-C.
+
+    As vLLM v0.6: the engine runs in its own process (`MQLLMEngineClient`) unless
+    --disable-frontend-multiprocessing keeps it in this one (`AsyncLLMEngine`).
+    """
+    engine = build_engine_client(EngineArgs.from_cli_args(args), args.disable_frontend_multiprocessing)
+    try:
+        app = build_app(engine, args.served_model_name, **app_options(args, os.environ))
+        logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.uvicorn_log_level)
+    finally:
+        engine.shutdown()
+
+
+def build_engine_client(engine_args: EngineArgs, disable_frontend_multiprocessing: bool = False):
+    """The engine the server talks to: in another process (default) or in this one."""
+    if disable_frontend_multiprocessing:
+        return AsyncLLMEngine.from_engine_args(engine_args)
+    from minivllm.engine.multiprocessing.client import MQLLMEngineClient
+
+    return MQLLMEngineClient.from_engine_args(engine_args)
 
 
 def app_options(args: argparse.Namespace, environ) -> dict:

@@ -48,6 +48,9 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--lora-modules", nargs="+", type=_lora_module, default=None, metavar="NAME=PATH",
                        help="LoRA adapters to serve, each as name=path to a PEFT folder; a request's "
                             "\"model\" picks one by name (needs --enable-lora; default: none)")
+    group.add_argument("--disable-frontend-multiprocessing", action="store_true",
+                       help="run the engine inside the server's process (default: in its own process, "
+                            "so the HTTP streams and the engine's steps do not share one GIL)")
     group.add_argument(
         "--uvicorn-log-level",
         default="info",

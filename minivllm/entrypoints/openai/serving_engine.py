@@ -85,7 +85,7 @@ class OpenAIServing:
         # thousands ahead of everybody else's requests.
         self.max_prompts_per_request = max_prompts_per_request
         self.max_model_len = engine.model_config.max_model_len
-        self.max_num_seqs = engine.engine.scheduler_config.max_num_seqs
+        self.max_num_seqs = engine.scheduler_config.max_num_seqs
         # A private copy: the step thread detokenizes with the engine's tokenizer at the same
         # time as the server tokenizes new prompts.
         self.tokenizer = copy.deepcopy(engine.get_tokenizer())

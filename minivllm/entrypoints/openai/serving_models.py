@@ -43,14 +43,14 @@ class OpenAIServingModels:
         self.base_model_names = base_model_names
         self.lora_requests: dict[str, LoRARequest] = {}
         self._next_id = itertools.count(1)
-        if lora_modules and engine.engine.engine_config.lora_config is None:
+        if lora_modules and engine.engine_config.lora_config is None:
             raise ValueError("--lora-modules needs --enable-lora.")
         for module in lora_modules or []:
             self.load_lora_adapter(module.name, module.path)  # a bad one stops the start-up
 
     @property
     def lora_enabled(self) -> bool:
-        return self.engine.engine.engine_config.lora_config is not None
+        return self.engine.engine_config.lora_config is not None
 
     def lora_request_for(self, model: str | None) -> LoRARequest | None:
         """The adapter a request's `model` names; None for the base model; 404 if unknown."""
@@ -75,7 +75,7 @@ class OpenAIServingModels:
             raise OpenAIError(f"The lora adapter '{lora_name}' has already been loaded.", param="lora_name")
         request = LoRARequest(lora_name, next(self._next_id), lora_path)
         try:
-            self.engine.engine.add_lora(request)  # reads and checks the adapter's files
+            self.engine.add_lora(request)  # reads and checks the adapter's files
         except ValueError as error:
             raise OpenAIError(str(error), param="lora_path") from error
         self.lora_requests[lora_name] = request
@@ -88,5 +88,5 @@ class OpenAIServingModels:
         if request is None:
             raise OpenAIError(f"The lora adapter '{lora_name}' cannot be found.", 404, param="lora_name",
                               code="model_not_found")
-        self.engine.engine.remove_lora(request.lora_int_id)
+        self.engine.remove_lora(request.lora_int_id)
         return f"Success: LoRA adapter '{lora_name}' removed successfully."

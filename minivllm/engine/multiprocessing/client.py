@@ -1,0 +1,301 @@
+"""`MQLLMEngineClient`: what the API server holds when the engine runs in its own process.
+
+Mirrors `vllm/engine/multiprocessing/client.py` (v0.6). It offers the server the same calls as
+`AsyncLLMEngine` (`add_request`, `generate`, `abort`, `check_health`, `get_tokenizer`, the
+configs, stat loggers, LoRA adapters), so the server does not know which one it has:
+
+    add_request ──RPCProcessRequest──> engine process ──RPCRequestAccepted / RPCError──> the caller
+    abort ────────RPCAbortRequest────> (the stream ends here at once, the blocks free there)
+    output loop <─RPCStepOutputs────── each step: outputs to their streams, Stats to the loggers
+
+If the engine process dies, the output loop notices within a second: every stream in flight
+ends with `MQEngineDeadError`, `check_health` raises, and new requests are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Iterable
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.async_llm_engine import AsyncStream, EngineStepError
+from minivllm.engine.llm_engine import _load_tokenizer
+from minivllm.engine.metrics import StatLoggerBase
+from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT, POLLING_TIMEOUT_MS,
+                                             MQEngineDeadError, RPCAbortRequest, RPCError, RPCProcessRequest,
+                                             RPCRequestAccepted, RPCShutdownRequest, RPCStartupRequest,
+                                             RPCStepFailed, RPCStepOutputs, RPCUtilityRequest)
+from minivllm.engine.multiprocessing.engine import run_mp_engine
+from minivllm.outputs import RequestOutput
+from minivllm.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Start-up loads the model (and on a GPU profiles memory, captures CUDA graphs): be patient.
+STARTUP_TIMEOUT_S = 900.0
+# How long an RPC between steps (a LoRA adapter's load) may wait for the engine.
+RPC_TIMEOUT_S = 120.0
+# How long `shutdown` lets the engine process exit on its own before terminating it.
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+class MQLLMEngineClient:
+    """Talks to an engine process started by `from_engine_args`.
+
+    Example:
+        >>> client = MQLLMEngineClient.from_engine_args(EngineArgs())      # doctest: +SKIP
+        >>> async for output in client.generate("ROMEO:", SamplingParams(max_tokens=8), "r0"):
+        ...     print(output.outputs[0].text)                              # grows token by token
+        >>> client.shutdown()
+    """
+
+    def __init__(self, ipc_path: str, process: multiprocessing.Process) -> None:
+        self.ipc_path = ipc_path
+        self.process = process
+        self.ctx = zmq.Context()
+        self.input_socket = self._connect(self.ctx, zmq.PUSH, IPC_INPUT_EXT)
+        self.rpc_socket = self._connect(self.ctx, zmq.REQ, IPC_RPC_EXT)
+        self._rpc_lock = threading.Lock()  # one RPC at a time on the REQ socket
+        self.stat_loggers: dict[str, StatLoggerBase] = {}
+        self.streams: dict[str, AsyncStream] = {}
+        self._accepting: dict[str, asyncio.Future] = {}
+        self._loop_task: asyncio.Task | None = None
+        self._output_socket: zmq.asyncio.Socket | None = None
+        self._dead: str | None = None  # why the engine is unusable, once it is
+        self.engine_config = self._rpc(RPCStartupRequest(), STARTUP_TIMEOUT_S)
+        self.model_config = self.engine_config.model_config
+        self.scheduler_config = self.engine_config.scheduler_config
+        self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs) -> "MQLLMEngineClient":
+        """Start the engine process and wait until its engine is built."""
+        engine_args.create_engine_config()  # bad arguments raise ValueError here, before any process
+        ipc_path = "ipc://" + tempfile.mkdtemp(prefix="minivllm-mq-") + "/engine"
+        # spawn, not fork: a forked child would inherit this process's CUDA state and threads.
+        process = multiprocessing.get_context("spawn").Process(
+            target=run_mp_engine, args=(engine_args, ipc_path), name="MQLLMEngine")
+        process.start()
+        try:
+            return cls(ipc_path, process)
+        except BaseException:
+            _stop_process(process)
+            _remove_ipc_dir(ipc_path)
+            raise
+
+    def _connect(self, ctx: zmq.Context, kind: int, suffix: str) -> zmq.Socket:
+        socket = ctx.socket(kind)
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.connect(self.ipc_path + suffix)
+        return socket
+
+    # ------------------------------------------------------------------ RPCs
+    def _rpc(self, request, timeout_s: float = RPC_TIMEOUT_S):
+        """Send one RPC and wait for its answer, checking every second that the engine lives."""
+        with self._rpc_lock:
+            self._check_alive()
+            self.rpc_socket.send_pyobj(request)
+            deadline = time.monotonic() + timeout_s
+            while not self.rpc_socket.poll(POLLING_TIMEOUT_MS):
+                self._check_alive()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the engine process did not answer {type(request).__name__} "
+                                       f"within {timeout_s:.0f} s")
+            response = self.rpc_socket.recv_pyobj()
+        if response.exception is not None:
+            raise response.exception
+        return response.result
+
+    def _check_alive(self) -> None:
+        if self._dead is None and not self.process.is_alive():
+            self._dead = f"the engine process exited (exit code {self.process.exitcode}); its log says why"
+        if self._dead is not None:
+            raise MQEngineDeadError(self._dead)
+
+    def add_lora(self, lora_request) -> bool:
+        return self._rpc(RPCUtilityRequest("add_lora", (lora_request,)))
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        return self._rpc(RPCUtilityRequest("remove_lora", (lora_int_id,)))
+
+    # ------------------------------------------------------------- the output loop
+    @property
+    def is_running(self) -> bool:
+        return self._loop_task is not None and not self._loop_task.done()
+
+    @property
+    def errored(self) -> bool:
+        return self._dead is not None
+
+    def start_background_loop(self) -> None:
+        """Start reading outputs on the running event loop (done lazily by the first request)."""
+        if self.is_running:
+            return
+        # An asyncio socket belongs to one event loop: a new one for each loop that serves.
+        self.actx = zmq.asyncio.Context()
+        self._output_socket = self._connect(self.actx, zmq.PULL, IPC_OUTPUT_EXT)
+        self._loop_task = asyncio.get_running_loop().create_task(self._run_output_loop())
+
+    async def stop_background_loop(self) -> None:
+        """Abort every request in flight and stop reading outputs."""
+        if not self.is_running:
+            return
+        await self.abort(list(self.streams))
+        self._loop_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._loop_task
+        self._output_socket.close()
+        self.actx.term()
+
+    async def _run_output_loop(self) -> None:
+        try:
+            while True:
+                if not await self._output_socket.poll(POLLING_TIMEOUT_MS):
+                    self._check_alive()
+                    continue
+                self._handle(await self._output_socket.recv_pyobj())
+        except MQEngineDeadError as e:
+            logger.error("%s", e)
+            self._fail_everything(e)
+
+    def _handle(self, message) -> None:
+        if isinstance(message, RPCStepOutputs):
+            for output in message.outputs:
+                self._deliver(output)
+            for stats in message.stats:
+                for stat_logger in self.stat_loggers.values():
+                    stat_logger.log(stats)
+        elif isinstance(message, RPCRequestAccepted):
+            self._settle(message.request_id, None)
+        elif isinstance(message, RPCError):
+            self.streams.pop(message.request_id, None)
+            self._settle(message.request_id, message.exception)
+        elif isinstance(message, RPCStepFailed):
+            for request_id in message.request_ids:
+                self._end_stream(request_id, EngineStepError(message.message))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self.streams.get(output.request_id)
+        if stream is None:
+            return  # aborted here while the engine ran its step
+        stream.put(output)
+        if output.finished:
+            del self.streams[output.request_id]
+            stream.finish()
+
+    def _settle(self, request_id: str, exception: BaseException | None) -> None:
+        future = self._accepting.pop(request_id, None)
+        if future is None or future.done():
+            return
+        if exception is None:
+            future.set_result(None)
+        else:
+            future.set_exception(exception)
+
+    def _end_stream(self, request_id: str, exception: BaseException | None = None) -> None:
+        stream = self.streams.pop(request_id, None)
+        if stream is not None:
+            stream.finish(exception)
+
+    def _fail_everything(self, error: BaseException) -> None:
+        for request_id in list(self.streams):
+            self._end_stream(request_id, error)
+        for request_id in list(self._accepting):
+            self._settle(request_id, error)
+
+    # ------------------------------------------------------------ public API
+    async def add_request(self, request_id: str, prompt: str | dict[str, Any], params: SamplingParams,
+                          arrival_time: float | None = None, priority: int = 0,
+                          lora_request: Any = None) -> AsyncStream:
+        """Send a request and wait until the engine has accepted it (its errors raise here)."""
+        self.start_background_loop()
+        self._check_alive()
+        if request_id in self.streams:
+            raise ValueError(f"request {request_id!r} already exists.")
+        stream = AsyncStream(request_id, on_cancel=self._abort_now)
+        accepted = asyncio.get_running_loop().create_future()
+        self.streams[request_id], self._accepting[request_id] = stream, accepted
+        self.input_socket.send_pyobj(RPCProcessRequest(
+            request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time,
+            priority, lora_request))
+        try:
+            await accepted
+        except asyncio.CancelledError:
+            self._abort_now(request_id)
+            raise
+        return stream
+
+    async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams, request_id: str,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Yield the request's cumulative `RequestOutput`s (as `AsyncLLMEngine.generate`)."""
+        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
+        async with contextlib.aclosing(stream.generator()) as outputs:
+            async for output in outputs:
+                yield output
+
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in request_ids:
+            self._end_stream(rid)
+        if request_ids and self._dead is None:
+            self.input_socket.send_pyobj(RPCAbortRequest(request_ids))
+
+    def _abort_now(self, request_id: str) -> None:
+        self._end_stream(request_id)
+        if self._dead is None:
+            self.input_socket.send_pyobj(RPCAbortRequest([request_id]))
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def add_logger(self, logger_name: str, stat_logger: StatLoggerBase) -> None:
+        if logger_name in self.stat_loggers:
+            raise KeyError(f"a logger named {logger_name!r} already exists.")
+        self.stat_loggers[logger_name] = stat_logger
+
+    def remove_logger(self, logger_name: str) -> None:
+        del self.stat_loggers[logger_name]
+
+    async def check_health(self) -> None:
+        """Raise RuntimeError (the server answers 503) if the engine process is gone."""
+        try:
+            self._check_alive()
+        except MQEngineDeadError as e:
+            raise RuntimeError(str(e)) from None
+
+    def shutdown(self) -> None:
+        """Stop the engine process (politely, then by force) and release the sockets."""
+        if self.process.is_alive():
+            with contextlib.suppress(zmq.ZMQError):
+                self.input_socket.send_pyobj(RPCShutdownRequest(), zmq.NOBLOCK)
+        _stop_process(self.process)
+        self._dead = self._dead or "the engine was shut down"
+        self.ctx.destroy(linger=0)
+        _remove_ipc_dir(self.ipc_path)
+
+
+def _stop_process(process: multiprocessing.Process) -> None:
+    process.join(SHUTDOWN_TIMEOUT_S)
+    if process.is_alive():
+        process.terminate()
+        process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+
+
+def _remove_ipc_dir(ipc_path: str) -> None:
+    shutil.rmtree(ipc_path.removeprefix("ipc://").rsplit("/", 1)[0], ignore_errors=True)

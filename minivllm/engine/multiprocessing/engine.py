@@ -1,0 +1,174 @@
+"""`MQLLMEngine`: an `LLMEngine` in its own process, fed and drained over ZeroMQ sockets.
+
+Mirrors `vllm/engine/multiprocessing/engine.py` (v0.6). The loop is `AsyncLLMEngine`'s,
+without asyncio: between two steps, take every queued add and abort from the input socket and
+answer RPCs; step while there is work; send each step's outputs (and a multi-step run's partial
+outputs as they come, so streams stay token by token) with the step's `Stats`. With nothing to
+do it sleeps in `poll`, waking every second to exit if the API server's process has died.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import signal
+
+import zmq
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.metrics import StatLoggerBase, Stats
+from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT, POLLING_TIMEOUT_MS,
+                                             RPCAbortRequest, RPCError, RPCProcessRequest, RPCRequestAccepted,
+                                             RPCResponse, RPCShutdownRequest, RPCStartupRequest, RPCStepFailed,
+                                             RPCStepOutputs, RPCUtilityRequest)
+
+logger = logging.getLogger(__name__)
+
+# The LLMEngine methods a client may call between steps.
+_UTILITY_METHODS = ("add_lora", "remove_lora")
+
+
+class _StatsCollector(StatLoggerBase):
+    """Keeps each step's `Stats`, to be sent with the step's outputs (the client logs them)."""
+
+    def __init__(self) -> None:
+        self.pending: list[Stats] = []
+
+    def log(self, stats: Stats) -> None:
+        self.pending.append(stats)
+
+
+class MQLLMEngine:
+    """Serves one `LLMEngine` to one `MQLLMEngineClient` over three sockets at `ipc_path`."""
+
+    def __init__(self, engine: LLMEngine, ipc_path: str) -> None:
+        self.engine = engine
+        self.stats = _StatsCollector()
+        engine.add_logger("mq_client", self.stats)
+        self.ctx = zmq.Context()
+        self.input_socket = self._bind(zmq.PULL, ipc_path + IPC_INPUT_EXT)
+        self.output_socket = self._bind(zmq.PUSH, ipc_path + IPC_OUTPUT_EXT)
+        self.rpc_socket = self._bind(zmq.REP, ipc_path + IPC_RPC_EXT)
+        self.request_ids: set[str] = set()  # requests the engine holds now
+        self.running = True
+
+    def _bind(self, kind: int, address: str) -> zmq.Socket:
+        socket = self.ctx.socket(kind)
+        socket.setsockopt(zmq.SNDHWM, 0)  # no limit: an output is never dropped for being queued
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.bind(address)
+        return socket
+
+    # ------------------------------------------------------------------ the loop
+    def run_engine_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.input_socket, zmq.POLLIN)
+        poller.register(self.rpc_socket, zmq.POLLIN)
+        while self.running:
+            busy = self.engine.has_unfinished_requests()
+            events = dict(poller.poll(0 if busy else POLLING_TIMEOUT_MS))
+            if self.rpc_socket in events:
+                self._handle_rpc(self.rpc_socket.recv_pyobj())
+            aborted = self._handle_inputs() if self.input_socket in events else False
+            # After aborts, step even with nothing left: its stats then show the freed blocks.
+            if self.engine.has_unfinished_requests() or aborted:
+                self._step()
+            elif not events and not _parent_alive():
+                logger.warning("the API server's process is gone: the engine process exits")
+                return
+
+    def _handle_inputs(self) -> bool:
+        """Apply every queued add and abort; True if an abort reached a request the engine held."""
+        aborted = False
+        while self.running:
+            try:
+                message = self.input_socket.recv_pyobj(zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if isinstance(message, RPCProcessRequest):
+                self._add_request(message)
+            elif isinstance(message, RPCAbortRequest):
+                live = [rid for rid in message.request_ids if rid in self.request_ids]
+                self.request_ids.difference_update(live)
+                if live:
+                    self.engine.abort_request(live)
+                    aborted = True
+            elif isinstance(message, RPCShutdownRequest):
+                self.running = False
+        return aborted
+
+    def _add_request(self, request: RPCProcessRequest) -> None:
+        try:
+            self.engine.add_request(request.request_id, request.prompt, request.params,
+                                    arrival_time=request.arrival_time, priority=request.priority,
+                                    lora_request=request.lora_request)
+        except Exception as e:  # a bad request: only its caller hears about it
+            self._send(RPCError(request.request_id, e))
+            return
+        self.request_ids.add(request.request_id)
+        self._send(RPCRequestAccepted(request.request_id))
+
+    def _handle_rpc(self, request) -> None:
+        """Answer one RPC (the REP socket needs exactly one answer per request)."""
+        if isinstance(request, RPCStartupRequest):
+            response = RPCResponse(result=self.engine.engine_config)
+        elif isinstance(request, RPCUtilityRequest) and request.method in _UTILITY_METHODS:
+            try:
+                response = RPCResponse(result=getattr(self.engine, request.method)(*request.args))
+            except Exception as e:
+                response = RPCResponse(exception=e)
+        else:
+            response = RPCResponse(exception=ValueError(f"unknown RPC {request!r}"))
+        self.rpc_socket.send_pyobj(response)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step(self._send_partial)
+        except Exception as e:
+            # As AsyncLLMEngine: the failed step may have touched any request the engine holds.
+            logger.exception("engine step failed; aborting the requests it was running")
+            failed, self.request_ids = sorted(self.request_ids), set()
+            self.engine.abort_request(failed)
+            self._send(RPCStepFailed(failed, f"engine step failed: {e!r}"))
+            return
+        self._send_outputs(outputs)
+
+    def _send_partial(self, outputs) -> None:
+        self._send(RPCStepOutputs(list(outputs)))
+
+    def _send_outputs(self, outputs) -> None:
+        for output in outputs:
+            if output.finished:
+                self.request_ids.discard(output.request_id)
+        stats, self.stats.pending = self.stats.pending, []
+        self._send(RPCStepOutputs(list(outputs), stats))
+
+    def _send(self, message) -> None:
+        self.output_socket.send_pyobj(message)
+
+    def close(self) -> None:
+        self.engine.shutdown()
+        self.ctx.destroy(linger=0)
+
+
+def _parent_alive() -> bool:
+    parent = multiprocessing.parent_process()
+    return parent is None or parent.is_alive()
+
+
+def run_mp_engine(engine_args: EngineArgs, ipc_path: str) -> None:
+    """The engine process's entry point: build the engine, serve it until told to stop."""
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    # SIGTERM (the client's last resort, or a process manager) ends the loop like Ctrl-C.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # Ctrl-C in the terminal reaches the whole process group: the API server shuts us down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    engine = MQLLMEngine(LLMEngine.from_engine_args(engine_args), ipc_path)
+    try:
+        engine.run_engine_loop()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        engine.close()

@@ -1,0 +1,172 @@
+"""The engine in its own process (`MQLLMEngine` + `MQLLMEngineClient`): the same streams as
+the engine in-process, errors only for their caller, aborts that free every block, and a dead
+engine process that fails every request within seconds instead of hanging.
+
+The reference for tokens is the same engine arguments driven synchronously in this process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.async_llm_engine import EngineStepError
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.metrics import StatLoggerBase
+from minivllm.engine.multiprocessing import MQEngineDeadError
+from minivllm.engine.multiprocessing.client import MQLLMEngineClient
+from minivllm.sampling_params import SamplingParams
+
+ARGS = dict(device="cpu", seed=0, max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=64, swap_space=0.01)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+PROMPTS = ["ROMEO:", "JULIET:", "To be, or not", "KING HENRY"]
+
+
+class Recorder(StatLoggerBase):
+    def __init__(self) -> None:
+        self.stats = []
+
+    def log(self, stats) -> None:
+        self.stats.append(stats)
+
+
+@pytest.fixture(scope="module")
+def client():
+    client = MQLLMEngineClient.from_engine_args(EngineArgs(**ARGS))
+    client.add_logger("recorder", Recorder())
+    yield client
+    client.shutdown()
+
+
+def run(client: MQLLMEngineClient, coroutine):
+    async def main():
+        try:
+            return await coroutine
+        finally:
+            await client.stop_background_loop()
+
+    return asyncio.run(main())
+
+
+async def collect(client, request_id, prompt, params=GREEDY):
+    return [output async for output in client.generate(prompt, params, request_id)]
+
+
+def reference(prompts, params=GREEDY):
+    engine = LLMEngine.from_engine_args(EngineArgs(**ARGS))
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, params)
+    finals = {}
+    while engine.has_unfinished_requests():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    return [finals[str(i)].outputs[0] for i in range(len(prompts))]
+
+
+def test_concurrent_streams_match_the_engine_in_this_process(client):
+    async def body():
+        return await asyncio.gather(*(collect(client, f"c{i}", p) for i, p in enumerate(PROMPTS)))
+
+    streams = run(client, body())
+    for outputs, expected in zip(streams, reference(PROMPTS)):
+        texts = [o.outputs[0].text for o in outputs]
+        assert len(outputs) == GREEDY.max_tokens  # token by token across the process boundary
+        assert all(a == b[:len(a)] for a, b in zip(texts, texts[1:]))
+        assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == expected.token_ids
+        assert texts[-1] == expected.text
+    assert client.engine_config.model_config.max_model_len == 256  # the engine's own config
+    assert client.get_tokenizer().decode(streams[0][-1].outputs[0].token_ids) == streams[0][-1].outputs[0].text
+
+
+def test_a_rejected_request_fails_only_its_caller(client):
+    async def body():
+        with pytest.raises(ValueError, match="empty"):
+            await client.add_request("bad", "", GREEDY)
+        too_long = await collect(client, "long", {"prompt_token_ids": [5] * 300})  # can never fit
+        return too_long, await collect(client, "good", PROMPTS[0])
+
+    too_long, outputs = run(client, body())
+    assert too_long[-1].finished and "max_model_len" in too_long[-1].outputs[0].finish_message
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference(PROMPTS[:1])[0].token_ids
+    assert "bad" not in client.streams and "long" not in client.streams
+
+
+def test_abort_ends_the_stream_and_the_engine_returns_every_block(client):
+    recorder = client.stat_loggers["recorder"]
+
+    async def body():
+        stream = await client.add_request("to-abort", PROMPTS[1], LONG)
+        received = []
+        async for output in stream.generator():
+            received.append(output)
+            if len(received) == 3:
+                await client.abort("to-abort")
+        # The engine applies the abort before its next step; an empty step then reports.
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (recorder.stats and recorder.stats[-1].num_running_sys == 0):
+            await asyncio.sleep(0.05)
+        return received
+
+    received = run(client, body())
+    assert 3 <= len(received) < LONG.max_tokens and not received[-1].finished
+    last = recorder.stats[-1]
+    assert last.num_running_sys == last.num_waiting_sys == 0
+    assert last.gpu_cache_usage_sys == 0.0  # every block back in the engine process's pool
+
+
+def test_stats_reach_the_loggers_of_this_process(client):
+    recorder = client.stat_loggers["recorder"]
+    before = len(recorder.stats)
+    outputs = run(client, collect(client, "counted", PROMPTS[2]))
+    new = recorder.stats[before:]
+    assert sum(s.num_generation_tokens_iter for s in new) == GREEDY.max_tokens
+    assert sum(s.num_prompt_tokens_iter for s in new) == len(outputs[-1].prompt_token_ids)
+
+
+def test_a_killed_engine_process_fails_requests_within_seconds():
+    client = MQLLMEngineClient.from_engine_args(EngineArgs(**ARGS))
+    ipc_dir = Path(client.ipc_path.removeprefix("ipc://")).parent
+
+    async def body():
+        stream = await client.add_request("doomed", PROMPTS[0], LONG)
+        outputs = stream.generator()
+        await outputs.__anext__()  # it is running
+        os.kill(client.process.pid, signal.SIGKILL)
+        start = time.monotonic()
+        with pytest.raises(MQEngineDeadError):
+            async for _ in outputs:
+                pass
+        waited = time.monotonic() - start
+        with pytest.raises(RuntimeError, match="exit code"):
+            await client.check_health()
+        with pytest.raises(MQEngineDeadError):
+            await client.add_request("after", PROMPTS[0], GREEDY)
+        return waited
+
+    try:
+        waited = run(client, body())
+    finally:
+        client.shutdown()
+    assert waited < 5.0  # noticed by the output loop's liveness check (every second), not a hang
+    assert isinstance(MQEngineDeadError("x"), EngineStepError)  # the server answers it with a 500
+    assert not client.process.is_alive() and not ipc_dir.exists()
+
+
+def test_shutdown_stops_the_engine_process_and_removes_its_sockets():
+    client = MQLLMEngineClient.from_engine_args(EngineArgs(**ARGS))
+    ipc_dir = Path(client.ipc_path.removeprefix("ipc://")).parent
+    assert client.process.is_alive() and ipc_dir.exists()
+    client.shutdown()
+    assert client.process.exitcode == 0  # it left its loop on the shutdown message, not killed
+    assert not ipc_dir.exists()
+
+
+def test_bad_engine_arguments_raise_here_before_any_process_starts():
+    with pytest.raises(ValueError):
+        MQLLMEngineClient.from_engine_args(EngineArgs(**{**ARGS, "max_num_seqs": 0}))
