@@ -4,8 +4,9 @@ Why: with the engine inside the server's process, `engine.step()` runs in a work
 the HTTP streams in the event-loop thread, and the two share one GIL. Most torch calls and every
 file write of the step release the GIL; while the event loop is busy (hundreds of streams), the
 step thread then waits up to `sys.getswitchinterval()` (5 ms) to get it back, at each release.
-A step of a few dozen such calls stretches by tens of milliseconds (tests/engine/test_mq_engine.py
-measures the effect). Two processes share no GIL:
+A step of a few dozen such calls stretches by tens of milliseconds (docs/benchmarks.md, "Serving":
+the same workload with the engine in the server's process and in its own). Two processes share
+no GIL:
 
     API server process                                   engine process (`run_mp_engine`)
     MQLLMEngineClient ─ input (PUSH) ─ RPCProcessRequest ─> MQLLMEngine ─> LLMEngine.step()
