@@ -13,8 +13,8 @@ no GIL:
                       <─ output (PULL) ─ RPCStepOutputs ──┘   (the same loop as AsyncLLMEngine's)
                       ─ rpc (REQ/REP) ─ start-up, LoRA adapters
 
-The messages are pickled Python objects over ZeroMQ `ipc://` sockets, as in vLLM. Tokenizing
-the prompt and detokenizing the outputs stay in the engine process, as in vLLM v0.
+The messages are pickled Python objects over ZeroMQ `ipc://` sockets, as in vLLM; outputs
+travel as deltas (`deltas.py`). Detokenizing stays in the engine process, as in vLLM v0.
 """
 
 from __future__ import annotations
@@ -88,7 +88,10 @@ class RPCError:
 
 @dataclass
 class RPCStepOutputs:
-    """One step's outputs (or a multi-step run's partial outputs) and the step's statistics."""
+    """One step's outputs (or a multi-step run's partial outputs) and the step's statistics.
+
+    `outputs` are deltas (`deltas.py`: the prompt once, then only what is new); the client
+    rebuilds the cumulative `RequestOutput`s."""
 
     outputs: list
     stats: list = field(default_factory=list)

@@ -36,6 +36,7 @@ from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_
                                              MQEngineDeadError, RPCAbortRequest, RPCError, RPCProcessRequest,
                                              RPCRequestAccepted, RPCShutdownRequest, RPCStartupRequest,
                                              RPCStepFailed, RPCStepOutputs, RPCUtilityRequest)
+from minivllm.engine.multiprocessing.deltas import OutputDeltaDecoder
 from minivllm.engine.multiprocessing.engine import run_mp_engine
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -70,6 +71,7 @@ class MQLLMEngineClient:
         self.stat_loggers: dict[str, StatLoggerBase] = {}
         self.streams: dict[str, AsyncStream] = {}
         self._accepting: dict[str, asyncio.Future] = {}
+        self.decoder = OutputDeltaDecoder()  # outputs arrive as deltas (deltas.py)
         self._loop_task: asyncio.Task | None = None
         self._output_socket: zmq.asyncio.Socket | None = None
         self._dead: str | None = None  # why the engine is unusable, once it is
@@ -173,8 +175,8 @@ class MQLLMEngineClient:
 
     def _handle(self, message) -> None:
         if isinstance(message, RPCStepOutputs):
-            for output in message.outputs:
-                self._deliver(output)
+            for wire in message.outputs:
+                self._deliver(wire)
             for stats in message.stats:
                 for stat_logger in self.stat_loggers.values():
                     stat_logger.log(stats)
@@ -187,10 +189,13 @@ class MQLLMEngineClient:
             for request_id in message.request_ids:
                 self._end_stream(request_id, EngineStepError(message.message))
 
-    def _deliver(self, output: RequestOutput) -> None:
-        stream = self.streams.get(output.request_id)
-        if stream is None:
-            return  # aborted here while the engine ran its step
+    def _deliver(self, wire) -> None:
+        request_id = wire[0]
+        stream = self.streams.get(request_id)
+        if stream is None:  # aborted here while the engine ran its step
+            self.decoder.forget(request_id)
+            return
+        output = self.decoder.decode(wire)
         stream.put(output)
         if output.finished:
             del self.streams[output.request_id]
@@ -206,6 +211,7 @@ class MQLLMEngineClient:
             future.set_exception(exception)
 
     def _end_stream(self, request_id: str, exception: BaseException | None = None) -> None:
+        self.decoder.forget(request_id)
         stream = self.streams.pop(request_id, None)
         if stream is not None:
             stream.finish(exception)

@@ -22,6 +22,7 @@ from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_
                                              RPCAbortRequest, RPCError, RPCProcessRequest, RPCRequestAccepted,
                                              RPCResponse, RPCShutdownRequest, RPCStartupRequest, RPCStepFailed,
                                              RPCStepOutputs, RPCUtilityRequest)
+from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +52,7 @@ class MQLLMEngine:
         self.output_socket = self._bind(zmq.PUSH, ipc_path + IPC_OUTPUT_EXT)
         self.rpc_socket = self._bind(zmq.REP, ipc_path + IPC_RPC_EXT)
         self.request_ids: set[str] = set()  # requests the engine holds now
+        self.encoder = OutputDeltaEncoder()  # outputs leave as deltas (deltas.py says why)
         self.running = True
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
@@ -94,6 +96,7 @@ class MQLLMEngine:
                 self.request_ids.difference_update(live)
                 if live:
                     self.engine.abort_request(live)
+                    self.encoder.forget(live)
                     aborted = True
             elif isinstance(message, RPCShutdownRequest):
                 self.running = False
@@ -131,19 +134,20 @@ class MQLLMEngine:
             logger.exception("engine step failed; aborting the requests it was running")
             failed, self.request_ids = sorted(self.request_ids), set()
             self.engine.abort_request(failed)
+            self.encoder.forget(failed)
             self._send(RPCStepFailed(failed, f"engine step failed: {e!r}"))
             return
         self._send_outputs(outputs)
 
     def _send_partial(self, outputs) -> None:
-        self._send(RPCStepOutputs(list(outputs)))
+        self._send(RPCStepOutputs([self.encoder.encode(output) for output in outputs]))
 
     def _send_outputs(self, outputs) -> None:
         for output in outputs:
             if output.finished:
                 self.request_ids.discard(output.request_id)
         stats, self.stats.pending = self.stats.pending, []
-        self._send(RPCStepOutputs(list(outputs), stats))
+        self._send(RPCStepOutputs([self.encoder.encode(output) for output in outputs], stats))
 
     def _send(self, message) -> None:
         self.output_socket.send_pyobj(message)
