@@ -101,7 +101,8 @@ def test_issue15_smoke_end_to_end(tmp_path):
     for name in ("serving", "serving-inproc"):  # the engine in its own process, and in the server's
         serving = rows[name]
         assert serving["tokens_checked"] and serving["completed"] == serving["num_requests"] == 4
-        assert serving["streamed_chunks"] == serving["output_tokens"]  # token by token
+        # Token by token unless the server fell behind its engine (then a chunk carries several).
+        assert serving["num_requests"] < serving["streamed_chunks"] <= serving["output_tokens"]
         assert serving["output_tokens_per_s"] > 0
     assert "--disable-frontend-multiprocessing" in rows["serving-inproc"]["server_cmd"]
     assert "--disable-frontend-multiprocessing" not in rows["serving"]["server_cmd"]

@@ -21,6 +21,7 @@ tokens of ONE request as they arrive. This module connects the two:
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 import time
@@ -51,29 +52,53 @@ class EngineStepError(RuntimeError):
 class AsyncStream:
     """The outputs of one request on their way from the engine loop to one caller.
 
-    Only the event-loop thread touches it, so a plain `asyncio.Queue` suffices.
+    Only the event-loop thread touches it, so a deque and an `asyncio.Event` suffice.
+
+    With `merge_when_behind`, a caller that falls behind (outputs queued up while it was busy,
+    e.g. a server writing hundreds of streams) gets only the newest output of the queue:
+    outputs are cumulative, so it says everything the skipped ones said, and the caller catches
+    up in one chunk instead of one per step (vLLM v1's `RequestOutputCollector` merges the same
+    way). A caller that keeps up still sees every step. The engine-process client merges; this
+    module's in-process loop does not (its step thread and its callers share one GIL, so they
+    take turns anyway, and its tests check every step arrives).
     """
 
-    def __init__(self, request_id: str, on_cancel) -> None:
+    def __init__(self, request_id: str, on_cancel, merge_when_behind: bool = False) -> None:
         self.request_id = request_id
         self.finished = False
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.merge_when_behind = merge_when_behind
+        self._items: collections.deque = collections.deque()
+        self._ready = asyncio.Event()
         self._on_cancel = on_cancel
 
     def put(self, output: RequestOutput) -> None:
         if not self.finished:
-            self._queue.put_nowait(output)
+            self._items.append(output)
+            self._ready.set()
 
     def finish(self, exception: BaseException | None = None) -> None:
         """End the stream; a pending `exception` is raised to the caller after the outputs."""
         if not self.finished:
             self.finished = True
-            self._queue.put_nowait(_STREAM_END if exception is None else exception)
+            self._items.append(_STREAM_END if exception is None else exception)
+            self._ready.set()
+
+    def _next_item(self):
+        """The oldest item (merging: or the newest of a run of queued outputs, which are cumulative)."""
+        item = self._items.popleft()
+        while (self.merge_when_behind and isinstance(item, RequestOutput) and self._items
+               and isinstance(self._items[0], RequestOutput)):
+            item = self._items.popleft()
+        return item
 
     async def generator(self) -> AsyncIterator[RequestOutput]:
         try:
             while True:
-                item = await self._queue.get()
+                if not self._items:
+                    self._ready.clear()
+                    await self._ready.wait()
+                    continue
+                item = self._next_item()
                 if item is _STREAM_END:
                     return
                 if isinstance(item, BaseException):

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from minivllm.engine.async_llm_engine import AsyncLLMEngine, AsyncStream, EngineStepError
 from minivllm.sampling_params import SamplingParams
 
 PROMPT = "ROMEO:"
@@ -223,3 +223,24 @@ def test_streaming_with_multi_step_stays_token_by_token_and_matches_single_step(
         assert all_blocks_free(multi)
     finally:
         multi.shutdown()
+
+
+def test_a_merging_stream_hands_a_reader_that_fell_behind_only_the_newest_output():
+    from minivllm.outputs import CompletionOutput, RequestOutput
+
+    def cumulative(n: int) -> RequestOutput:
+        return RequestOutput("r", None, [1], None, [CompletionOutput(0, "x" * n, [7] * n, None, None)], False)
+
+    async def body(merge: bool):
+        stream = AsyncStream("r", on_cancel=lambda _: None, merge_when_behind=merge)
+        reader = stream.generator()
+        stream.put(cumulative(1))
+        first = await reader.__anext__()  # kept up: one output
+        for n in (2, 3, 4):  # fell behind by three steps
+            stream.put(cumulative(n))
+        stream.finish()
+        return [first] + [output async for output in reader]
+
+    merged, every = asyncio.run(body(True)), asyncio.run(body(False))
+    assert [len(o.outputs[0].token_ids) for o in merged] == [1, 4]  # caught up in one chunk
+    assert [len(o.outputs[0].token_ids) for o in every] == [1, 2, 3, 4]

@@ -169,6 +169,9 @@ class MQLLMEngineClient:
                     self._check_alive()
                     continue
                 self._handle(await self._output_socket.recv_pyobj())
+                # Let the streams' readers take these outputs before the next message: they
+                # then see every step unless they really are behind (then they merge).
+                await asyncio.sleep(0)
         except MQEngineDeadError as e:
             logger.error("%s", e)
             self._fail_everything(e)
@@ -231,7 +234,8 @@ class MQLLMEngineClient:
         self._check_alive()
         if request_id in self.streams:
             raise ValueError(f"request {request_id!r} already exists.")
-        stream = AsyncStream(request_id, on_cancel=self._abort_now)
+        # A stream whose reader falls behind (a busy server) gets the newest output only.
+        stream = AsyncStream(request_id, on_cancel=self._abort_now, merge_when_behind=True)
         accepted = asyncio.get_running_loop().create_future()
         self.streams[request_id], self._accepting[request_id] = stream, accepted
         self.input_socket.send_pyobj(RPCProcessRequest(
