@@ -168,9 +168,11 @@ class MQLLMEngineClient:
                 if not await self._output_socket.poll(POLLING_TIMEOUT_MS):
                     self._check_alive()
                     continue
-                self._handle(await self._output_socket.recv_pyobj())
-                # Let the streams' readers take these outputs before the next message: they
-                # then see every step unless they really are behind (then they merge).
+                # Everything that has arrived, then let the streams' readers run: a reader that
+                # keeps up sees every step; behind a backlog (this process is the bottleneck)
+                # its stream merges the queued outputs into one (AsyncStream).
+                while await self._output_socket.poll(0):
+                    self._handle(await self._output_socket.recv_pyobj())
                 await asyncio.sleep(0)
         except MQEngineDeadError as e:
             logger.error("%s", e)
