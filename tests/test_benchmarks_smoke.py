@@ -106,12 +106,13 @@ def test_issue15_smoke_end_to_end(tmp_path):
         assert serving["output_tokens_per_s"] > 0
     assert "--disable-frontend-multiprocessing" in rows["serving-inproc"]["server_cmd"]
     assert "--disable-frontend-multiprocessing" not in rows["serving"]["server_cmd"]
+    assert rows["serving"]["client_processes"] == issue15.SERVING_CLIENT_PROCESSES > 1
 
     table = (tmp_path / "issue15.md").read_text()
     assert "nano-vllm bench.py" in table and "serving / offline" in table and "full batch (4 sequences" in table
 
 
-@pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb", "serving-inproc"])
+@pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb", "serving-inproc", "serving-1client"])
 def test_every_extra_row_is_labelled(name):
     row = next(row for row in issue15.ROWS if row.name == name)
     assert row.label and row.label != issue15.ROWS[0].label
