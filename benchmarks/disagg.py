@@ -21,6 +21,7 @@ Without `--model` it builds a random Llama (~1B parameters, the bundled tokenize
 folder: timings need a model whose prefill costs something, not meaningful text.
 
     python benchmarks/disagg.py                           # 2 GPUs
+    python benchmarks/disagg.py --fp32 --num-long 8 --interval 1   # 2 GPUs, a correctness run
     python benchmarks/disagg.py --device cpu --small      # a CPU smoke run of the harness
 """
 
@@ -43,8 +44,8 @@ import httpx
 from minivllm.bundled_models import resolve_model
 
 
-def build_random_llama(folder: Path, small: bool) -> str:
-    """A random-weight Llama with the bundled tokenizer (bf16 unless small)."""
+def build_random_llama(folder: Path, small: bool, fp32: bool = False) -> str:
+    """A random-weight Llama with the bundled tokenizer (bf16 unless small or fp32)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -55,7 +56,7 @@ def build_random_llama(folder: Path, small: bool) -> str:
     config = LlamaConfig(vocab_size=vocab, num_attention_heads=16 if not small else 4, num_key_value_heads=4,
                          max_position_embeddings=4096, architectures=["LlamaForCausalLM"], **size)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(torch.float32 if small else torch.bfloat16)
+    model = LlamaForCausalLM(config).to(torch.float32 if small or fp32 else torch.bfloat16)
     model.save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(Path(bundled) / name, folder / name)
@@ -167,6 +168,8 @@ def main() -> None:
     parser.add_argument("--model", default=None, help="a checkpoint folder (default: a random ~1B Llama)")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--small", action="store_true", help="tiny sizes, for a CPU smoke run")
+    parser.add_argument("--fp32", action="store_true",
+                        help="the model in fp32: the long requests' texts must then match exactly (no bf16 near-ties)")
     parser.add_argument("--num-decodes", type=int, default=16)
     parser.add_argument("--decode-tokens", type=int, default=256)
     parser.add_argument("--num-long", type=int, default=8)
@@ -179,7 +182,7 @@ def main() -> None:
         args.interval = args.warmup = 0.2
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        model = args.model or build_random_llama(work / "model", args.small)
+        model = args.model or build_random_llama(work / "model", args.small, args.fp32)
         results = {name: run_setup(name, model, args, work) for name in ("single", "split")}
     # Correctness beside the timing: the long requests' greedy text, split against single (in
     # bf16 a prefill over loaded KV may still break a near-tie differently; the fraction says).
