@@ -131,7 +131,8 @@ def kv_transfer_gauges(url: str) -> dict[str, float]:
 
 def run_setup(name: str, model: str, args, work: Path) -> dict:
     engine = ["--model", model, "--device", args.device, "--served-model-name", "m", "--max-model-len",
-              str(args.long_prompt + 64), "--uvicorn-log-level", "warning"]
+              str(args.long_prompt + 64), "--uvicorn-log-level", "warning"] + \
+        (["--dtype", "float32"] if args.fp32 else [])  # "auto" would serve an fp32 checkpoint in bf16
     kv = lambda role: json.dumps({"kv_connector": "SharedStorageConnector", "kv_role": role,  # noqa: E731
                                   "kv_connector_extra_config": {"shared_storage_path": str(work / "kv")}})
     gpu = lambda i: None if args.device == "cpu" else str(i)  # noqa: E731
