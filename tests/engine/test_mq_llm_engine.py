@@ -170,3 +170,13 @@ def test_shutdown_stops_the_engine_process_and_removes_its_sockets():
 def test_bad_engine_arguments_raise_here_before_any_process_starts():
     with pytest.raises(ValueError):
         MQLLMEngineClient.from_engine_args(EngineArgs(**{**ARGS, "max_num_seqs": 0}))
+
+
+def test_rpcs_between_steps_return_results_and_raise_the_engines_errors(client):
+    from minivllm.lora.request import LoRARequest
+
+    assert client.remove_lora(7) is False  # answered by the engine process: it knows no adapter 7
+    with pytest.raises(ValueError, match="enable_lora"):  # the engine's own ValueError, raised here
+        client.add_lora(LoRARequest("sql", 1, "/nowhere"))
+    outputs = run(client, collect(client, "after-rpc", PROMPTS[0]))  # the engine went on
+    assert outputs[-1].finished

@@ -19,6 +19,7 @@ travel as deltas (`deltas.py`). Detokenizing stays in the engine process, as in 
 
 from __future__ import annotations
 
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +31,11 @@ IPC_OUTPUT_EXT = "_output_socket"
 IPC_RPC_EXT = "_rpc_socket"
 # How often a waiting side checks that the other process is still alive.
 POLLING_TIMEOUT_MS = 1000
+
+
+def remove_ipc_dir(ipc_path: str) -> None:
+    """Delete the folder of the sockets' files (both sides call it: whoever exits last wins)."""
+    shutil.rmtree(ipc_path.removeprefix("ipc://").rsplit("/", 1)[0], ignore_errors=True)
 
 
 class MQEngineDeadError(EngineStepError):

@@ -18,7 +18,6 @@ import asyncio
 import contextlib
 import logging
 import multiprocessing
-import shutil
 import tempfile
 import threading
 import time
@@ -35,7 +34,7 @@ from minivllm.engine.metrics import StatLoggerBase
 from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT, POLLING_TIMEOUT_MS,
                                              MQEngineDeadError, RPCAbortRequest, RPCError, RPCProcessRequest,
                                              RPCRequestAccepted, RPCShutdownRequest, RPCStartupRequest,
-                                             RPCStepFailed, RPCStepOutputs, RPCUtilityRequest)
+                                             RPCStepFailed, RPCStepOutputs, RPCUtilityRequest, remove_ipc_dir)
 from minivllm.engine.multiprocessing.deltas import OutputDeltaDecoder
 from minivllm.engine.multiprocessing.engine import run_mp_engine
 from minivllm.outputs import RequestOutput
@@ -93,7 +92,7 @@ class MQLLMEngineClient:
             return cls(ipc_path, process)
         except BaseException:
             _stop_process(process)
-            _remove_ipc_dir(ipc_path)
+            remove_ipc_dir(ipc_path)
             raise
 
     def _connect(self, ctx: zmq.Context, kind: int, suffix: str) -> zmq.Socket:
@@ -296,7 +295,7 @@ class MQLLMEngineClient:
         _stop_process(self.process)
         self._dead = self._dead or "the engine was shut down"
         self.ctx.destroy(linger=0)
-        _remove_ipc_dir(self.ipc_path)
+        remove_ipc_dir(self.ipc_path)
 
 
 def _stop_process(process: multiprocessing.Process) -> None:
@@ -307,7 +306,3 @@ def _stop_process(process: multiprocessing.Process) -> None:
     if process.is_alive():
         process.kill()
         process.join()
-
-
-def _remove_ipc_dir(ipc_path: str) -> None:
-    shutil.rmtree(ipc_path.removeprefix("ipc://").rsplit("/", 1)[0], ignore_errors=True)

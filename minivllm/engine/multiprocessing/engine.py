@@ -21,7 +21,7 @@ from minivllm.engine.metrics import StatLoggerBase, Stats
 from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT, POLLING_TIMEOUT_MS,
                                              RPCAbortRequest, RPCError, RPCProcessRequest, RPCRequestAccepted,
                                              RPCResponse, RPCShutdownRequest, RPCStartupRequest, RPCStepFailed,
-                                             RPCStepOutputs, RPCUtilityRequest)
+                                             RPCStepOutputs, RPCUtilityRequest, remove_ipc_dir)
 from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder
 
 logger = logging.getLogger(__name__)
@@ -45,6 +45,7 @@ class MQLLMEngine:
 
     def __init__(self, engine: LLMEngine, ipc_path: str) -> None:
         self.engine = engine
+        self.ipc_path = ipc_path
         self.stats = _StatsCollector()
         engine.add_logger("mq_client", self.stats)
         self.ctx = zmq.Context()
@@ -155,6 +156,9 @@ class MQLLMEngine:
     def close(self) -> None:
         self.engine.shutdown()
         self.ctx.destroy(linger=0)
+        # The server may not have: uvicorn re-raises SIGTERM once it has shut down, which ends
+        # the server's process before its own clean-up (we then leave on the parent check).
+        remove_ipc_dir(self.ipc_path)
 
 
 def _parent_alive() -> bool:
