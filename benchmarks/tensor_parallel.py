@@ -4,8 +4,9 @@ Two measurements, each system in its own process (so one's GPU memory never limi
 
     throughput     nano-vllm's offline workload (the one benchmarks/throughput.py builds: 256
                    requests, prompts of 100-1024 random token ids, 100-1024 new tokens each,
-                   EOS ignored, greedy), output tokens per second, every request checked to
-                   get exactly its max_tokens
+                   EOS ignored, temperature 0.6 as nano-vllm's bench.py samples;
+                   `--temperature 0` for the greedy rows of earlier runs), output tokens per
+                   second, every request checked to get exactly its max_tokens
     batch-1 decode one request with a 1024-token prompt; wall time per output token over
                    32 LLMEngine.step() calls after a warm-up (CUDA graphs on: at TP=2 the
                    graph holds the two all-reduces of every layer)
@@ -51,7 +52,7 @@ TARGET_DECODE_RATIO, TARGET_THROUGHPUT_RATIO = 0.6, 1.5
 
 
 def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
-                   steps: int) -> tuple[dict, Callable[[], None]]:
+                   steps: int, temperature: float) -> tuple[dict, Callable[[], None]]:
     from minivllm import LLM, SamplingParams
 
     prompts, max_tokens = throughput.make_workload(num_seqs)
@@ -63,14 +64,17 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
               num_scheduler_steps=steps)
     startup_s = time.perf_counter() - start
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    warmup = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS, detokenize=False)
+    warmup = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS,
+                            detokenize=False)
     llm.generate(inputs[: throughput.WARMUP_REQUESTS], warmup, use_tqdm=False)
-    params = [SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=m, detokenize=False) for m in max_tokens]
+    params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, detokenize=False)
+              for m in max_tokens]
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
-    result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks)
+    result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks,
+                  temperature=temperature)
     return result, llm.llm_engine.shutdown
 
 
@@ -108,7 +112,8 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
 def run_one(args) -> int:
     ckpt = Path(args.ckpt)
     if args.kind == "throughput":
-        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps)
+        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps,
+                                          args.temperature)
     else:
         profile = Path(args.profile_dir) / f"profile_batch1_tp{args.tp}.txt" if args.profile_dir else None
         result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps, profile)
@@ -132,12 +137,14 @@ def run_all(args) -> int:
     ckpt = throughput.build_checkpoint(MODEL, tmp, "cuda")
     report = {"environment": throughput._environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
               "cuda_graphs": not args.enforce_eager, "num_scheduler_steps": args.num_scheduler_steps,
+              "temperature": args.temperature,
               "nccl_env": NCCL_ENV, "results": {}}
     for kind in args.kinds:
         for tp in TP_SIZES:
             result_file = tmp / f"{kind}-tp{tp}.json"
             cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
                    "--result", str(result_file), "--num-seqs", str(args.num_seqs),
+                   "--temperature", str(args.temperature),
                    *(["--num-scheduler-steps", str(args.num_scheduler_steps)] if args.num_scheduler_steps else []),
                    *(["--enforce-eager"] if args.enforce_eager else []),
                    *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
@@ -180,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,
                         help="for both TP sizes (default: the engine's, 8 on a GPU with CUDA graphs)")
+    parser.add_argument("--temperature", type=float, default=0.6,
+                        help="throughput: sampling temperature (default: nano-vllm bench.py's 0.6; 0: greedy)")
     parser.add_argument("--kinds", nargs="+", default=["decode", "throughput"], choices=("decode", "throughput"),
                         help="which measurements `all` runs")
     parser.add_argument("--profile-dir", default=None,
