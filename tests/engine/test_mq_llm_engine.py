@@ -94,7 +94,7 @@ def test_a_rejected_request_fails_only_its_caller(client):
     too_long, outputs = run(client, body())
     assert too_long[-1].finished and "max_model_len" in too_long[-1].outputs[0].finish_message
     assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference(PROMPTS[:1])[0].token_ids
-    assert "bad" not in client.streams and "long" not in client.streams
+    assert not client.streams and not client._wire_ids  # nothing left behind, rejected or finished
 
 
 def test_abort_ends_the_stream_and_the_engine_returns_every_block(client):
@@ -179,4 +179,30 @@ def test_rpcs_between_steps_return_results_and_raise_the_engines_errors(client):
     with pytest.raises(ValueError, match="enable_lora"):  # the engine's own ValueError, raised here
         client.add_lora(LoRARequest("sql", 1, "/nowhere"))
     outputs = run(client, collect(client, "after-rpc", PROMPTS[0]))  # the engine went on
+    assert outputs[-1].finished
+
+
+def test_a_reused_request_id_never_sees_the_aborted_requests_outputs(client):
+    async def body():
+        first = await client.add_request("same", PROMPTS[1], LONG)
+        await client.abort("same")  # outputs of this one may still be on their way
+        second = await collect(client, "same", PROMPTS[0])
+        return [o async for o in first.generator()], second
+
+    leftovers, outputs = run(client, body())
+    assert leftovers == [] or not leftovers[-1].finished
+    assert outputs[-1].request_id == "same"  # the caller's id, not the wire's
+    assert outputs[-1].outputs[0].token_ids == reference(PROMPTS[:1])[0].token_ids
+
+
+def test_stopping_the_loop_fails_the_requests_in_flight(client):
+    async def body():
+        stream = await client.add_request("cut", PROMPTS[2], LONG)
+        await client.stop_background_loop()
+        with pytest.raises(EngineStepError, match="stopped"):
+            async for _ in stream.generator():
+                pass
+        return await collect(client, "next-loop", PROMPTS[0])  # a new loop serves again
+
+    outputs = run(client, body())
     assert outputs[-1].finished

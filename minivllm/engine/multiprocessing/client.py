@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import multiprocessing
 import tempfile
@@ -68,7 +69,11 @@ class MQLLMEngineClient:
         self.rpc_socket = self._connect(self.ctx, zmq.REQ, IPC_RPC_EXT)
         self._rpc_lock = threading.Lock()  # one RPC at a time on the REQ socket
         self.stat_loggers: dict[str, StatLoggerBase] = {}
+        # Keyed by wire id: the caller's request id plus a number, unique for this client's life,
+        # so that a late output of an aborted request never reaches a new one reusing its id.
         self.streams: dict[str, AsyncStream] = {}
+        self._wire_ids: dict[str, str] = {}  # the caller's request id -> its wire id
+        self._next_wire_number = itertools.count()
         self._accepting: dict[str, asyncio.Future] = {}
         self.decoder = OutputDeltaDecoder()  # outputs arrive as deltas (deltas.py)
         self._loop_task: asyncio.Task | None = None
@@ -113,6 +118,9 @@ class MQLLMEngineClient:
             while not self.rpc_socket.poll(POLLING_TIMEOUT_MS):
                 self._check_alive()
                 if time.monotonic() > deadline:
+                    # A REQ socket that sent and got no answer accepts no new request: replace it.
+                    self.rpc_socket.close()
+                    self.rpc_socket = self._connect(self.ctx, zmq.REQ, IPC_RPC_EXT)
                     raise TimeoutError(f"the engine process did not answer {type(request).__name__} "
                                        f"within {timeout_s:.0f} s")
             response = self.rpc_socket.recv_pyobj()
@@ -145,21 +153,31 @@ class MQLLMEngineClient:
         """Start reading outputs on the running event loop (done lazily by the first request)."""
         if self.is_running:
             return
+        self._close_output_socket()
         # An asyncio socket belongs to one event loop: a new one for each loop that serves.
         self.actx = zmq.asyncio.Context()
         self._output_socket = self._connect(self.actx, zmq.PULL, IPC_OUTPUT_EXT)
         self._loop_task = asyncio.get_running_loop().create_task(self._run_output_loop())
 
     async def stop_background_loop(self) -> None:
-        """Abort every request in flight and stop reading outputs."""
+        """Abort every request in flight (their callers get `EngineStepError`, as from
+        `AsyncLLMEngine`) and stop reading outputs."""
         if not self.is_running:
             return
-        await self.abort(list(self.streams))
+        aborted = list(self.streams)
+        self._fail_everything(EngineStepError("the engine loop was stopped."))
+        if aborted and self._dead is None:
+            self.input_socket.send_pyobj(RPCAbortRequest(aborted))
         self._loop_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._loop_task
-        self._output_socket.close()
-        self.actx.term()
+        self._close_output_socket()
+
+    def _close_output_socket(self) -> None:
+        if self._output_socket is not None:
+            self._output_socket.close()
+            self.actx.term()
+            self._output_socket = None
 
     async def _run_output_loop(self) -> None:
         try:
@@ -176,6 +194,10 @@ class MQLLMEngineClient:
         except MQEngineDeadError as e:
             logger.error("%s", e)
             self._fail_everything(e)
+        except Exception as e:  # never die silently: every caller would wait forever
+            logger.exception("the engine client's output loop failed")
+            self._dead = f"the engine client's output loop failed: {e!r}"
+            self._fail_everything(MQEngineDeadError(self._dead))
 
     def _handle(self, message) -> None:
         if isinstance(message, RPCStepOutputs):
@@ -187,23 +209,23 @@ class MQLLMEngineClient:
         elif isinstance(message, RPCRequestAccepted):
             self._settle(message.request_id, None)
         elif isinstance(message, RPCError):
-            self.streams.pop(message.request_id, None)
+            self._end_stream(message.request_id)
             self._settle(message.request_id, message.exception)
         elif isinstance(message, RPCStepFailed):
             for request_id in message.request_ids:
                 self._end_stream(request_id, EngineStepError(message.message))
 
     def _deliver(self, wire) -> None:
-        request_id = wire[0]
-        stream = self.streams.get(request_id)
+        wire_id = wire[0]
+        stream = self.streams.get(wire_id)
         if stream is None:  # aborted here while the engine ran its step
-            self.decoder.forget(request_id)
+            self.decoder.forget(wire_id)
             return
         output = self.decoder.decode(wire)
+        output.request_id = stream.request_id  # the caller's id, not the wire's
         stream.put(output)
         if output.finished:
-            del self.streams[output.request_id]
-            stream.finish()
+            self._end_stream(wire_id)
 
     def _settle(self, request_id: str, exception: BaseException | None) -> None:
         future = self._accepting.pop(request_id, None)
@@ -214,10 +236,11 @@ class MQLLMEngineClient:
         else:
             future.set_exception(exception)
 
-    def _end_stream(self, request_id: str, exception: BaseException | None = None) -> None:
-        self.decoder.forget(request_id)
-        stream = self.streams.pop(request_id, None)
+    def _end_stream(self, wire_id: str, exception: BaseException | None = None) -> None:
+        self.decoder.forget(wire_id)
+        stream = self.streams.pop(wire_id, None)
         if stream is not None:
+            self._wire_ids.pop(stream.request_id, None)
             stream.finish(exception)
 
     def _fail_everything(self, error: BaseException) -> None:
@@ -231,16 +254,18 @@ class MQLLMEngineClient:
                           arrival_time: float | None = None, priority: int = 0,
                           lora_request: Any = None) -> AsyncStream:
         """Send a request and wait until the engine has accepted it (its errors raise here)."""
-        self.start_background_loop()
         self._check_alive()
-        if request_id in self.streams:
+        self.start_background_loop()
+        if request_id in self._wire_ids:
             raise ValueError(f"request {request_id!r} already exists.")
+        wire_id = f"{request_id}#{next(self._next_wire_number)}"
         # A stream whose reader falls behind (a busy server) gets the newest output only.
         stream = AsyncStream(request_id, on_cancel=self._abort_now, merge_when_behind=True)
         accepted = asyncio.get_running_loop().create_future()
-        self.streams[request_id], self._accepting[request_id] = stream, accepted
+        self._wire_ids[request_id] = wire_id
+        self.streams[wire_id], self._accepting[wire_id] = stream, accepted
         self.input_socket.send_pyobj(RPCProcessRequest(
-            request_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time,
+            wire_id, prompt, params, time.monotonic() if arrival_time is None else arrival_time,
             priority, lora_request))
         try:
             await accepted
@@ -258,16 +283,20 @@ class MQLLMEngineClient:
                 yield output
 
     async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Abort requests: their streams end now, the engine frees their blocks before its next step."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in request_ids:
-            self._end_stream(rid)
-        if request_ids and self._dead is None:
-            self.input_socket.send_pyobj(RPCAbortRequest(request_ids))
+            self._abort_now(rid)
 
     def _abort_now(self, request_id: str) -> None:
-        self._end_stream(request_id)
+        wire_id = self._wire_ids.get(request_id)
+        if wire_id is None:
+            return  # finished or aborted already
+        self._end_stream(wire_id)
+        # A caller still waiting for the engine to accept it hears that it was aborted.
+        self._settle(wire_id, EngineStepError(f"request {request_id!r} was aborted."))
         if self._dead is None:
-            self.input_socket.send_pyobj(RPCAbortRequest([request_id]))
+            self.input_socket.send_pyobj(RPCAbortRequest([wire_id]))
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -4,7 +4,8 @@ Mirrors `vllm/engine/multiprocessing/engine.py` (v0.6). The loop is `AsyncLLMEng
 without asyncio: between two steps, take every queued add and abort from the input socket and
 answer RPCs; step while there is work; send each step's outputs (and a multi-step run's partial
 outputs as they come, so streams stay token by token) with the step's `Stats`. With nothing to
-do it sleeps in `poll`, waking every second to exit if the API server's process has died.
+do it sleeps in `poll`, waking every second to exit if the API server's process has died (a
+send waits at most 2 s for a reader, so a dead server is always noticed).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import signal
+import time
 
 import zmq
 
@@ -26,6 +28,8 @@ from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder
 
 logger = logging.getLogger(__name__)
 
+# How long a message waits for a client to read the output socket before it is dropped.
+_READER_WAIT_S = 2.0
 # The LLMEngine methods a client may call between steps.
 _UTILITY_METHODS = ("add_lora", "remove_lora")
 
@@ -58,7 +62,7 @@ class MQLLMEngine:
 
     def _bind(self, kind: int, address: str) -> zmq.Socket:
         socket = self.ctx.socket(kind)
-        socket.setsockopt(zmq.SNDHWM, 0)  # no limit: an output is never dropped for being queued
+        socket.setsockopt(zmq.SNDHWM, 0)  # no limit: a slow reader queues outputs, loses none
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
         socket.bind(address)
@@ -151,6 +155,14 @@ class MQLLMEngine:
         self._send(RPCStepOutputs([self.encoder.encode(output) for output in outputs], stats))
 
     def _send(self, message) -> None:
+        """Send, unless no client reads: a PUSH socket without a peer would block for ever
+        (between two serving loops of the client, or after the server died). A reader that is
+        just connecting gets `_READER_WAIT_S`; then the message is dropped (nobody waits for it)."""
+        deadline = time.monotonic() + _READER_WAIT_S
+        while not self.output_socket.poll(50, zmq.POLLOUT):
+            if time.monotonic() > deadline or not _parent_alive():
+                logger.debug("no client reads the outputs: dropped %s", type(message).__name__)
+                return
         self.output_socket.send_pyobj(message)
 
     def close(self) -> None:
