@@ -25,13 +25,14 @@ import collections
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.protocol import EngineClient
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -52,21 +53,14 @@ class EngineStepError(RuntimeError):
 class AsyncStream:
     """The outputs of one request on their way from the engine loop to one caller.
 
-    Only the event-loop thread touches it, so a deque and an `asyncio.Event` suffice.
-
-    With `merge_when_behind`, a caller that falls behind (outputs queued up while it was busy,
-    e.g. a server writing hundreds of streams) gets only the newest output of the queue:
-    outputs are cumulative, so it says everything the skipped ones said, and the caller catches
-    up in one chunk instead of one per step (vLLM v1's `RequestOutputCollector` merges the same
-    way). A caller that keeps up still sees every step. The engine-process client merges; this
-    module's in-process loop does not (its step thread and its callers share one GIL, so they
-    take turns anyway, and its tests check every step arrives).
+    Only the event-loop thread touches it, so a deque and an `asyncio.Event` suffice. The
+    caller gets every output, one per step (`MergingAsyncStream`, the engine-process client's,
+    merges when its caller falls behind).
     """
 
-    def __init__(self, request_id: str, on_cancel, merge_when_behind: bool = False) -> None:
+    def __init__(self, request_id: str, on_cancel) -> None:
         self.request_id = request_id
         self.finished = False
-        self.merge_when_behind = merge_when_behind
         self._items: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._on_cancel = on_cancel
@@ -84,12 +78,8 @@ class AsyncStream:
             self._ready.set()
 
     def _next_item(self):
-        """The oldest item (merging: or the newest of a run of queued outputs, which are cumulative)."""
-        item = self._items.popleft()
-        while (self.merge_when_behind and isinstance(item, RequestOutput) and self._items
-               and isinstance(self._items[0], RequestOutput)):
-            item = self._items.popleft()
-        return item
+        """The oldest queued item: an output, the end marker or an exception."""
+        return self._items.popleft()
 
     async def generator(self) -> AsyncIterator[RequestOutput]:
         try:
@@ -169,7 +159,7 @@ class RequestTracker:
         return bool(self._new_requests or self._aborted)
 
 
-class AsyncLLMEngine:
+class AsyncLLMEngine(EngineClient):
     """An `LLMEngine` behind a background step loop, for asyncio callers.
 
     Example:
@@ -339,31 +329,6 @@ class AsyncLLMEngine:
         except asyncio.CancelledError:
             self._abort_now(request_id)
             raise
-
-    async def generate(
-        self,
-        prompt: str | dict[str, Any],
-        sampling_params: SamplingParams,
-        request_id: str,
-        priority: int = 0,
-    ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's `RequestOutput` after every step that advanced it.
-
-        Text is cumulative, as in `LLMEngine.step`: each output holds everything so far.
-        Leaving the loop early (break, cancellation, a dropped client) aborts the request.
-        """
-        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
-        # aclosing: if our caller stops early, the stream's generator is closed right away,
-        # and its `finally` aborts the request (no waiting for the garbage collector).
-        async with contextlib.aclosing(stream.generator()) as outputs:
-            async for output in outputs:
-                yield output
-
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests: their streams end now, the engine frees their blocks before its next step."""
-        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in request_ids:
-            self._abort_now(rid)
 
     def _abort_now(self, request_id: str) -> None:
         if self._tracker is not None:

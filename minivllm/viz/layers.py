@@ -109,6 +109,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.engine": "vllm/engine/",
     "minivllm.engine.llm_engine": "vllm/engine/llm_engine.py",
     "minivllm.engine.async_llm_engine": "vllm/engine/async_llm_engine.py",
+    "minivllm.engine.protocol": "vllm/engine/protocol.py",
     "minivllm.engine.multiprocessing": "vllm/engine/multiprocessing/__init__.py",
     "minivllm.engine.multiprocessing.engine": "vllm/engine/multiprocessing/engine.py",
     "minivllm.engine.multiprocessing.client": "vllm/engine/multiprocessing/client.py",

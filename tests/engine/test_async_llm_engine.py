@@ -226,13 +226,15 @@ def test_streaming_with_multi_step_stays_token_by_token_and_matches_single_step(
 
 
 def test_a_merging_stream_hands_a_reader_that_fell_behind_only_the_newest_output():
+    from minivllm.engine.multiprocessing.client import MergingAsyncStream
     from minivllm.outputs import CompletionOutput, RequestOutput
 
     def cumulative(n: int) -> RequestOutput:
         return RequestOutput("r", None, [1], None, [CompletionOutput(0, "x" * n, [7] * n, None, None)], False)
 
     async def body(merge: bool):
-        stream = AsyncStream("r", on_cancel=lambda _: None, merge_when_behind=merge)
+        stream_class = MergingAsyncStream if merge else AsyncStream
+        stream = stream_class("r", on_cancel=lambda _: None)
         reader = stream.generator()
         stream.put(cumulative(1))
         first = await reader.__anext__()  # kept up: one output

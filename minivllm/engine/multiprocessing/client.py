@@ -22,7 +22,6 @@ import multiprocessing
 import tempfile
 import threading
 import time
-from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import zmq
@@ -38,6 +37,7 @@ from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_
                                              RPCStepFailed, RPCStepOutputs, RPCUtilityRequest, remove_ipc_dir)
 from minivllm.engine.multiprocessing.deltas import OutputDeltaDecoder
 from minivllm.engine.multiprocessing.engine import run_mp_engine
+from minivllm.engine.protocol import EngineClient
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -51,7 +51,23 @@ RPC_TIMEOUT_S = 120.0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
-class MQLLMEngineClient:
+class MergingAsyncStream(AsyncStream):
+    """A stream whose caller, if it falls behind (outputs queued up while it was busy, e.g. a
+    server writing hundreds of streams), gets only the newest of the queued outputs: they are
+    cumulative, so it says everything the skipped ones said, and the caller catches up in one
+    chunk instead of one per step (vLLM v1's `RequestOutputCollector` merges the same way). A
+    caller that keeps up still sees every step. (`AsyncLLMEngine` does not merge: its step
+    thread and its callers share one GIL and take turns anyway, and its tests check that
+    every step arrives.)"""
+
+    def _next_item(self):
+        item = self._items.popleft()
+        while isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
+            item = self._items.popleft()
+        return item
+
+
+class MQLLMEngineClient(EngineClient):
     """Talks to an engine process started by `from_engine_args`.
 
     Example:
@@ -260,7 +276,7 @@ class MQLLMEngineClient:
             raise ValueError(f"request {request_id!r} already exists.")
         wire_id = f"{request_id}#{next(self._next_wire_number)}"
         # A stream whose reader falls behind (a busy server) gets the newest output only.
-        stream = AsyncStream(request_id, on_cancel=self._abort_now, merge_when_behind=True)
+        stream = MergingAsyncStream(request_id, on_cancel=self._abort_now)
         accepted = asyncio.get_running_loop().create_future()
         self._wire_ids[request_id] = wire_id
         self.streams[wire_id], self._accepting[wire_id] = stream, accepted
@@ -273,20 +289,6 @@ class MQLLMEngineClient:
             self._abort_now(request_id)
             raise
         return stream
-
-    async def generate(self, prompt: str | dict[str, Any], sampling_params: SamplingParams, request_id: str,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative `RequestOutput`s (as `AsyncLLMEngine.generate`)."""
-        stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)
-        async with contextlib.aclosing(stream.generator()) as outputs:
-            async for output in outputs:
-                yield output
-
-    async def abort(self, request_id: str | Iterable[str]) -> None:
-        """Abort requests: their streams end now, the engine frees their blocks before its next step."""
-        request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
-        for rid in request_ids:
-            self._abort_now(rid)
 
     def _abort_now(self, request_id: str) -> None:
         wire_id = self._wire_ids.get(request_id)

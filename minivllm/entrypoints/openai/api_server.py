@@ -1,4 +1,4 @@
-"""An OpenAI-compatible HTTP server over `AsyncLLMEngine` (FastAPI + uvicorn).
+"""An OpenAI-compatible HTTP server over an `EngineClient` (FastAPI + uvicorn): by default the engine in its own process, or `AsyncLLMEngine` in this one.
 
 Mirrors `vllm/entrypoints/openai/api_server.py` (v0, ~0.6). Routes:
 
@@ -54,6 +54,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import (
@@ -86,7 +87,7 @@ _OPEN_PATHS = ("/health",)
 
 
 def build_app(
-    engine: AsyncLLMEngine,
+    engine: EngineClient,
     served_model_name: str | list[str] | None = None,
     *,
     api_key: str | None = None,
@@ -140,7 +141,7 @@ def build_app(
     return app
 
 
-def _served_model_names(engine: AsyncLLMEngine, served_model_name: str | list[str] | None) -> list[str]:
+def _served_model_names(engine: EngineClient, served_model_name: str | list[str] | None) -> list[str]:
     if served_model_name is None:
         # A local checkpoint is named by its folder ("tiny-shakespeare"); a hub id as it is.
         model = engine.model_config.model
@@ -199,7 +200,7 @@ def _answer(result) -> Response:
     return StreamingResponse(result, media_type="text/event-stream")
 
 
-def _add_server_routes(app: FastAPI, engine: AsyncLLMEngine, stat_logger: PrometheusStatLogger) -> None:
+def _add_server_routes(app: FastAPI, engine: EngineClient, stat_logger: PrometheusStatLogger) -> None:
     @app.get("/health")
     async def health() -> Response:
         try:

@@ -19,7 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from minivllm.engine.async_llm_engine import AsyncLLMEngine, AsyncStream
+from minivllm.engine.async_llm_engine import AsyncStream
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequestMixin
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
 from minivllm.sampling_params import SamplingParams
@@ -75,7 +76,7 @@ class OpenAIServing:
     """The parts of request handling that do not depend on the endpoint."""
 
     def __init__(
-        self, engine: AsyncLLMEngine, served_model_names: list[str], max_prompts_per_request: int = 64,
+        self, engine: EngineClient, served_model_names: list[str], max_prompts_per_request: int = 64,
         models=None,
     ) -> None:
         self.engine = engine

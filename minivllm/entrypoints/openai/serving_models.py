@@ -22,7 +22,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from minivllm.engine.async_llm_engine import AsyncLLMEngine
+from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.protocol import ModelCard, ModelList
 from minivllm.entrypoints.openai.serving_engine import OpenAIError
 from minivllm.lora.request import LoRARequest
@@ -37,7 +37,7 @@ class LoRAModulePath:
 class OpenAIServingModels:
     """The served names: the base model's (`base_model_names`) and the adapters'."""
 
-    def __init__(self, engine: AsyncLLMEngine, base_model_names: list[str],
+    def __init__(self, engine: EngineClient, base_model_names: list[str],
                  lora_modules: list[LoRAModulePath] | None = None) -> None:
         self.engine = engine
         self.base_model_names = base_model_names
