@@ -301,6 +301,8 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
                   decode_steps_timed=steps, target_decode_ms=1.0)
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path)
+        result["host_profile"] = profile_host(engine, 2 if smoke else 3 * HOST_PROFILE_STEPS,
+                                              profile_path.with_name("profile_batch1_host.txt"))
     engine.abort_request("b1")
     engine.step()
 
@@ -360,10 +362,39 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dic
               "output_tok_s_while_decoding": round(batch * tokens / sum(times), 1)}
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path, label=f"at batch {batch}")
+        result["host_profile"] = profile_host(engine, 1 if smoke else HOST_PROFILE_STEPS,
+                                              profile_path.with_name("profile_full_batch_host.txt"))
     for i in range(len(prompts)):
         engine.abort_request(str(i))
     engine.step()
     return result
+
+
+HOST_PROFILE_STEPS = 4
+
+
+def profile_host(engine, steps: int, path: Path) -> dict:
+    """cProfile over `steps` engine steps: the host's Python, by own time (what the GPU waits
+    for between multi-step runs is in here: scheduling, batch building, output processing)."""
+    import cProfile
+    import io
+    import pstats
+
+    profiler = cProfile.Profile()
+    start = time.perf_counter()
+    profiler.enable()
+    for _ in range(steps):
+        engine.step()
+    profiler.disable()
+    wall_ms = 1e3 * (time.perf_counter() - start)
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(40)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"cProfile over {steps} engine steps, {wall_ms:.1f} ms wall (profiler overhead included)\n"
+                    + text.getvalue())
+    return {"file": str(path), "steps": steps, "wall_ms": round(wall_ms, 1)}
 
 
 def profile_one_step(engine, seq, path: Path, label: str = "at batch 1") -> dict:

@@ -305,10 +305,23 @@ def _extra_lines(rows: dict, base: float | None) -> list[str]:
                      f"{full['ms_per_token_per_sequence']} ms per token, {full['output_tok_s_while_decoding']:,.0f} "
                      f"tok/s while decoding; profiled step: {profile.get('kernel_time_us', 0) / 1e3:.2f} ms of "
                      f"kernels in {profile.get('step_wall_ms')} ms wall ({profile.get('file')})")
+    for name, r in rows.items():
+        if r.get("timeline"):
+            lines += ["", f"where {name}'s run time goes (one record per engine step):", ""] + timeline_table(r["timeline"])
     for r in rows.get("prefill-attn", {}).get("rows", []):
         lines.append(f"\nprefill attention {r['batch']} x {r['seq_len']}: paged Triton {r['paged_triton_ms']} ms, "
                      f"SDPA flash {r['sdpa_flash_ms']} ms: {r['paged_speed_vs_sdpa']:.2f}x SDPA's speed "
                      f"(target >= 0.8)")
+    return lines
+
+
+def timeline_table(timeline: dict) -> list[str]:
+    lines = ["| phase | engine steps | seconds | share of time | output tokens | share of tokens | output tok/s |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for phase, t in timeline.items():
+        rate = f"{t['output_tok_s']:,.0f}" if t["output_tok_s"] else ""
+        lines.append(f"| {phase} | {t['steps']} | {t['seconds']} | {t['share_of_time']:.1%} | {t['output_tokens']:,} | "
+                     f"{t['share_of_tokens']:.1%} | {rate} |")
     return lines
 
 

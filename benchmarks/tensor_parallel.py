@@ -69,12 +69,14 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
     llm.generate(inputs[: throughput.WARMUP_REQUESTS], warmup, use_tqdm=False)
     params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, detokenize=False)
               for m in max_tokens]
+    timeline = throughput.StepTimeline()  # where each TP size's time goes: full batch, ramp-down, prefills
+    llm.llm_engine.add_logger("timeline", timeline)
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks,
-                  temperature=temperature)
+                  temperature=temperature, timeline=timeline.summary())
     return result, llm.llm_engine.shutdown
 
 

@@ -265,6 +265,50 @@ class ProgressLogger:
 PROGRESS_EVERY_S = 2.0
 
 
+class StepTimeline:
+    """Engine stat logger: where a whole run's wall time goes, step by step.
+
+    Each `step()` is one record: its wall time (from the previous step's end), the prompt
+    and output tokens it produced, and how many requests were running when it began. The
+    summary splits the run into prefill steps and decode steps bucketed by batch size, so
+    the full batch's rate, the ramp-down as requests finish, and the prefills each get
+    their seconds and tokens: the profile of a whole benchmark run, not of one step.
+    """
+
+    BUCKETS = ((224, "decode, 224-256 running"), (128, "decode, 128-223 running"), (32, "decode, 32-127 running"),
+               (8, "decode, 8-31 running"), (1, "decode, 1-7 running"))
+
+    def __init__(self) -> None:
+        self.last, self.running, self.steps = time.monotonic(), 0, []
+
+    def log(self, stats) -> None:
+        self.steps.append((stats.now - self.last, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter,
+                           self.running))
+        self.last, self.running = stats.now, stats.num_running_sys
+
+    def phase(self, prompt_tokens: int, running_before: int) -> str:
+        if prompt_tokens:
+            return "prefill steps"
+        return next(label for floor, label in self.BUCKETS if running_before >= floor)
+
+    def summary(self) -> dict:
+        """{phase: {"steps", "seconds", "share_of_time", "output_tokens", "share_of_tokens", "output_tok_s"}}."""
+        phases: dict[str, list] = {}
+        for seconds, prompt_tokens, output_tokens, running in self.steps:
+            totals = phases.setdefault(self.phase(prompt_tokens, running), [0, 0.0, 0, 0])
+            totals[0] += 1
+            totals[1] += seconds
+            totals[2] += output_tokens
+            totals[3] += prompt_tokens
+        all_s = sum(t[1] for t in phases.values()) or 1.0
+        all_tokens = sum(t[2] for t in phases.values()) or 1
+        order = ["prefill steps"] + [label for _, label in self.BUCKETS]
+        return {name: {"steps": t[0], "seconds": round(t[1], 3), "share_of_time": round(t[1] / all_s, 3),
+                       "output_tokens": t[2], "share_of_tokens": round(t[2] / all_tokens, 3),
+                       "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None}
+                for name, t in sorted(phases.items(), key=lambda kv: order.index(kv[0]))}
+
+
 def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:
     """One issue-15 row as nano-vllm's bench.py runs it: its engine arguments (model, dtype,
     max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
@@ -283,11 +327,14 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     _sync(device)
     if progress is not None:
         llm.llm_engine.add_logger("progress", ProgressLogger(progress))
+    timeline = StepTimeline()
+    llm.llm_engine.add_logger("timeline", timeline)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     elapsed = time.perf_counter() - start
     result = _result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result["timeline"] = timeline.summary()
     result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
                   sampling_params=sampling, sampling_params_repr=repr(params[0]),
                   warmup=f"generate([{NANO_WARMUP_PROMPT!r}], SamplingParams({NANO_WARMUP_PARAMS}))",
