@@ -303,10 +303,19 @@ class StepTimeline:
         all_s = sum(t[1] for t in phases.values()) or 1.0
         all_tokens = sum(t[2] for t in phases.values()) or 1
         order = ["prefill steps"] + [label for _, label in self.BUCKETS]
-        return {name: {"steps": t[0], "seconds": round(t[1], 3), "share_of_time": round(t[1] / all_s, 3),
-                       "output_tokens": t[2], "share_of_tokens": round(t[2] / all_tokens, 3),
-                       "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None}
-                for name, t in sorted(phases.items(), key=lambda kv: order.index(kv[0]))}
+        summary = {name: {"steps": t[0], "seconds": round(t[1], 3), "share_of_time": round(t[1] / all_s, 3),
+                          "output_tokens": t[2], "share_of_tokens": round(t[2] / all_tokens, 3),
+                          "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None}
+                   for name, t in sorted(phases.items(), key=lambda kv: order.index(kv[0]))}
+        for phase in summary.values():  # the first steps one by one: a compile or a stall stands out
+            phase["first_steps_ms"] = []
+        for seconds, prompt_tokens, _, running in self.steps:
+            listed = summary[self.phase(prompt_tokens, running)]["first_steps_ms"]
+            if len(listed) < self.FIRST_STEPS_LISTED:
+                listed.append(round(1e3 * seconds, 1))
+        return summary
+
+    FIRST_STEPS_LISTED = 40
 
 
 def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:

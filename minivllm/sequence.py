@@ -167,10 +167,12 @@ class Sequence:
         self.output_ranks: list[int | None] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
-        # Incremental detokenization state (see `minivllm.engine.detokenizer`).
-        self.tokens: list[str] | None = None
+        # Incremental detokenization state (see `minivllm.engine.detokenizer`): the window's
+        # offsets, and a fast tokenizer's `DecodeStream` with the output tokens it has seen.
         self.prefix_offset = 0
         self.read_offset = 0
+        self.decode_stream = None
+        self.stream_fed = 0
 
     @property
     def lora_int_id(self) -> int:
@@ -269,7 +271,7 @@ class Sequence:
         )
         child.output_logprobs = list(self.output_logprobs)
         child.output_ranks = list(self.output_ranks)
-        child.tokens = None if self.tokens is None else list(self.tokens)
+        child.decode_stream = None  # a stream cannot be copied: the child rebuilds one from the offsets
         return child
 
     def reset_state_for_recompute(self) -> None:

@@ -5,9 +5,15 @@ a plain `ModelRunner` (eager or CUDA-graph) and runs a decode batch's forward pa
 times back to back. Between two steps nothing goes back to the host: `advance_step` turns
 each row's sampled token into the next step's input on the device (position + 1, sequence
 length + 1, the slot from the block table the scheduler already grew by its lookahead
-slots). Each step's tokens are copied to the host as soon as they exist and handed to the
-engine once the next step is queued, so the engine's output processing overlaps the GPU,
-and the scheduling and batch building around the GPU are paid once per run.
+slots). So every step of the run is queued on the GPU at once; each step's tokens are
+copied to the host as soon as they exist and handed to the engine in turn, so the engine's
+output processing overlaps the GPU, and the scheduling and batch building around the GPU
+are paid once per run.
+
+Why all at once: handing step s over only once step s + 1 was queued (the first design)
+kept the GPU at most one step ahead of the host. At 256 sequences the host's processing of
+one step (appending 256 tokens, detokenizing, stop checks: ~3-5 ms) is close to the GPU's
+step (~8 ms on an H100), so any host hiccup left the GPU idle (`docs/benchmarks.md`).
 
 With tensor parallelism every rank runs the same steps on its share of each layer; TP rank 0
 gathers the logits and samples, and broadcasts the tokens (on the device) that every rank
@@ -54,10 +60,12 @@ class MultiStepModelRunner:
     @torch.inference_mode()
     def execute_model(self, seq_group_metadata_list: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor],
                       num_steps: int, finished_requests_ids: list[str] | None = None) -> Iterator[SamplerOutput]:
-        """Yield one `SamplerOutput` per step, step s once step s + 1 is queued on the device.
+        """Queue every step on the device, then yield one `SamplerOutput` per step as its
+        tokens reach the host.
 
         Group i runs `1 + num_lookahead_slots` steps (the slots its blocks hold); in later
         steps its row keeps computing but writes no K/V, and its output has no samples.
+        Should queueing step s raise, steps before it are still handed over, then the error.
         Requires `can_run`.
         """
         base = self.base
@@ -71,22 +79,32 @@ class MultiStepModelRunner:
             yield from self._follow_rank0(input_ids, positions, md, kv_caches, num_steps, limits)
             return
         tensors = self.sampler.prepare(groups, base.model_config.hf_config.vocab_size, base.device)
-        pending = None  # the previous step's samples on their way to the host
-        for step in range(num_steps):
-            if step:
-                input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
-            hidden_states = base.run_model(input_ids, positions, md, kv_caches)
-            # A decode samples every row; the sampler upcasts what it needs to fp32.
-            logits = base.model.compute_logits(hidden_states, upcast=False)
-            drawn = self.sampler(logits, tensors, step)
-            self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
-            input_ids = drawn.tokens  # still on the device: the next step's input ids
-            if step + 1 < num_steps:  # (every TP rank feeds rank 0's tokens into the next step)
-                tensor_model_parallel_broadcast(input_ids)
-            if pending is not None:  # step - 1 is done once step is queued: hand it over
-                yield _step_output(pending, step - 1, groups, tensors, steps_allowed)
-            pending = _copy_to_host(drawn)
-        yield _step_output(pending, num_steps - 1, groups, tensors, steps_allowed)
+        queued, error = [], None  # each step's samples on their way to the host
+        try:
+            for step in range(num_steps):
+                queued.append(self._queue_step(step, input_ids, positions, md, kv_caches, tensors, limits, num_steps))
+                input_ids, positions, md = queued[-1][2:]
+        except Exception as exc:  # the steps queued before it still count
+            error = exc
+        for step, (host, ready, *_) in enumerate(queued):
+            yield _step_output((host, ready), step, groups, tensors, steps_allowed)
+        if error is not None:
+            raise error
+
+    def _queue_step(self, step, input_ids, positions, md, kv_caches, tensors, limits, num_steps):
+        """Queue one forward pass and its sampling on the device; returns (host copies, their
+        event, the next step's input ids, positions and metadata)."""
+        if step:
+            input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
+        hidden_states = self.base.run_model(input_ids, positions, md, kv_caches)
+        # A decode samples every row; the sampler upcasts what it needs to fp32.
+        logits = self.base.model.compute_logits(hidden_states, upcast=False)
+        drawn = self.sampler(logits, tensors, step)
+        self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
+        if step + 1 < num_steps:  # (every TP rank feeds rank 0's tokens into the next step)
+            tensor_model_parallel_broadcast(drawn.tokens)
+        # The sampled tokens stay on the device: the next step's input ids.
+        return (*_copy_to_host(drawn), drawn.tokens, positions, md)
 
     def _follow_rank0(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                       kv_caches: list[torch.Tensor], num_steps: int, limits: torch.Tensor) -> Iterator[SamplerOutput]:
