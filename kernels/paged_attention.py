@@ -132,7 +132,10 @@ def _load_query_group(
 # --------------------------------------------------------------------------------------------
 # v1: one pass. Grid (num_seqs, num_kv_heads); each program walks its sequence's whole context.
 # --------------------------------------------------------------------------------------------
-@triton.jit
+# Triton compiles a kernel again for each new value class of an int argument (== 1, a
+# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
+# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+@triton.jit(do_not_specialize=["stride_bts"])
 def _paged_attention_v1_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
     qk_scale,
@@ -207,7 +210,7 @@ def _merge_splits(
         tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits", "stride_bts"])
 def _paged_attention_v2_kernel(
     out_ptr,
     partial_out_ptr,  # [num_seqs, num_heads, num_splits, HEAD_DIM_PAD] fp32, normalized per split

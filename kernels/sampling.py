@@ -127,7 +127,10 @@ def _sample_row_kernel(logits_ptr, temperature_ptr, threshold_ptr, mode_ptr, see
     tl.store(partial_best_ptr + slot, best)
 
 
-@triton.jit
+# Triton compiles a kernel again for each new value class of an int argument (== 1, a
+# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
+# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+@triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(partial_ptr, partial_best_ptr, tokens_ptr, logprobs_ptr, lse_ptr, num_splits,
                          SPLITS: tl.constexpr):
     """One program per row: merge its slices' partials. The logsumexp of the kept z from the
@@ -154,7 +157,7 @@ def _merge_splits_kernel(partial_ptr, partial_best_ptr, tokens_ptr, logprobs_ptr
     tl.store(lse_ptr + row, lse)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_candidates"])
 def _sample_candidates_kernel(values_ptr, indices_ptr, lse_ptr, temperature_ptr, top_k_ptr, top_p_ptr, min_p_ptr,
                               seeds_ptr, offsets_ptr, tokens_ptr, logprobs_ptr, overflow_ptr,
                               num_candidates, vocab_size, BLOCK: tl.constexpr):
@@ -394,8 +397,9 @@ def _sample_rows(logits, temperature, threshold, mode, seeds, offsets, tokens, l
     partial_best = torch.empty(num_rows * num_splits, dtype=torch.int64, device=logits.device)
     _sample_row_kernel[(num_rows, num_splits)](logits, temperature, threshold, mode, seeds, offsets, partials,
                                                partial_best, vocab_size, logits.stride(0), split_len, BLOCK=block)
+    # SPLITS from the vocabulary, not the batch: one compiled merge kernel per model.
     _merge_splits_kernel[(num_rows,)](partials, partial_best, tokens, logprobs, lse, num_splits,
-                                      SPLITS=triton.next_power_of_2(num_splits))
+                                      SPLITS=triton.next_power_of_2(max(num_splits, _max_row_splits(vocab_size))))
 
 
 def _num_row_splits(num_rows: int, vocab_size: int, device: torch.device) -> int:
@@ -408,7 +412,11 @@ def _num_row_splits(num_rows: int, vocab_size: int, device: torch.device) -> int
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     if num_rows >= num_sms:
         return 1
-    return max(1, min(triton.cdiv(vocab_size, _MIN_SPLIT_LEN), triton.cdiv(2 * num_sms, num_rows)))
+    return max(1, min(_max_row_splits(vocab_size), triton.cdiv(2 * num_sms, num_rows)))
+
+
+def _max_row_splits(vocab_size: int) -> int:
+    return triton.cdiv(vocab_size, _MIN_SPLIT_LEN)
 
 
 def _num_candidates(top_k: torch.Tensor, truncates: torch.Tensor, vocab_size: int) -> int:
