@@ -239,7 +239,8 @@ class Sequence:
         sampled = logprobs.get(token_id)
         if isinstance(sampled, Logprob) and rank is None:
             rank = sampled.rank
-        if any(isinstance(v, Logprob) for v in logprobs.values()):
+        # (Per token: the sampler's own dicts hold floats, so a float sampled entry skips the scan.)
+        if not isinstance(sampled, float) and any(isinstance(v, Logprob) for v in logprobs.values()):
             logprobs = {t: v.logprob if isinstance(v, Logprob) else v for t, v in logprobs.items()}
         self.output_logprobs.append(logprobs)
         self.output_ranks.append(rank)
@@ -356,6 +357,8 @@ class SequenceGroup:
         return [seq for seq in self.seqs if seq.status == status]
 
     def get_unfinished_seqs(self) -> list[Sequence]:
+        if len(self.seqs) == 1:  # the common case, once per token: no generator
+            return [] if self.seqs[0].status > SequenceStatus.SWAPPED else self.seqs[:]
         return [seq for seq in self.seqs if not seq.is_finished()]
 
     def get_finished_seqs(self) -> list[Sequence]:
@@ -379,6 +382,8 @@ class SequenceGroup:
         self.seqs.remove(self.find(seq_id))
 
     def is_finished(self) -> bool:
+        if len(self.seqs) == 1:  # the common case, once per token: no generator
+            return self.seqs[0].status > SequenceStatus.SWAPPED
         return all(seq.is_finished() for seq in self.seqs)
 
     def is_prefill(self) -> bool:

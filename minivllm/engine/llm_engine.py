@@ -360,12 +360,15 @@ class LLMEngine:
     def _process_group_output(self, scheduled: ScheduledSequenceGroup, output: SequenceGroupOutput,
                               stats: Stats, is_first_step: bool, now: float) -> None:
         seq_group = scheduled.seq_group
-        first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
+        # (This runs once per token of every request: it looks its sequences up once.)
+        unfinished = seq_group.get_unfinished_seqs()
+        first_computed = unfinished[0].get_num_computed_tokens()
         num_computed = scheduled.token_chunk_size if is_first_step else 1
-        if is_first_step and seq_group.is_prefill():
+        if is_first_step and unfinished[0].is_prefill():
             stats.num_prompt_tokens_iter += num_computed
         # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
-        seq_group.update_num_computed_tokens(num_computed)
+        for seq in unfinished:
+            seq.data.update_num_computed_tokens(num_computed)
         if output.prompt_logprobs:
             self._record_prompt_logprobs(seq_group, output, first_computed)
         if output.samples:

@@ -41,7 +41,8 @@ class StopChecker:
         self.eos_token_id = eos_token_id
 
     def maybe_stop_sequence(self, seq: Sequence, new_char_count: int, params: SamplingParams) -> None:
-        if seq.get_output_len() < params.min_tokens:
+        output_len = seq.get_output_len()
+        if output_len < params.min_tokens:
             return
         last_token = seq.get_last_token_id()
         if not params.ignore_eos and last_token == self.eos_token_id:
@@ -51,13 +52,13 @@ class StopChecker:
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = last_token
             return
-        stop_str = self._find_stop_string(seq, new_char_count, params)
+        stop_str = self._find_stop_string(seq, new_char_count, params) if params.stop else None
         if stop_str is not None:
             seq.status = SequenceStatus.FINISHED_STOPPED
             seq.stop_reason = stop_str
             return
         # >= : a sequence never holds more tokens than the model's context.
-        if seq.get_len() >= self.max_model_len or seq.get_output_len() >= params.max_tokens:
+        if output_len >= params.max_tokens or seq.get_len() >= self.max_model_len:
             seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     @staticmethod

@@ -242,8 +242,12 @@ def _to(tensor: torch.Tensor, device) -> torch.Tensor:
 def sample_rows(groups: list[SequenceGroupToSample]) -> list[tuple[SequenceGroupToSample, int]]:
     """(group, sequence id) of each sample row, in order: one per sequence of a decode, one
     for a prompt (whose sequence continues its prompt)."""
-    return [(group, seq_id) for group in groups if group.do_sample
-            for seq_id in group.seq_ids[: len(group.sample_indices)]]
+    return [(group, seq_id) for group in groups for seq_id in sampled_seq_ids(group)]
+
+
+def sampled_seq_ids(group: SequenceGroupToSample) -> list[int]:
+    """The sequences of `group` that get a sample row this step (none if it does not sample)."""
+    return group.seq_ids[: len(group.sample_indices)] if group.do_sample else []
 
 
 def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, int]], device,

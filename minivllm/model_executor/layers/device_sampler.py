@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model_executor.custom_op import CustomOp
-from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache, sample_rows
+from minivllm.model_executor.sampling_metadata import (SamplingTensors, SequenceGroupToSample, TokenStatsCache,
+                                                      sampled_seq_ids)
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceOutput
 
@@ -79,18 +80,21 @@ class DeviceSample:
         ranks = self.ranks.tolist() if self.ranks is not None else None
         top_ids = self.top_ids.tolist() if self.top_ids is not None else None
         top_values = self.top_logprobs.tolist() if self.top_logprobs is not None else None
-        outputs = {id(group): [] for group in groups}
-        for row, (group, seq_id) in enumerate(sample_rows(groups)):
-            token = tokens[row]
-            entry = {token: logprobs[row]}
-            rank = None
-            num_logprobs = t.num_logprobs[row]
-            if num_logprobs is not None:
-                rank = ranks[row]
-                for top_token, value in zip(top_ids[row][:num_logprobs], top_values[row][:num_logprobs]):
-                    entry.setdefault(top_token, value)
-            outputs[id(group)].append(SequenceOutput(seq_id, token, entry, rank))
-        return [outputs[id(group)] for group in groups]
+        outputs: list[list[SequenceOutput]] = [[] for _ in groups]
+        row = 0  # rows run through the groups in order (`sample_rows`)
+        for index, group in enumerate(groups):
+            for seq_id in sampled_seq_ids(group):
+                token = tokens[row]
+                entry = {token: logprobs[row]}
+                rank = None
+                num_logprobs = t.num_logprobs[row]
+                if num_logprobs is not None:
+                    rank = ranks[row]
+                    for top_token, value in zip(top_ids[row][:num_logprobs], top_values[row][:num_logprobs]):
+                        entry.setdefault(top_token, value)
+                outputs[index].append(SequenceOutput(seq_id, token, entry, rank))
+                row += 1
+        return outputs
 
 
 class DeviceSampler:
