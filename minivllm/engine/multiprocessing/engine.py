@@ -10,6 +10,7 @@ send waits at most 2 s for a reader, so a dead server is always noticed).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing
 import signal
@@ -186,6 +187,8 @@ def run_mp_engine(engine_args: EngineArgs, ipc_path: str) -> None:
     # Ctrl-C in the terminal reaches the whole process group: the API server shuts us down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = MQLLMEngine(LLMEngine.from_engine_args(engine_args), ipc_path)
+    gc.collect()
+    gc.freeze()  # the engine lives as long as this process: keep its objects out of every GC scan (see LLM)
     try:
         engine.run_engine_loop()
     except KeyboardInterrupt:
