@@ -196,7 +196,7 @@ def main(args: argparse.Namespace) -> int:
             report["prime"][row.model] = runner.run(f"prime-{row.model}", prime_cmd, PRIME_TIMEOUT_S)
             save()
         result = tmp / f"{row.name}.json"
-        cached_before = triton_cache_entries()
+        cached_before = set(triton_cache_entries())
         status = runner.run(row.name, row_command(row, tmp / row.model, result, out, args.smoke), row.timeout_s)
         # A row that failed keeps whatever it wrote (serving writes its numbers, then fails on a wrong count).
         report["rows"][row.name] = {**read_result(row, result), **status}
@@ -208,7 +208,9 @@ def main(args: argparse.Namespace) -> int:
         if minivllm_row and not args.smoke:  # a cold Triton cache puts compile time into the timed run
             report["rows"][row.name]["triton_cache_primed"] = "error" not in report["prime"].get(row.model, {})
         # Kernels this row compiled (not found in the cache): each is ~1 s of its time.
-        report["rows"][row.name]["triton_kernels_compiled"] = triton_cache_entries() - cached_before
+        compiled = sorted(set(triton_cache_entries()) - cached_before)
+        report["rows"][row.name]["triton_kernels_compiled"] = len(compiled)
+        report["rows"][row.name]["triton_kernels_compiled_names"] = [kernel_name(entry) for entry in compiled]
         save()
     report["total_s"] = round(time.perf_counter() - runner.start, 1)
     save()
@@ -220,10 +222,16 @@ def main(args: argparse.Namespace) -> int:
     return int(any(not r["error"].startswith("skipped") for r in report["rows"].values() if "error" in r))
 
 
-def triton_cache_entries() -> int:
+def triton_cache_entries() -> list[Path]:
     """Compiled kernels in Triton's on-disk cache (one folder each)."""
     cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return sum(1 for entry in cache.iterdir() if entry.is_dir()) if cache.is_dir() else 0
+    return [entry for entry in cache.iterdir() if entry.is_dir()] if cache.is_dir() else []
+
+
+def kernel_name(entry: Path) -> str:
+    """The kernel a cache folder holds (its files are named after it)."""
+    names = sorted({f.name.split(".")[0] for f in entry.iterdir() if f.suffix == ".json"} - {"__grp__"})
+    return ",".join(name.removeprefix("__grp__") for name in names) or entry.name
 
 
 # --------------------------------------------------------------------------- the steps before the rows
