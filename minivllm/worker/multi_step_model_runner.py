@@ -91,9 +91,11 @@ class MultiStepModelRunner:
         if error is not None:
             raise error
 
-    def _queue_step(self, step, input_ids, positions, md, kv_caches, tensors, limits, num_steps):
+    def _queue_step(self, step: int, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
+                    kv_caches: list[torch.Tensor], tensors: SamplingTensors, limits: torch.Tensor, num_steps: int):
         """Queue one forward pass and its sampling on the device; returns (host copies, their
-        event, the next step's input ids, positions and metadata)."""
+        event, the next step's input ids, positions and metadata). input_ids, positions:
+        `[num_seqs]` (the previous step's tokens and positions after step 0)."""
         if step:
             input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
         hidden_states = self.base.run_model(input_ids, positions, md, kv_caches)
