@@ -239,8 +239,9 @@ class Sequence:
         sampled = logprobs.get(token_id)
         if isinstance(sampled, Logprob) and rank is None:
             rank = sampled.rank
-        # (Per token: the sampler's own dicts hold floats, so a float sampled entry skips the scan.)
-        if not isinstance(sampled, float) and any(isinstance(v, Logprob) for v in logprobs.values()):
+        # (Per token: without logprobs asked, the sampler's dict is one float, which skips the scan.)
+        if (len(logprobs) > 1 or not isinstance(sampled, float)) and any(
+                isinstance(v, Logprob) for v in logprobs.values()):
             logprobs = {t: v.logprob if isinstance(v, Logprob) else v for t, v in logprobs.items()}
         self.output_logprobs.append(logprobs)
         self.output_ranks.append(rank)

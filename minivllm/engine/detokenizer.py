@@ -54,25 +54,32 @@ class Detokenizer:
             seq.read_offset = prompt_len
             seq.decode_stream = None
         text_before = len(seq.output_text)
-        if self.backend is not None:
+        if self.backend is not None and (seq.decode_stream is not None or self._start_stream(seq, params)):
             try:
-                self._decode_with_stream(seq, params)
+                self._decode_with_stream(seq)
                 return len(seq.output_text) - text_before
             except Exception:  # a token the stream refuses: the window decodes the rest, the next token rebuilds it
                 seq.decode_stream = None
         self._decode_window(seq, params)
         return len(seq.output_text) - text_before
 
-    def _decode_with_stream(self, seq: Sequence, params: SamplingParams) -> None:
-        """Feed the tokens the stream has not seen; a stream is first primed with the window
-        the offsets describe, so it decodes exactly as `_decode_window` would."""
+    def _start_stream(self, seq: Sequence, params: SamplingParams) -> bool:
+        """A stream primed with the window the offsets describe, so that it decodes exactly as
+        `_decode_window` would. Not when the window ends inside a character (a prompt cut
+        mid-character): the stream would emit the window's own bytes; the window path
+        decodes this token, and a later one starts the stream at a character boundary."""
+        window = seq.get_token_ids()[seq.prefix_offset : seq.read_offset]
+        if self.backend.decode(window, skip_special_tokens=params.skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+            return False
+        seq.decode_stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        for token_id in window:  # already emitted: only the context matters
+            seq.decode_stream.step(self.backend, token_id)
+        seq.stream_fed = seq.read_offset - seq.get_prompt_len()  # output tokens the stream has seen
+        return True
+
+    def _decode_with_stream(self, seq: Sequence) -> None:
+        """Feed the stream the output tokens it has not seen."""
         output_ids = seq.data.output_token_ids
-        if seq.decode_stream is None:
-            seq.decode_stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-            window = seq.get_token_ids()[seq.prefix_offset : seq.read_offset]
-            for token_id in window:  # already emitted: only the context matters
-                seq.decode_stream.step(self.backend, token_id)
-            seq.stream_fed = seq.read_offset - seq.get_prompt_len()  # output tokens the stream has seen
         prompt_len = seq.get_prompt_len()
         for i in range(seq.stream_fed, len(output_ids)):
             chunk = seq.decode_stream.step(self.backend, output_ids[i])

@@ -13,6 +13,7 @@ over them. Mirrors `vllm/entrypoints/llm.py` (v0).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
@@ -36,15 +37,6 @@ class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
         self.request_counter = itertools.count()
-        # The model, torch and transformers are ~300k Python objects that live as long as the
-        # engine; each full collection of the GC scans them all (0.15-0.25 s, once or twice in
-        # a benchmark run, measured). vLLM freezes the heap once the model is warm
-        # (`freeze_gc_heap`): frozen objects are never scanned, and `__del__` thaws them.
-        gc.collect()
-        gc.freeze()
-
-    def __del__(self) -> None:
-        gc.unfreeze()  # what the engine held is collectable again
 
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
@@ -157,6 +149,13 @@ class LLM:
             from tqdm.auto import tqdm  # only when a bar is wanted (scripts run without tqdm)
 
             bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
+        with _gc_heap_frozen():
+            self._step_until_done(finished, bar)
+        if bar is not None:
+            bar.close()
+        return finished
+
+    def _step_until_done(self, finished: dict[str, RequestOutput], bar) -> None:
         prompt_tokens = generated_tokens = 0
         while self.llm_engine.has_unfinished_requests():
             for output in self.llm_engine.step():
@@ -172,9 +171,26 @@ class LLM:
                         f"output: {generated_tokens / elapsed:.1f} toks/s"
                     )
                     bar.update(1)
-        if bar is not None:
-            bar.close()
-        return finished
+
+
+@contextlib.contextmanager
+def _gc_heap_frozen():
+    """Keep the objects alive now out of the GC's scans while the engine steps.
+
+    The model, torch and transformers are ~300k Python objects; each full collection during a
+    run scans them all (0.15-0.25 s, once or twice in a benchmark run, measured). vLLM freezes
+    the heap once the model is warm (`freeze_gc_heap`) in the engine's own process; in the
+    caller's process the freeze lasts one `generate` only, so nothing of the caller's stays
+    frozen (uncollectable) after it. A heap someone else froze is left as it is.
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptInput]:

@@ -104,3 +104,34 @@ def test_clean_up_of_spaces_keeps_the_window():
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None), clean_up_tokenization_spaces=True)
     assert Detokenizer(tokenizer).backend is None
     assert Detokenizer(TOKENIZERS["bundled-byte-bpe"]).backend is not None
+
+
+def continue_from_ids(tokenizer, ids: list[int], cut: int, use_decode_stream: bool) -> str:
+    """Generation continuing a prompt of token ids `ids[:cut]` with `ids[cut:]`."""
+    seq = Sequence(0, None, ids[:cut], block_size=16)
+    detokenizer = Detokenizer(tokenizer, use_decode_stream)
+    for token in ids[cut:]:
+        seq.append_token_id(token, {token: 0.0})
+        detokenizer.decode_sequence_inplace(seq, SamplingParams())
+    return seq.output_text
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=0x1F64F, exclude_categories=("Cs",)),
+               min_size=1, max_size=12), st.integers(1, 30))
+def test_a_prompt_cut_inside_a_character_decodes_as_the_window_does(text, cut):
+    """Token-id prompts can end inside a multi-byte character; the stream then starts only
+    at a character boundary, and never emits the prompt's own bytes."""
+    tokenizer = TOKENIZERS["bundled-byte-bpe"]
+    ids = tokenizer.encode("a" + text + " and more", add_special_tokens=False)
+    cut = min(cut, len(ids) - 1)
+    assert continue_from_ids(tokenizer, ids, cut, True) == continue_from_ids(tokenizer, ids, cut, False)
+
+
+def test_the_hieroglyph_prompt_keeps_its_bytes():
+    tokenizer = TOKENIZERS["bundled-byte-bpe"]
+    ids = tokenizer.encode("a𓀀𓀁𓀂𓀃 world and more", add_special_tokens=False)
+    for cut in range(1, 10):
+        text = continue_from_ids(tokenizer, ids, cut, True)
+        assert text == continue_from_ids(tokenizer, ids, cut, False)
+        assert "\ufffd" not in text

@@ -1,23 +1,63 @@
-"""`LLM` keeps the engine's objects out of the GC's full collections while it lives (vLLM's
-`freeze_gc_heap`), and gives them back when it is deleted."""
+"""`LLM.generate` keeps the objects alive before it out of the GC's scans while the engine
+steps (vLLM's `freeze_gc_heap`), and leaves nothing frozen after it."""
 
 import gc
 import weakref
 
+import pytest
+
 from minivllm import LLM, SamplingParams
 
 
-def test_the_engine_is_frozen_while_the_llm_lives_and_collectable_after():
+class FreezeProbe:
+    """A stat logger: the GC's freeze count at the end of every engine step."""
+
+    def __init__(self) -> None:
+        self.counts = []
+
+    def log(self, stats) -> None:
+        self.counts.append(gc.get_freeze_count())
+
+
+@pytest.fixture
+def llm():
+    gc.unfreeze()
+    return LLM(max_model_len=128)
+
+
+def test_the_heap_is_frozen_while_generate_steps_and_thawed_after(llm):
+    probe = FreezeProbe()
+    llm.llm_engine.add_logger("probe", probe)
+    out = llm.generate(["ROMEO:", "JULIET:"], SamplingParams(temperature=0.0, max_tokens=4))
+    assert [len(o.outputs[0].token_ids) for o in out] == [4, 4]
+    assert probe.counts and all(count > 0 for count in probe.counts)
+    assert gc.get_freeze_count() == 0
+
+
+class Holder:
+    """Something of the caller's that can sit in a reference cycle."""
+
+
+def test_nothing_of_the_callers_stays_uncollectable():
+    """A reference cycle alive when generate starts and dropped after it is collected, and so
+    is an LLM in a reference cycle, with its engine."""
     gc.unfreeze()
     llm = LLM(max_model_len=128)
-    engine = weakref.ref(llm.llm_engine)
-    assert gc.get_freeze_count() > 0
-    # A frozen heap still generates: the collector skips objects, nothing else changes.
-    out = llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=4))
-    assert len(out[0].outputs[0].token_ids) == 4
+    holder = Holder()
+    holder.self = holder
+    holder_ref, engine_ref = weakref.ref(holder), weakref.ref(llm.llm_engine)
+    llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=2))
+    llm.self_reference = llm
+    del holder, llm
     gc.collect()
-    assert engine() is not None
-    del llm, out
-    assert gc.get_freeze_count() == 0
-    gc.collect()
-    assert engine() is None
+    assert holder_ref() is None
+    assert engine_ref() is None
+
+
+def test_a_heap_the_caller_froze_is_left_frozen(llm):
+    gc.freeze()
+    try:
+        llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=2))
+        assert gc.get_freeze_count() > 0  # (frozen objects that die by reference count leave it)
+    finally:
+        gc.unfreeze()
