@@ -91,9 +91,7 @@ def _shrink_kernel(x_ptr, a_ptr, out_ptr, sorted_ptr, count_ptr, start_ptr, K, R
     tl.store(out_ptrs, acc, mask=row_mask[:, None] & r_mask[None, :])
 
 
-# Triton compiles a kernel again for each new value class of an int argument (== 1, a
-# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
-# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+# Batch-dependent int arguments: not specialized (why: kernels/paged_attention.py, v1).
 @triton.jit(do_not_specialize=["num_planes"])
 def _expand_kernel(h_ptr, b_ptr, y_ptr, sorted_ptr, count_ptr, start_ptr, N, R, bound1, bound2, num_planes,
                    stride_hp, stride_hm, stride_hr, stride_bl, stride_bn, stride_bk, stride_ym, stride_yn,

@@ -37,9 +37,7 @@ NUM_WARPS = 4
 NUM_STAGES = 2
 
 
-# Triton compiles a kernel again for each new value class of an int argument (== 1, a
-# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
-# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+# Batch-dependent int arguments: not specialized (why: kernels/paged_attention.py, v1).
 @triton.jit(do_not_specialize=["stride_bts"])
 def _paged_prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,

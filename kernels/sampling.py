@@ -127,9 +127,7 @@ def _sample_row_kernel(logits_ptr, temperature_ptr, threshold_ptr, mode_ptr, see
     tl.store(partial_best_ptr + slot, best)
 
 
-# Triton compiles a kernel again for each new value class of an int argument (== 1, a
-# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
-# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+# Batch-dependent int arguments: not specialized (why: kernels/paged_attention.py, v1).
 @triton.jit(do_not_specialize=["num_splits"])
 def _merge_splits_kernel(partial_ptr, partial_best_ptr, tokens_ptr, logprobs_ptr, lse_ptr, num_splits,
                          SPLITS: tl.constexpr):

@@ -14,8 +14,9 @@ emitted ends at `Sequence.read_offset` (both indices into prompt + output token 
 the text ends in "\ufffd" we wait for more tokens. Cost per token is constant, not
 proportional to the sequence length.
 
-With a fast (Rust) tokenizer the same algorithm runs inside `tokenizers`: one
-`DecodeStream` per sequence (as vLLM v1's `FastIncrementalDetokenizer`), about 1-3 µs a
+With a fast (Rust) tokenizer the same algorithm runs inside `tokenizers`
+(`StreamingDetokenizer`, which `make_detokenizer` picks): one `DecodeStream` per sequence
+(as vLLM v1's `FastIncrementalDetokenizer`), about 1-3 µs a
 token instead of ~9 µs for two `decode` calls through transformers. At 256 sequences and 8
 tokens per engine step that is ~15 ms of host time per step the GPU no longer waits for
 (`docs/benchmarks.md`, the headline's timeline). The offsets stay up to date on both paths,
@@ -39,56 +40,26 @@ _REPLACEMENT_CHAR = "\ufffd"
 
 
 class Detokenizer:
-    """Appends each sequence's new text to `seq.output_text`."""
+    """Appends each sequence's new text to `seq.output_text` (the two-`decode` window)."""
 
-    def __init__(self, tokenizer, use_decode_stream: bool = True) -> None:
+    def __init__(self, tokenizer) -> None:
         self.tokenizer = tokenizer
-        self.backend = _stream_backend(tokenizer) if use_decode_stream else None
 
     def decode_sequence_inplace(self, seq: Sequence, params: SamplingParams) -> int:
         """Decode the newest token(s) of `seq` into `seq.output_text`; returns new characters."""
         if seq.get_output_len() == 1 or seq.read_offset == 0:
-            # First generated token: start the window a few prompt tokens back.
-            prompt_len = seq.get_prompt_len()
-            seq.prefix_offset = max(prompt_len - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
-            seq.read_offset = prompt_len
-            seq.decode_stream = None
+            self._start_window(seq)
         text_before = len(seq.output_text)
-        if self.backend is not None and (seq.decode_stream is not None or self._start_stream(seq, params)):
-            try:
-                self._decode_with_stream(seq)
-                return len(seq.output_text) - text_before
-            except Exception:  # a token the stream refuses: the window decodes the rest, the next token rebuilds it
-                seq.decode_stream = None
-        self._decode_window(seq, params)
+        self._decode_new_tokens(seq, params)
         return len(seq.output_text) - text_before
 
-    def _start_stream(self, seq: Sequence, params: SamplingParams) -> bool:
-        """A stream primed with the window the offsets describe, so that it decodes exactly as
-        `_decode_window` would. Not when the window ends inside a character (a prompt cut
-        mid-character): the stream would emit the window's own bytes; the window path
-        decodes this token, and a later one starts the stream at a character boundary."""
-        window = seq.get_token_ids()[seq.prefix_offset : seq.read_offset]
-        if self.backend.decode(window, skip_special_tokens=params.skip_special_tokens).endswith(_REPLACEMENT_CHAR):
-            return False
-        seq.decode_stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
-        for token_id in window:  # already emitted: only the context matters
-            seq.decode_stream.step(self.backend, token_id)
-        seq.stream_fed = seq.read_offset - seq.get_prompt_len()  # output tokens the stream has seen
-        return True
-
-    def _decode_with_stream(self, seq: Sequence) -> None:
-        """Feed the stream the output tokens it has not seen."""
-        output_ids = seq.data.output_token_ids
+    def _start_window(self, seq: Sequence) -> None:
+        """First generated token: start the window a few prompt tokens back."""
         prompt_len = seq.get_prompt_len()
-        for i in range(seq.stream_fed, len(output_ids)):
-            chunk = seq.decode_stream.step(self.backend, output_ids[i])
-            seq.stream_fed = i + 1
-            if chunk:  # None: half a character, held back until its last byte
-                seq.output_text += chunk
-                seq.prefix_offset, seq.read_offset = seq.read_offset, prompt_len + i + 1
+        seq.prefix_offset = max(prompt_len - INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET, 0)
+        seq.read_offset = prompt_len
 
-    def _decode_window(self, seq: Sequence, params: SamplingParams) -> None:
+    def _decode_new_tokens(self, seq: Sequence, params: SamplingParams) -> None:
         token_ids = seq.get_token_ids()
         decode_args = dict(
             skip_special_tokens=params.skip_special_tokens,
@@ -114,10 +85,59 @@ class Detokenizer:
         return self.tokenizer.decode([token_id])
 
 
-def _stream_backend(tokenizer):
-    """The Rust tokenizer a `DecodeStream` drives, or None where its output could differ from
-    `tokenizer.decode` (no fast tokenizer, or transformers' clean-up of spaces applies)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if DecodeStream is None or backend is None or getattr(tokenizer, "clean_up_tokenization_spaces", False):
-        return None
-    return backend
+class StreamingDetokenizer(Detokenizer):
+    """The same text through one `tokenizers` `DecodeStream` per sequence (a fast tokenizer
+    whose decoding equals transformers'; `make_detokenizer` decides). The window's offsets
+    stay up to date, so the window takes over whenever a stream cannot start or refuses a
+    token, and a stream can always be rebuilt from them (after a fork, for one)."""
+
+    def __init__(self, tokenizer) -> None:
+        super().__init__(tokenizer)
+        self.backend = tokenizer.backend_tokenizer
+
+    def _start_window(self, seq: Sequence) -> None:
+        super()._start_window(seq)
+        seq.decode_stream = None
+
+    def _decode_new_tokens(self, seq: Sequence, params: SamplingParams) -> None:
+        if seq.decode_stream is not None or self._start_stream(seq, params):
+            try:
+                self._feed_stream(seq)
+                return
+            except Exception:  # a token the stream refuses: the window decodes the rest, the next token rebuilds it
+                seq.decode_stream = None
+        super()._decode_new_tokens(seq, params)
+
+    def _start_stream(self, seq: Sequence, params: SamplingParams) -> bool:
+        """A stream primed with the window the offsets describe, so that it decodes exactly as
+        the window would. Not when the window ends inside a character (a prompt cut
+        mid-character): the stream would emit the window's own bytes; the window decodes
+        this token, and a later one starts the stream at a character boundary."""
+        window = seq.get_token_ids()[seq.prefix_offset : seq.read_offset]
+        if self.backend.decode(window, skip_special_tokens=params.skip_special_tokens).endswith(_REPLACEMENT_CHAR):
+            return False
+        seq.decode_stream = DecodeStream(skip_special_tokens=params.skip_special_tokens)
+        for token_id in window:  # already emitted: only the context matters
+            seq.decode_stream.step(self.backend, token_id)
+        seq.stream_fed = seq.read_offset - seq.get_prompt_len()  # output tokens the stream has seen
+        return True
+
+    def _feed_stream(self, seq: Sequence) -> None:
+        """Feed the stream the output tokens it has not seen."""
+        output_ids = seq.data.output_token_ids
+        prompt_len = seq.get_prompt_len()
+        for i in range(seq.stream_fed, len(output_ids)):
+            chunk = seq.decode_stream.step(self.backend, output_ids[i])
+            seq.stream_fed = i + 1
+            if chunk:  # None: half a character, held back until its last byte
+                seq.output_text += chunk
+                seq.prefix_offset, seq.read_offset = seq.read_offset, prompt_len + i + 1
+
+
+def make_detokenizer(tokenizer) -> Detokenizer:
+    """A `StreamingDetokenizer` where a `DecodeStream` gives exactly `tokenizer.decode`'s text
+    (a fast tokenizer without transformers' clean-up of spaces), else the window's."""
+    fast = DecodeStream is not None and getattr(tokenizer, "backend_tokenizer", None) is not None
+    if fast and not getattr(tokenizer, "clean_up_tokenization_spaces", False):
+        return StreamingDetokenizer(tokenizer)
+    return Detokenizer(tokenizer)

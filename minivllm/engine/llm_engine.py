@@ -33,7 +33,7 @@ from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, Scheduler
 from minivllm.config import EngineConfig
 from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.detokenizer import Detokenizer
+from minivllm.engine.detokenizer import make_detokenizer
 from minivllm.engine.metrics import StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
 from minivllm.executor import get_executor_class
@@ -87,7 +87,7 @@ class LLMEngine:
         self.device_config = engine_config.device_config
         # skip_tokenizer_init (vLLM's): no tokenizer; prompts are token ids, outputs have no text.
         self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
-        self.detokenizer = Detokenizer(self.tokenizer)
+        self.detokenizer = make_detokenizer(self.tokenizer)
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.seq_counter = itertools.count()
@@ -360,15 +360,12 @@ class LLMEngine:
     def _process_group_output(self, scheduled: ScheduledSequenceGroup, output: SequenceGroupOutput,
                               stats: Stats, is_first_step: bool, now: float) -> None:
         seq_group = scheduled.seq_group
-        # (This runs once per token of every request: it looks its sequences up once.)
-        unfinished = seq_group.get_unfinished_seqs()
-        first_computed = unfinished[0].get_num_computed_tokens()
+        first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
         num_computed = scheduled.token_chunk_size if is_first_step else 1
-        if is_first_step and unfinished[0].is_prefill():
+        if is_first_step and seq_group.is_prefill():
             stats.num_prompt_tokens_iter += num_computed
         # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
-        for seq in unfinished:
-            seq.data.update_num_computed_tokens(num_computed)
+        seq_group.update_num_computed_tokens(num_computed)
         if output.prompt_logprobs:
             self._record_prompt_logprobs(seq_group, output, first_computed)
         if output.samples:

@@ -82,19 +82,20 @@ class MultiStepModelRunner:
         queued, error = [], None  # each step's samples on their way to the host
         try:
             for step in range(num_steps):
-                queued.append(self._queue_step(step, input_ids, positions, md, kv_caches, tensors, limits, num_steps))
-                input_ids, positions, md = queued[-1][2:]
+                pending, (input_ids, positions, md) = self._queue_step(step, input_ids, positions, md, kv_caches,
+                                                                       tensors, limits, num_steps)
+                queued.append(pending)
         except Exception as exc:  # the steps queued before it still count
             error = exc
-        for step, (host, ready, *_) in enumerate(queued):
-            yield _step_output((host, ready), step, groups, tensors, steps_allowed)
+        for step, pending in enumerate(queued):
+            yield _step_output(pending, step, groups, tensors, steps_allowed)
         if error is not None:
             raise error
 
     def _queue_step(self, step: int, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                     kv_caches: list[torch.Tensor], tensors: SamplingTensors, limits: torch.Tensor, num_steps: int):
-        """Queue one forward pass and its sampling on the device; returns (host copies, their
-        event, the next step's input ids, positions and metadata). input_ids, positions:
+        """Queue one forward pass and its sampling on the device; returns ((host copies, their
+        event), (the next step's input ids, positions, metadata)). input_ids, positions:
         `[num_seqs]` (the previous step's tokens and positions after step 0)."""
         if step:
             input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
@@ -106,7 +107,7 @@ class MultiStepModelRunner:
         if step + 1 < num_steps:  # (every TP rank feeds rank 0's tokens into the next step)
             tensor_model_parallel_broadcast(drawn.tokens)
         # The sampled tokens stay on the device: the next step's input ids.
-        return (*_copy_to_host(drawn), drawn.tokens, positions, md)
+        return _copy_to_host(drawn), (drawn.tokens, positions, md)
 
     def _follow_rank0(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                       kv_caches: list[torch.Tensor], num_steps: int, limits: torch.Tensor) -> Iterator[SamplerOutput]:

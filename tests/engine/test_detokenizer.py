@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 import engine_test_checkpoints as checkpoints  # registered by conftest.py
 from minivllm.bundled_models import resolve_model
-from minivllm.engine.detokenizer import Detokenizer
+from minivllm.engine.detokenizer import Detokenizer, StreamingDetokenizer, make_detokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -22,6 +22,11 @@ TOKENIZERS = {
 PATHS = {"decode-stream": True, "window": False}
 
 
+def detokenizer_for(tokenizer, use_decode_stream: bool) -> Detokenizer:
+    """The engine's choice for this tokenizer, or the plain window."""
+    return make_detokenizer(tokenizer) if use_decode_stream else Detokenizer(tokenizer)
+
+
 def stream(tokenizer, prompt: str, continuation: str, use_decode_stream: bool = True,
            fork_at: int | None = None) -> tuple[str, str, list[str]]:
     """Feed the continuation's tokens one by one; return the final text, the whole output
@@ -29,8 +34,8 @@ def stream(tokenizer, prompt: str, continuation: str, use_decode_stream: bool = 
     prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
     output_ids = tokenizer.encode(prompt + continuation, add_special_tokens=False)[len(prompt_ids):]
     seq = Sequence(0, prompt, prompt_ids, block_size=16)
-    detokenizer, params = Detokenizer(tokenizer, use_decode_stream), SamplingParams()
-    assert (detokenizer.backend is not None) == use_decode_stream
+    detokenizer, params = detokenizer_for(tokenizer, use_decode_stream), SamplingParams()
+    assert isinstance(detokenizer, StreamingDetokenizer) == use_decode_stream
     deltas = []
     for i, token in enumerate(output_ids):
         if i == fork_at:
@@ -102,14 +107,14 @@ def test_a_token_the_stream_refuses_falls_back_to_the_window(monkeypatch):
 def test_clean_up_of_spaces_keeps_the_window():
     """transformers' `clean_up_tokenization_spaces` rewrites decoded text; a stream would not."""
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(None), clean_up_tokenization_spaces=True)
-    assert Detokenizer(tokenizer).backend is None
-    assert Detokenizer(TOKENIZERS["bundled-byte-bpe"]).backend is not None
+    assert not isinstance(make_detokenizer(tokenizer), StreamingDetokenizer)
+    assert isinstance(make_detokenizer(TOKENIZERS["bundled-byte-bpe"]), StreamingDetokenizer)
 
 
 def continue_from_ids(tokenizer, ids: list[int], cut: int, use_decode_stream: bool) -> str:
     """Generation continuing a prompt of token ids `ids[:cut]` with `ids[cut:]`."""
     seq = Sequence(0, None, ids[:cut], block_size=16)
-    detokenizer = Detokenizer(tokenizer, use_decode_stream)
+    detokenizer = detokenizer_for(tokenizer, use_decode_stream)
     for token in ids[cut:]:
         seq.append_token_id(token, {token: 0.0})
         detokenizer.decode_sequence_inplace(seq, SamplingParams())
