@@ -322,14 +322,17 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     return result
 
 
-def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
+def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engine_kwargs) -> dict:
     """The headline's batch, profiled: nano-vllm's 256 requests at temperature 0.6 with `LLM()`
     defaults, stepped until every request decodes, then the wall time of FULL_STEPS engine
     steps and torch.profiler over one more (where the time of a full decode step goes, to
-    attribute the gap between the headline and its target)."""
+    attribute the gap between the headline and its target), a cProfile of the host and, on a
+    GPU, when the GPU idles and what the host does then (`profile_gpu_idle`).
+    engine_kwargs: more `LLM` arguments (`tensor_parallel_size`: benchmarks/tensor_parallel.py)."""
     import sys
 
     from minivllm import LLM, SamplingParams
+    from minivllm.sampling_params import RequestOutputKind
 
     sys.path.insert(0, str(Path(__file__).parent))
     from throughput import NANO_MAX_MODEL_LEN, engine_args_used, make_workload
@@ -338,12 +341,15 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dic
     if smoke:
         prompts, max_tokens = [p[:16] for p in prompts], [40] * len(prompts)
     given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16",
-             "max_model_len": 256 if smoke else NANO_MAX_MODEL_LEN}
+             "max_model_len": 256 if smoke else NANO_MAX_MODEL_LEN, **engine_kwargs}
     llm = LLM(**given)
     engine = llm.llm_engine
-    for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):
+    for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):  # as LLM.generate adds them
         engine.add_request(str(i), {"prompt_token_ids": prompt},
-                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=limit, detokenize=False))
+                           SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=limit,
+                                          output_kind=RequestOutputKind.FINAL_ONLY))
+    gc.collect()
+    gc.freeze()  # as LLM.generate does while it steps: no full collection inside a timed step
     while engine.scheduler.waiting or any(g.is_prefill() for g in engine.scheduler.running):
         engine.step()
     engine.step()  # one decode-only step first (its shapes warm)
@@ -363,14 +369,106 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dic
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path, label=f"at batch {batch}")
         result["host_profile"] = profile_host(engine, 1 if smoke else HOST_PROFILE_STEPS,
-                                              profile_path.with_name("profile_full_batch_host.txt"))
+                                              profile_path.with_name(profile_path.stem + "_host.txt"))
+        if torch.cuda.is_available():
+            result["gpu_idle"] = profile_gpu_idle(engine, IDLE_PROFILE_STEPS,
+                                                  profile_path.with_name(profile_path.stem + "_gpu_idle.json"))
     for i in range(len(prompts)):
         engine.abort_request(str(i))
     engine.step()
+    gc.unfreeze()
     return result
 
 
 HOST_PROFILE_STEPS = 4
+IDLE_PROFILE_STEPS = 3  # engine steps in the GPU-idle profile (the gaps between them count)
+IDLE_GAP_US = 20.0  # a gap between kernels shorter than this is launch spacing, not idleness
+
+# Host phases labelled in the GPU-idle profile: (label, owner attribute path, method).
+_HOST_PHASES = (("schedule", "scheduler", "schedule"),
+                ("process outputs", "", "_process_model_outputs"),
+                ("report", "", "_report"),
+                ("free finished", "scheduler", "free_finished_seq_groups"))
+
+
+def profile_gpu_idle(engine, steps: int, path: Path) -> dict:
+    """When is the GPU idle, and what is the host doing then? torch.profiler over `steps`
+    consecutive engine steps with the host's phases labelled (`record_function`): every gap
+    of at least IDLE_GAP_US between kernels on the GPU is charged to the labelled host
+    phases it overlaps ("other" for the rest: stepping the generator, Python between
+    phases). The sum of the gaps is what an overlap of host and GPU could win at most."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    runner = engine.model_executor.driver_worker.model_runner
+    patched = [(engine if not owner else getattr(engine, owner), method) for _, owner, method in _HOST_PHASES]
+    patched += [(getattr(runner, "base", runner), "prepare_model_input")]
+    labels = [label for label, _, _ in _HOST_PHASES] + ["prepare inputs"]
+    originals = [getattr(obj, method) for obj, method in patched]
+    for (obj, method), label, original in zip(patched, labels, originals):
+        setattr(obj, method, _labelled(original, label, record_function))
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+            wall_ms = 1e3 * (time.perf_counter() - start)
+    finally:
+        for (obj, method), original in zip(patched, originals):
+            if method in vars(obj):
+                delattr(obj, method)  # back to the class's method
+            else:
+                setattr(obj, method, original)
+    events = prof.events()
+    kernels = sorted(((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA))
+    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+              if e.device_type == DeviceType.CPU and e.name in labels]
+    busy_us, gaps, idle_by_phase = gpu_idle_gaps(kernels, phases, IDLE_GAP_US)
+    span_us = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+    first = kernels[0][0] if kernels else 0.0
+    summary = {"steps": steps, "wall_ms": round(wall_ms, 2), "kernel_span_ms": round(span_us / 1e3, 2),
+               "gpu_busy_ms": round(busy_us / 1e3, 2), "gpu_idle_ms": round(sum(e - b for b, e in gaps) / 1e3, 2),
+               "idle_ms_by_host_phase": {k: round(v / 1e3, 2) for k, v in sorted(idle_by_phase.items(),
+                                                                                    key=lambda kv: -kv[1])},
+               "largest_gaps": [{"at_ms": round((b - first) / 1e3, 2), "ms": round((e - b) / 1e3, 3)}
+                                for b, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]]}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def gpu_idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float, float]],
+                  min_gap: float) -> tuple[float, list[tuple[float, float]], dict[str, float]]:
+    """(busy time, idle gaps, idle time by host phase) from kernel intervals (start, end),
+    sorted by start, and labelled host intervals (name, start, end), all in one clock. A gap
+    is a hole of at least `min_gap` in the union of the kernels; the part of it that no
+    labelled phase overlaps is charged to "other"."""
+    gaps, busy, reach = [], 0.0, None
+    for begin, end in kernels:
+        if reach is not None and begin - reach >= min_gap:
+            gaps.append((reach, begin))
+        busy += max(0.0, end - max(begin, reach if reach is not None else begin))
+        reach = end if reach is None else max(reach, end)
+    idle_by_phase: dict[str, float] = {}
+    for begin, end in gaps:
+        covered = 0.0
+        for name, p_begin, p_end in phases:
+            overlap = min(end, p_end) - max(begin, p_begin)
+            if overlap > 0:
+                idle_by_phase[name] = idle_by_phase.get(name, 0.0) + overlap
+                covered += overlap
+        idle_by_phase["other"] = idle_by_phase.get("other", 0.0) + max(0.0, end - begin - covered)
+    return busy, gaps, idle_by_phase
+
+
+def _labelled(fn, label: str, record_function):
+    def call(*args, **kwargs):
+        with record_function(label):
+            return fn(*args, **kwargs)
+    return call
+
+
 
 
 def profile_host(engine, steps: int, path: Path) -> dict:

@@ -2,6 +2,8 @@
 
 Two measurements, each system in its own process (so one's GPU memory never limits the next):
 
+    full-batch     the same engine once all 256 requests decode: engine step time, and with
+                   --profile-dir where a step's time goes (kernels, host, GPU idle on rank 0)
     throughput     nano-vllm's offline workload (the one benchmarks/throughput.py builds: 256
                    requests, prompts of 100-1024 random token ids, 100-1024 new tokens each,
                    EOS ignored, temperature 0.6 as nano-vllm's bench.py samples;
@@ -111,11 +113,30 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
     return result, engine.shutdown
 
 
+def run_full_batch(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
+                   profile_dir: Path | None) -> tuple[dict, Callable[[], None]]:
+    """The throughput run's engine once all 256 requests decode: engine step time, and with
+    --profile-dir the kernels of one step, the host's cProfile and when TP rank 0's GPU idles
+    (decode_latency.full_batch with this script's engine arguments)."""
+    import decode_latency
+
+    profile = profile_dir / f"profile_full_batch_tp{tp}.txt" if profile_dir else None
+    result = decode_latency.full_batch(
+        str(ckpt), profile, tensor_parallel_size=tp, max_model_len=throughput.MAX_MODEL_LEN,
+        max_num_seqs=throughput.MAX_NUM_SEQS, max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
+        gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
+        num_scheduler_steps=steps)
+    return result, lambda: None  # full_batch's engine is gone with its LLM
+
+
 def run_one(args) -> int:
     ckpt = Path(args.ckpt)
     if args.kind == "throughput":
         result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps,
                                           args.temperature)
+    elif args.kind == "full-batch":
+        result, shutdown = run_full_batch(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps,
+                                          Path(args.profile_dir) if args.profile_dir else None)
     else:
         profile = Path(args.profile_dir) / f"profile_batch1_tp{args.tp}.txt" if args.profile_dir else None
         result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps, profile)
@@ -191,11 +212,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="for both TP sizes (default: the engine's, 8 on a GPU with CUDA graphs)")
     parser.add_argument("--temperature", type=float, default=0.6,
                         help="throughput: sampling temperature (default: nano-vllm bench.py's 0.6; 0: greedy)")
-    parser.add_argument("--kinds", nargs="+", default=["decode", "throughput"], choices=("decode", "throughput"),
+    parser.add_argument("--kinds", nargs="+", default=["decode", "throughput"],
+                        choices=("decode", "throughput", "full-batch"),
                         help="which measurements `all` runs")
     parser.add_argument("--profile-dir", default=None,
-                        help="decode: also a torch.profiler table of one step on TP rank 0, per TP size")
-    parser.add_argument("--kind", choices=("throughput", "decode"))
+                        help="decode, full-batch: also a torch.profiler table of one step on TP rank 0 "
+                             "(full-batch: and the host's cProfile and the GPU-idle profile), per TP size")
+    parser.add_argument("--kind", choices=("throughput", "decode", "full-batch"))
     parser.add_argument("--tp", type=int)
     parser.add_argument("--ckpt")
     parser.add_argument("--result")

@@ -21,6 +21,7 @@ BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 # this process (tests/test_architecture.py checks it).
 sys.path.insert(0, str(BENCHMARKS))
 try:
+    import decode_latency  # noqa: E402
     import issue15  # noqa: E402
     import throughput  # noqa: E402
 finally:
@@ -142,3 +143,14 @@ def test_kv_transfer_phases_round_trip_exactly():
     report = json.loads(run.stdout[run.stdout.index("{\n"):])
     assert len(report["rounds"]) == 3 and all(r["round_trip_exact"] for r in report["rounds"])
     assert {"finish_save", "put_many (files)", "get + decode", "loads done"} <= set(report["rounds"][0]["ms"])
+
+
+def test_gpu_idle_gaps_charges_each_hole_to_the_host_phase_it_overlaps():
+    """The GPU-idle profile's arithmetic: the union of overlapping kernels is busy time; a
+    hole of at least min_gap is idle, split between the labelled host phases over it."""
+    kernels = [(0, 10), (5, 12), (12.5, 20), (40, 50), (50, 52), (70, 80)]
+    phases = [("schedule", 15, 30), ("process outputs", 60, 65)]
+    busy, gaps, by_phase = decode_latency.gpu_idle_gaps(kernels, phases, min_gap=1.0)
+    assert busy == 12 + 7.5 + 10 + 2 + 10  # [0, 12] once, the 0.5 hole is launch spacing
+    assert gaps == [(20, 40), (52, 70)]
+    assert by_phase == {"schedule": 10, "process outputs": 5, "other": 10 + 13}
