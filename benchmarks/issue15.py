@@ -97,6 +97,8 @@ ROWS = [
         model="llama-3.2-1b", spec={"sampling": TEMPERATURE}),
     Row("ms16", "minivllm, tuned: num_scheduler_steps=16, temperature 0.6", "throughput", 80,
         spec={"sampling": TEMPERATURE, "engine_args": {"num_scheduler_steps": 16}}),
+    Row("no-async", "extra: the headline with async_scheduling=False (each run scheduled after the last)",
+        "throughput", 90, spec={"sampling": TEMPERATURE, "engine_args": {"async_scheduling": False}}),
     Row("eager", "minivllm, enforce_eager=True, temperature 0.6", "throughput", 100,
         spec={"sampling": TEMPERATURE, "engine_args": {"enforce_eager": True}}),
 ]

@@ -244,6 +244,9 @@ class SchedulerConfig:
         num_lookahead_slots: slots a decoding sequence reserves beyond its next token: at
             least `num_scheduler_steps - 1` (multi-step), `num_speculative_tokens` with
             speculative decoding (vLLM's field; `EngineArgs` sets it).
+        async_scheduling: with multi-step, schedule the next run and queue it on the GPU
+            while the current run's last step still computes (`Scheduler.schedule_ahead`;
+            vLLM v1's async scheduling), so the GPU does not wait for the host between runs.
     """
 
     max_num_batched_tokens: int | None = None
@@ -254,11 +257,15 @@ class SchedulerConfig:
     policy: str = "fcfs"
     num_scheduler_steps: int = 1
     num_lookahead_slots: int = 0
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        if self.async_scheduling and self.num_scheduler_steps == 1:
+            raise ValueError("async_scheduling schedules the next multi-step run while the current one computes: "
+                             "it needs num_scheduler_steps > 1.")
         if self.num_lookahead_slots < 0:
             raise ValueError(f"num_lookahead_slots must be at least 0, got {self.num_lookahead_slots}.")
         # A multi-step run of num_scheduler_steps decodes needs that many slots (vLLM: the max).
@@ -617,3 +624,6 @@ class EngineConfig:
         if self.parallel_config.pipeline_parallel_size > 1:
             raise ValueError("kv_transfer_config needs pipeline_parallel_size=1 (tensor parallelism works: "
                              "each rank saves and loads its own shard).")
+        if self.scheduler_config.async_scheduling:
+            raise ValueError("kv_transfer_config cannot be combined with async_scheduling: a connector's loads "
+                             "and saves need the host between runs.")

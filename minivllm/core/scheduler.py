@@ -270,6 +270,9 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_cumulative_preemption = 0
+        # Tokens each running sequence has on the device, sampled but not yet appended
+        # (1 while `schedule_ahead` runs, else 0).
+        self._in_flight_tokens = 0
 
     # ============================================================ requests in / out
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -332,6 +335,46 @@ class Scheduler:
         if self.kv_connector is not None:
             outputs.kv_connector_metadata = self.kv_connector.build_connector_meta(outputs)
         return metadata, outputs, False
+
+    def schedule_ahead(self, in_flight: set[str]) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs] | None:
+        """Schedule the next multi-step run while the current run's last step is still on the
+        device (vLLM's async scheduling): the GPU then finds the next run queued behind it
+        instead of waiting for the host to process that step and schedule.
+
+        in_flight: the request ids whose sequence has a token on the device that the host has
+        not appended yet (the current run's last step samples it). The next run starts one
+        position later, so each group reserves one slot more and may generate one token
+        fewer; a group whose in-flight token is its last (max_tokens, max_model_len) is left
+        out, since it finishes as soon as the engine processes that token.
+
+        Only the plain case is scheduled ahead: nothing waiting or swapped (no prompt to
+        admit, nothing to swap in), every other running group a lone sequence with a token
+        in flight, and free blocks enough that no one is preempted. Returns None otherwise,
+        and the engine schedules after the last step as usual.
+        """
+        if self.waiting or self.swapped or not self.running:
+            return None
+        finishing, going_on = [], []
+        for seq_group in self.running:
+            last = seq_group.is_finished() or self._tokens_left(seq_group) <= 1
+            (finishing if last else going_on).append(seq_group)
+        if not going_on or any(g.request_id not in in_flight or g.num_seqs() != 1 for g in going_on):
+            return None
+        # Conservatively what `can_append_slots` asks of each group, all at once.
+        blocks_each = 1 + -(-(self.scheduler_config.num_lookahead_slots + 1) // self.block_manager.block_size)
+        if blocks_each * len(going_on) > self.block_manager.get_num_free_gpu_blocks():
+            return None
+        self.running = deque(going_on)
+        self._in_flight_tokens = 1
+        try:
+            metadata, outputs, _ = self.schedule()
+        finally:
+            self._in_flight_tokens = 0
+            self.running.extend(finishing)
+        if outputs.preempted or outputs.ignored_seq_groups or len(outputs.scheduled_seq_groups) != len(going_on):
+            raise RuntimeError(f"schedule_ahead scheduled {len(outputs.scheduled_seq_groups)} of {len(going_on)} "
+                               f"groups (preempted {outputs.preempted}): its checks should have refused.")
+        return metadata, outputs
 
     def _schedule_default(self) -> SchedulerOutputs:
         state = self._start_step()
@@ -481,10 +524,11 @@ class Scheduler:
             self.running.popleft()
             is_prefill = self._is_prefill(seq_group)
             lookahead = 0 if is_prefill else self._num_lookahead_slots(seq_group)
-            if lookahead and not self._can_append_slots(seq_group, lookahead):
+            if lookahead and not self._can_append_slots(seq_group, lookahead + self._in_flight_tokens):
                 lookahead = 0  # lookahead is a bonus: never preempt anyone for it
-            if self._make_room_for(seq_group, state, lookahead):
-                self._append_slots(seq_group, state, lookahead)
+            # A token in flight (schedule_ahead) takes the slot after the host's last one.
+            if self._make_room_for(seq_group, state, lookahead + self._in_flight_tokens):
+                self._append_slots(seq_group, state, lookahead + self._in_flight_tokens)
                 if is_prefill:
                     state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
                 else:
@@ -505,11 +549,16 @@ class Scheduler:
         params = seq_group.sampling_params
         if lookahead == 0 or params.best_of > 1 or params.use_beam_search:
             return 0
+        return max(0, min(lookahead, self._tokens_left(seq_group) - 1))
+
+    def _tokens_left(self, seq_group: SequenceGroup) -> int:
+        """Tokens a lone sequence may still generate (max_tokens, max_model_len), beyond those
+        in flight."""
         seq = seq_group.first_seq
         remaining = self.scheduler_config.max_model_len - seq.get_len()
-        if params.max_tokens is not None:
-            remaining = min(remaining, params.max_tokens - seq.get_output_len())
-        return max(0, min(lookahead, remaining - 1))
+        if seq_group.sampling_params.max_tokens is not None:
+            remaining = min(remaining, seq_group.sampling_params.max_tokens - seq.get_output_len())
+        return remaining - self._in_flight_tokens
 
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one

@@ -76,6 +76,9 @@ class EngineArgs:
                                                  f"{DEFAULT_GPU_SCHEDULER_STEPS} on a GPU with CUDA graphs and one "
                                                  "worker, without speculative decoding, a KV connector or LoRA; "
                                                  "else 1)")
+    async_scheduling: bool | None = _arg(None, "schedule and queue the next multi-step run while the current "
+                                               "run's last step computes (vLLM's async scheduling) (default: on "
+                                               "with multi-step scheduling and no KV connector)")
     attention_backend: str | None = _arg(None, "torch (PyTorch reference) or triton (default: "
                                                "triton on a GPU, torch on a CPU)", choices=("torch", "triton"))
     enforce_eager: bool = _arg(False, "never use CUDA graphs")
@@ -124,6 +127,7 @@ class EngineArgs:
             preemption_mode=self.preemption_mode,
             policy=self.scheduling_policy,
             num_scheduler_steps=self._num_scheduler_steps(device_config),
+            async_scheduling=self._async_scheduling(device_config),
         )
         speculative_config = SpeculativeConfig.maybe_create_spec_config(
             model_config, scheduler_config, self.speculative_model, self.num_speculative_tokens,
@@ -155,6 +159,13 @@ class EngineArgs:
                      and self.speculative_model is None)
         return DEFAULT_GPU_SCHEDULER_STEPS if fast_path else 1
 
+    def _async_scheduling(self, device_config: DeviceConfig) -> bool:
+        """The given value, else on wherever multi-step runs (a KV connector's loads and saves
+        need the host between runs)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self._num_scheduler_steps(device_config) > 1 and self.kv_transfer_config is None
+
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:
             if (self.max_loras, self.max_lora_rank, self.max_cpu_loras) != (1, 16, None):
@@ -177,7 +188,9 @@ class EngineArgs:
             elif "(default:" not in help_text:  # a None default is best explained in the help text
                 help_text += " (default: not set)"
             arg_type = _cli_type(types[field.name])
-            if arg_type is bool:
+            if arg_type is bool and field.default is None:  # on, off, or the engine decides
+                group.add_argument(*flags, action=argparse.BooleanOptionalAction, default=None, help=help_text)
+            elif arg_type is bool:
                 group.add_argument(*flags, action="store_true", help=help_text)
             else:
                 # None is a default, never a choice: the flag's value is always a real one.

@@ -112,6 +112,9 @@ class LLMEngine:
         self.step_counter = 0
         # Requests finished or aborted since the last step: workers drop their state.
         self._finished_requests_ids: list[str] = []
+        # A run scheduled and queued during the last step (async scheduling): its metadata,
+        # decision, request and outputs, or None.
+        self._scheduled_ahead: tuple | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -304,15 +307,21 @@ class LLMEngine:
             a multi-step run but the last (whose outputs this returns), so that a streaming
             client still sees its tokens one at a time (`AsyncLLMEngine` passes it).
         """
-        seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
+        seq_group_metadata_list, scheduler_outputs, request, outputs = self._take_scheduled_ahead()
+        if scheduler_outputs is None:
+            seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
+        # A request of a run scheduled ahead may have ended since (its last token, an abort):
+        # it was reported then, and its rows in this run are computed past its end.
+        ended = {id(s.seq_group) for s in scheduler_outputs.scheduled_seq_groups if s.seq_group.is_finished()}
         for observer in self.step_observers:
             observer.on_scheduled(self, scheduler_outputs)
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
         if not scheduler_outputs.is_empty():
-            request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
-            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats, on_model_step)
+            if request is None:
+                request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
+            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats, on_model_step, outputs)
         now = stats.now = time.monotonic()
-        request_outputs = self._report(scheduler_outputs, now, stats)
+        request_outputs = self._report(scheduler_outputs, now, stats, skip=ended)
         self.scheduler.free_finished_seq_groups()
         self._fill_system_stats(stats)
         for stat_logger in self.stat_loggers.values():
@@ -321,6 +330,45 @@ class LLMEngine:
             observer.on_step_end(self, scheduler_outputs, request_outputs)
         self.step_counter += 1
         return request_outputs
+
+    # ------------------------------------------------------------------ async scheduling
+    def _schedule_ahead(self, scheduled_groups: list[ScheduledSequenceGroup], num_steps: int) -> None:
+        """Schedule the next multi-step run and queue it on the device now, while the current
+        run's last step still computes (vLLM's async scheduling; `Scheduler.schedule_ahead`
+        says when it can). The GPU then runs it right after that step instead of waiting
+        for the host to process the step, schedule and prepare the next batch; the next
+        `step()` only processes it. The price: a request that stops on its last token of
+        this run (EOS, a stop string) computes one run past its end, thrown away.
+        """
+        self.scheduler.free_finished_seq_groups()  # requests that stopped earlier in this run
+        in_flight = {s.seq_group.request_id for s in scheduled_groups
+                     if s.num_lookahead_slots == num_steps - 1 and not s.seq_group.is_finished()}
+        scheduled = self.scheduler.schedule_ahead(in_flight)
+        if scheduled is None:
+            return
+        metadata, scheduler_outputs = scheduled
+        request = dataclasses.replace(self._execute_model_request(metadata, scheduler_outputs),
+                                      continues_previous_run=True)
+        try:
+            outputs = self.model_executor.execute_model(request)
+        except WorkerDiedError:
+            raise
+        except Exception as error:  # run it the usual way next step, from the host's tokens
+            logger.warning("could not queue the run scheduled ahead (%r); it runs after this one", error)
+            request, outputs = dataclasses.replace(request, continues_previous_run=False), None
+        self._scheduled_ahead = (metadata, scheduler_outputs, request, outputs)
+
+    def _take_scheduled_ahead(self) -> tuple:
+        """(metadata, decision, request, outputs) of the run scheduled ahead, or Nones. A run
+        none of whose requests is still unfinished is drained and dropped."""
+        ahead, self._scheduled_ahead = self._scheduled_ahead, None
+        if ahead is None:
+            return None, None, None, None
+        if all(s.seq_group.is_finished() for s in ahead[1].scheduled_seq_groups):
+            for _ in ahead[3] or ():  # its device work, computed past every request's end
+                pass
+            return None, None, None, None
+        return ahead
 
     def _execute_model_request(self, seq_group_metadata_list: list[SequenceGroupMetadata],
                                scheduler_outputs: SchedulerOutputs) -> ExecuteModelRequest:
@@ -376,7 +424,8 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ failures
     def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
-                             stats: Stats, on_model_step: Callable[[list[RequestOutput]], None] | None = None) -> None:
+                             stats: Stats, on_model_step: Callable[[list[RequestOutput]], None] | None = None,
+                             outputs: Iterable[SamplerOutput] | None = None) -> None:
         """Run the model and apply its samples; if the model raises, only its culprit ends.
 
         Validation at `add_request` makes this rare; when it happens, the engine stays usable:
@@ -387,10 +436,15 @@ class LLMEngine:
           only after a failure: the simplest isolation that never fails an innocent request.
         * A later step of a multi-step run raised: what came back stands; the next step goes
           on from there (and isolates the culprit if the failure comes again).
+
+        outputs: the run's outputs when it was queued already (scheduled ahead). With async
+        scheduling the next run is scheduled and queued before the last output is processed.
         """
         num_processed = 0
         try:
-            for sampler_output in self.model_executor.execute_model(request):
+            if outputs is None:
+                outputs = self.model_executor.execute_model(request)
+            for sampler_output in outputs:
                 if num_processed and on_model_step is not None:  # another model step came: report the last
                     on_model_step(self._partial_outputs(scheduled_groups))
                 if sampler_output.spec_decode_worker_metrics is not None:
@@ -399,6 +453,8 @@ class LLMEngine:
                     stats.kv_transfer_stats = self.kv_transfer_stats = sampler_output.kv_transfer_stats
                 self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
                 num_processed += 1
+                if sampler_output.steps_left == 1 and self.scheduler_config.async_scheduling:
+                    self._schedule_ahead(scheduled_groups, request.num_steps)
         except WorkerDiedError:  # the engine's failure, not a request's: no retry can help
             raise
         except Exception as error:
@@ -438,9 +494,11 @@ class LLMEngine:
             self.scheduler.block_manager.forget_computed_blocks(seq_group)
         self.abort_request([g.request_id for g in seq_groups])
 
-    def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:
-        """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted)."""
-        reported = [s.seq_group for s in scheduler_outputs.scheduled_seq_groups]
+    def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats,
+                skip: set[int] = frozenset()) -> list[RequestOutput]:
+        """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted),
+        but those whose `id` is in `skip` (they ended, and were reported, before this step)."""
+        reported = [s.seq_group for s in scheduler_outputs.scheduled_seq_groups if id(s.seq_group) not in skip]
         for seq_group in scheduler_outputs.ignored_seq_groups:
             if seq_group.finish_message:
                 logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)

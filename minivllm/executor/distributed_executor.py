@@ -58,7 +58,8 @@ class DistributedExecutorBase(ExecutorBase):
 
 
 def run_every_step(worker: Worker, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
-    """`worker.execute_model`, every step of it run before returning: a multi-step worker
-    hands out its steps lazily (a generator), but each rank must run all of them at once,
-    since the ranks meet in every step's collectives."""
+    """`worker.execute_model`, every step's output collected before returning (a result that
+    can cross a process or Ray boundary). A multi-step worker queues all its steps at once
+    anyway, since the ranks meet in every step's collectives; only the driver in the engine's
+    process may take its outputs one by one (`MultiprocessingDistributedExecutor`)."""
     return list(worker.execute_model(execute_model_req))

@@ -16,15 +16,16 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torch.distributed import DistNetworkError
 
 from minivllm.distributed.utils import get_distributed_init_method, get_open_port
-from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError
+from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError, run_every_step
 from minivllm.executor.metadata_delta import MetadataEncoder
 from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper, pack_task
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.multi_step_worker import worker_class
 from minivllm.worker.worker import Worker
 
@@ -43,6 +44,12 @@ _PRELOAD = ["minivllm.worker.worker", "minivllm.executor.multiproc_worker_utils"
 
 # vLLM's VLLM_WORKER_MULTIPROC_METHOD: "forkserver" (the default here) or "spawn".
 MULTIPROC_METHOD_ENV = "MINIVLLM_WORKER_MULTIPROC_METHOD"
+
+
+def _outputs_as_they_come(worker: Worker, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+    """The driver's `execute_model` (its subclass's: a multi-step worker's outputs are an
+    iterator over steps already queued)."""
+    return worker.execute_model(execute_model_req)
 
 
 def _process_context():
@@ -98,8 +105,19 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
     def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         return self._finish_call(self._start_call(method, args))
 
-    def _start_call(self, method: Callable[..., Any], args: tuple) -> Any:
-        """Send the call to every worker, then run it on the driver: the driver's result.
+    def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+        """Every rank runs the step; when the driver is the output rank (no pipeline stages
+        after it) its outputs come back one model step at a time, as in the single-process
+        executor, so the engine processes a multi-step run's early steps (and schedules the
+        next run) while the GPUs compute the later ones."""
+        if self.engine_config.parallel_config.output_rank != 0:
+            return super().execute_model(execute_model_req)
+        call = self._start_call(run_every_step, (execute_model_req,), driver_method=_outputs_as_they_come)
+        return self._finish_call(call)[0]
+
+    def _start_call(self, method: Callable[..., Any], args: tuple, driver_method: Callable[..., Any] | None = None) -> Any:
+        """Send the call to every worker, then run it (or `driver_method`) on the driver: the
+        driver's result.
 
         Split from `_finish_call` so that calls can overlap (pipeline virtual engines,
         `executor/virtual_engine.py`): the driver's stage may start the next call while the
@@ -109,7 +127,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         for worker in self.workers:
             worker.submit(task)
         try:
-            return method(self.driver_worker, *args)
+            return (driver_method or method)(self.driver_worker, *args)
         except Exception as error:
             # A collective that fails ("connection reset by peer") usually means a peer died:
             # that is the cause worth reporting. It may take a moment to be reaped.

@@ -48,6 +48,9 @@ class MultiStepModelRunner:
     def __init__(self, base: ModelRunner) -> None:
         self.base = base
         self.sampler = base.sampler.device_sampler
+        # The last run's final tokens (on the device) and each sequence's row in them: what a
+        # run that continues it starts from (async scheduling).
+        self._last_run: tuple[torch.Tensor, dict[int, int]] | None = None
 
     def can_run(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> bool:
         """Decodes only, each one sequence the device sampler can serve (seeds, penalties,
@@ -59,14 +62,22 @@ class MultiStepModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, seq_group_metadata_list: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor],
-                      num_steps: int, finished_requests_ids: list[str] | None = None) -> Iterator[SamplerOutput]:
-        """Queue every step on the device, then yield one `SamplerOutput` per step as its
-        tokens reach the host.
+                      num_steps: int, finished_requests_ids: list[str] | None = None,
+                      continues_previous_run: bool = False) -> Iterator[SamplerOutput]:
+        """Queue every step on the device now; return an iterator that yields one
+        `SamplerOutput` per step as its tokens reach the host.
 
         Group i runs `1 + num_lookahead_slots` steps (the slots its blocks hold); in later
         steps its row keeps computing but writes no K/V, and its output has no samples.
         Should queueing step s raise, steps before it are still handed over, then the error.
         Requires `can_run`.
+
+        continues_previous_run: the batch was scheduled before the host saw the previous
+        run's last tokens (async scheduling). Each row's first input is then its sequence's
+        token from that run's last step, still on the device, one position past what the
+        host holds; the run goes on as if it were that run's next step (sampling offsets,
+        min_tokens and penalty counts included), so its tokens are the ones a run scheduled
+        after the host had caught up would sample.
         """
         base = self.base
         base.release_requests(finished_requests_ids or [])
@@ -74,26 +85,32 @@ class MultiStepModelRunner:
         steps_allowed = [1 + m.num_lookahead_slots for m in seq_group_metadata_list]
         limits = to_device(torch.tensor(steps_allowed), base.device)
         input_ids, positions, md = model_input.input_ids, model_input.positions, model_input.attn_metadata
-        groups = model_input.sampling_metadata.seq_groups
+        seq_ids = [next(iter(m.seq_data)) for m in seq_group_metadata_list]
+        steps_before = 0  # steps of this batch's sequences already sampled on the device
+        if continues_previous_run:
+            input_ids, positions, md = self._continue_previous_run(seq_ids, positions, md)
+            steps_before = 1
+        self._last_run = None  # until every step is queued
         if not get_tp_group().is_first_rank:  # tensor parallelism: TP rank 0 samples
-            yield from self._follow_rank0(input_ids, positions, md, kv_caches, num_steps, limits)
-            return
+            return iter(self._follow_rank0(input_ids, positions, md, kv_caches, num_steps, limits, seq_ids))
+        groups = model_input.sampling_metadata.seq_groups
         tensors = self.sampler.prepare(groups, base.model_config.hf_config.vocab_size, base.device)
+        if continues_previous_run:
+            self.sampler.record(tensors, input_ids)  # the host has not counted these tokens yet
         queued, error = [], None  # each step's samples on their way to the host
         try:
             for step in range(num_steps):
-                pending, (input_ids, positions, md) = self._queue_step(step, input_ids, positions, md, kv_caches,
-                                                                       tensors, limits, num_steps)
+                pending, (input_ids, positions, md) = self._queue_step(step, steps_before, input_ids, positions, md,
+                                                                       kv_caches, tensors, limits)
                 queued.append(pending)
+            self._last_run = (input_ids, {seq_id: row for row, seq_id in enumerate(seq_ids)})
         except Exception as exc:  # the steps queued before it still count
             error = exc
-        for step, pending in enumerate(queued):
-            yield _step_output(pending, step, groups, tensors, steps_allowed)
-        if error is not None:
-            raise error
+        return _hand_over(queued, error, groups, tensors, steps_allowed)
 
-    def _queue_step(self, step: int, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                    kv_caches: list[torch.Tensor], tensors: SamplingTensors, limits: torch.Tensor, num_steps: int):
+    def _queue_step(self, step: int, steps_before: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                    md: AttentionMetadata, kv_caches: list[torch.Tensor], tensors: SamplingTensors,
+                    limits: torch.Tensor):
         """Queue one forward pass and its sampling on the device; returns ((host copies, their
         event), (the next step's input ids, positions, metadata)). input_ids, positions:
         `[num_seqs]` (the previous step's tokens and positions after step 0)."""
@@ -102,15 +119,16 @@ class MultiStepModelRunner:
         hidden_states = self.base.run_model(input_ids, positions, md, kv_caches)
         # A decode samples every row; the sampler upcasts what it needs to fp32.
         logits = self.base.model.compute_logits(hidden_states, upcast=False)
-        drawn = self.sampler(logits, tensors, step)
+        drawn = self.sampler(logits, tensors, steps_before + step)
         self.sampler.record(tensors, drawn.tokens)  # for the next step's penalties
-        if step + 1 < num_steps:  # (every TP rank feeds rank 0's tokens into the next step)
-            tensor_model_parallel_broadcast(drawn.tokens)
+        # Every TP rank feeds rank 0's tokens into the next step (or the next run's first).
+        tensor_model_parallel_broadcast(drawn.tokens)
         # The sampled tokens stay on the device: the next step's input ids.
         return _copy_to_host(drawn), (drawn.tokens, positions, md)
 
     def _follow_rank0(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                      kv_caches: list[torch.Tensor], num_steps: int, limits: torch.Tensor) -> Iterator[SamplerOutput]:
+                      kv_caches: list[torch.Tensor], num_steps: int, limits: torch.Tensor,
+                      seq_ids: list[int]) -> list[SamplerOutput]:
         """A TP rank other than 0: the same forward passes, its share of every layer; the next
         input ids are the tokens rank 0 sampled, received on the device (no host between)."""
         for step in range(num_steps):
@@ -118,9 +136,22 @@ class MultiStepModelRunner:
                 input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
             # The logits gather is a collective: every rank joins it, only rank 0 gets logits.
             self.base.model.compute_logits(self.base.run_model(input_ids, positions, md, kv_caches))
-            if step + 1 < num_steps:
-                input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
-            yield SamplerOutput([])
+            input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
+        self._last_run = (input_ids, {seq_id: row for row, seq_id in enumerate(seq_ids)})
+        return [SamplerOutput([]) for _ in range(num_steps)]
+
+    def _continue_previous_run(self, seq_ids: list[int], positions: torch.Tensor, md: AttentionMetadata):
+        """The inputs of a run that continues the previous one: each row's token from that
+        run's last step (on the device), at the position after the host's last token."""
+        if self._last_run is None:
+            raise RuntimeError("continues_previous_run, but the previous multi-step run did not queue all its steps.")
+        last_tokens, row_of = self._last_run
+        missing = [seq_id for seq_id in seq_ids if seq_id not in row_of]
+        if missing:
+            raise RuntimeError(f"continues_previous_run, but sequences {missing[:5]} were not in the previous run.")
+        rows = to_device(torch.tensor([row_of[seq_id] for seq_id in seq_ids]), positions.device)
+        every_row = torch.ones(len(seq_ids), dtype=torch.bool, device=positions.device)
+        return self.advance_step(last_tokens[rows], positions, md, every_row)
 
     def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
                      active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -139,6 +170,17 @@ class MultiStepModelRunner:
         slot_mapping = torch.where(active, slots, _NO_SLOT)
         md = dataclasses.replace(md, slot_mapping=slot_mapping, seq_lens=seq_lens, max_seq_len=md.max_seq_len + 1)
         return sampled, positions, md
+
+
+def _hand_over(queued: list, error: Exception | None, groups: list[SequenceGroupToSample], tensors: SamplingTensors,
+               steps_allowed: list[int]) -> Iterator[SamplerOutput]:
+    """Each queued step's output once its tokens are on the host, then the queueing error."""
+    for step, pending in enumerate(queued):
+        output = _step_output(pending, step, groups, tensors, steps_allowed)
+        output.steps_left = len(queued) - 1 - step
+        yield output
+    if error is not None:
+        raise error
 
 
 def _step_output(pending, step: int, groups: list[SequenceGroupToSample], tensors: SamplingTensors,

@@ -176,8 +176,9 @@ def test_num_scheduler_steps_must_be_positive(checkpoint_dirs):
 
 def test_every_step_is_queued_before_the_engine_processes_the_first(checkpoint_dirs):
     """The overlap contract: the whole run is queued on the device before the host processes
-    step 0's outputs, so the GPU never waits for the host within a run."""
-    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4)
+    step 0's outputs, so the GPU never waits for the host within a run. (Between runs:
+    tests/engine/test_async_scheduling.py.)"""
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4, async_scheduling=False)
     runner = engine.model_executor.driver_worker.model_runner
     launched, seen = [], []
     run_model, process_outputs = runner.run_model, engine.output_processor.process_outputs
