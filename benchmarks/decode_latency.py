@@ -392,50 +392,80 @@ _HOST_PHASES = (("schedule", "scheduler", "schedule"),
 
 
 def profile_gpu_idle(engine, steps: int, path: Path) -> dict:
-    """When is the GPU idle, and what is the host doing then? torch.profiler over `steps`
+    """`GpuIdleProfile` over the next `steps` engine steps, its summary written to `path`."""
+    profiler = GpuIdleProfile(engine)
+    profiler.start()
+    for _ in range(steps):
+        engine.step()
+    return profiler.stop(steps, path)
+
+
+class GpuIdleProfile:
+    """When is the GPU idle, and what is the host doing then? torch.profiler over some
     consecutive engine steps with the host's phases labelled (`record_function`): every gap
     of at least IDLE_GAP_US between kernels on the GPU is charged to the labelled host
     phases it overlaps ("other" for the rest: stepping the generator, Python between
-    phases). The sum of the gaps is what an overlap of host and GPU could win at most."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
+    phases). The sum of the gaps is what an overlap of host and GPU could win at most.
 
-    runner = engine.model_executor.driver_worker.model_runner
-    patched = [(engine if not owner else getattr(engine, owner), method) for _, owner, method in _HOST_PHASES]
-    patched += [(getattr(runner, "base", runner), "prepare_model_input")]
-    labels = [label for label, _, _ in _HOST_PHASES] + ["prepare inputs"]
-    originals = [getattr(obj, method) for obj, method in patched]
-    for (obj, method), label, original in zip(patched, labels, originals):
-        setattr(obj, method, _labelled(original, label, record_function))
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            start = time.perf_counter()
-            for _ in range(steps):
-                engine.step()
+    Also an engine stat logger (`log`): added with `at_step`, it profiles engine steps
+    at_step .. at_step + steps - 1 of whatever drives the engine (`LLM.generate`)."""
+
+    def __init__(self, engine, at_step: int | None = None, steps: int = IDLE_PROFILE_STEPS,
+                 path: Path | None = None) -> None:
+        self.engine, self.at_step, self.steps, self.path = engine, at_step, steps, path
+        self.num_logged, self.prof, self.summary = 0, None, None
+
+    def log(self, stats) -> None:
+        self.num_logged += 1
+        if self.num_logged == self.at_step:
+            self.start()
+        elif self.prof is not None and self.num_logged == self.at_step + self.steps:
+            self.stop(self.steps, self.path)
+
+    def start(self) -> None:
+        from torch.profiler import ProfilerActivity, profile, record_function
+
+        runner = self.engine.model_executor.driver_worker.model_runner
+        patched = [(self.engine if not owner else getattr(self.engine, owner), method) for _, owner, method in _HOST_PHASES]
+        patched += [(getattr(runner, "base", runner), "prepare_model_input")]
+        self.labels = [label for label, _, _ in _HOST_PHASES] + ["prepare inputs"]
+        self.patched = [(obj, method, getattr(obj, method)) for obj, method in patched]
+        for (obj, method, original), label in zip(self.patched, self.labels):
+            setattr(obj, method, _labelled(original, label, record_function))
+        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self.prof.start()
+        self.started = time.perf_counter()
+
+    def stop(self, steps: int, path: Path | None) -> dict:
+        from torch.autograd import DeviceType
+
+        if torch.cuda.is_available():
             torch.cuda.synchronize()
-            wall_ms = 1e3 * (time.perf_counter() - start)
-    finally:
-        for (obj, method), original in zip(patched, originals):
+        wall_ms = 1e3 * (time.perf_counter() - self.started)
+        self.prof.stop()
+        for obj, method, original in self.patched:
             if method in vars(obj):
                 delattr(obj, method)  # back to the class's method
             else:
                 setattr(obj, method, original)
-    events = prof.events()
-    kernels = sorted(((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA))
-    phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
-              if e.device_type == DeviceType.CPU and e.name in labels]
-    busy_us, gaps, idle_by_phase = gpu_idle_gaps(kernels, phases, IDLE_GAP_US)
-    span_us = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
-    first = kernels[0][0] if kernels else 0.0
-    summary = {"steps": steps, "wall_ms": round(wall_ms, 2), "kernel_span_ms": round(span_us / 1e3, 2),
-               "gpu_busy_ms": round(busy_us / 1e3, 2), "gpu_idle_ms": round(sum(e - b for b, e in gaps) / 1e3, 2),
-               "idle_ms_by_host_phase": {k: round(v / 1e3, 2) for k, v in sorted(idle_by_phase.items(),
-                                                                                    key=lambda kv: -kv[1])},
-               "largest_gaps": [{"at_ms": round((b - first) / 1e3, 2), "ms": round((e - b) / 1e3, 3)}
-                                for b, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]]}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
+        events = self.prof.events()
+        self.prof = None
+        kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
+        phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                  if e.device_type == DeviceType.CPU and e.name in self.labels]
+        busy_us, gaps, idle_by_phase = gpu_idle_gaps(kernels, phases, IDLE_GAP_US)
+        span_us = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
+        first = kernels[0][0] if kernels else 0.0
+        self.summary = {
+            "steps": steps, "wall_ms": round(wall_ms, 2), "kernel_span_ms": round(span_us / 1e3, 2),
+            "gpu_busy_ms": round(busy_us / 1e3, 2), "gpu_idle_ms": round(sum(e - b for b, e in gaps) / 1e3, 2),
+            "idle_ms_by_host_phase": {k: round(v / 1e3, 2) for k, v in sorted(idle_by_phase.items(), key=lambda kv: -kv[1])},
+            "largest_gaps": [{"at_ms": round((b - first) / 1e3, 2), "ms": round((e - b) / 1e3, 3)}
+                             for b, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]]}
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(self.summary, indent=1) + "\n")
+        return self.summary
 
 
 def gpu_idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float, float]],

@@ -99,6 +99,12 @@ ROWS = [
         spec={"sampling": TEMPERATURE, "engine_args": {"num_scheduler_steps": 16}}),
     Row("no-async", "extra: the headline with async_scheduling=False (each run scheduled after the last)",
         "throughput", 90, spec={"sampling": TEMPERATURE, "engine_args": {"async_scheduling": False}}),
+    # Diagnostics: the GPU-idle profile (decode_latency.GpuIdleProfile) over engine steps
+    # 45-47 of the run (the full batch decoding); the profiler slows those steps.
+    Row("headline-idle", "diagnostic: the headline, GPU idle profiled at steps 45-47", "throughput", 100,
+        spec={"sampling": TEMPERATURE, "idle_profile_at": 45}),
+    Row("no-async-idle", "diagnostic: no-async, GPU idle profiled at steps 45-47", "throughput", 100,
+        spec={"sampling": TEMPERATURE, "engine_args": {"async_scheduling": False}, "idle_profile_at": 45}),
     Row("eager", "minivllm, enforce_eager=True, temperature 0.6", "throughput", 100,
         spec={"sampling": TEMPERATURE, "engine_args": {"enforce_eager": True}}),
 ]

@@ -338,12 +338,20 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
         llm.llm_engine.add_logger("progress", ProgressLogger(progress))
     timeline = StepTimeline()
     llm.llm_engine.add_logger("timeline", timeline)
+    idle = None
+    if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
+        from decode_latency import GpuIdleProfile
+
+        idle = GpuIdleProfile(llm.llm_engine, at_step=spec["idle_profile_at"])
+        llm.llm_engine.add_logger("gpu_idle", idle)
     start = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     _sync(device)
     elapsed = time.perf_counter() - start
     result = _result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result["timeline"] = timeline.summary()
+    if idle is not None:
+        result["gpu_idle"] = idle.summary
     result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
                   sampling_params=sampling, sampling_params_repr=repr(params[0]),
                   warmup=f"generate([{NANO_WARMUP_PROMPT!r}], SamplingParams({NANO_WARMUP_PARAMS}))",
