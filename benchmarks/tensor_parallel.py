@@ -78,7 +78,7 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
     elapsed = time.perf_counter() - start
     result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks,
-                  temperature=temperature, timeline=timeline.summary())
+                  temperature=temperature, timeline=timeline.summary(), stalls=timeline.stalls)
     return result, llm.llm_engine.shutdown
 
 

@@ -280,11 +280,31 @@ class StepTimeline:
 
     def __init__(self) -> None:
         self.last, self.running, self.steps = time.monotonic(), 0, []
+        self.stalls: list[dict] = []  # steps that took over STALL_FACTOR x the previous one
+        self.allocator_events = _allocator_events()
+        self.gc_s = self.gc_started = self.gc_at_last_step = 0.0  # time in Python's garbage collector
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self.gc_started = time.perf_counter()
+        else:
+            self.gc_s += time.perf_counter() - self.gc_started
 
     def log(self, stats) -> None:
-        self.steps.append((stats.now - self.last, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter,
-                           self.running))
+        seconds = stats.now - self.last
+        events = _allocator_events()
+        if self.steps and seconds > self.STALL_FACTOR * self.steps[-1][0] and seconds > self.STALL_MIN_S:
+            # What the CUDA caching allocator did in the step: a retry frees every cached
+            # block and synchronizes the device (a memory-pressure stall, not the engine).
+            self.stalls.append({"step": len(self.steps), "ms": round(1e3 * seconds, 1), "running": self.running,
+                                "gc_ms": round(1e3 * (self.gc_s - self.gc_at_last_step), 1),
+                                **{k: events[k] - self.allocator_events[k] for k in events}})
+        self.allocator_events, self.gc_at_last_step = events, self.gc_s
+        self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running))
         self.last, self.running = stats.now, stats.num_running_sys
+
+    STALL_FACTOR, STALL_MIN_S = 2.0, 0.1
 
     def phase(self, prompt_tokens: int, running_before: int) -> str:
         if prompt_tokens:
@@ -316,6 +336,17 @@ class StepTimeline:
         return summary
 
     FIRST_STEPS_LISTED = 40
+
+
+def _allocator_events() -> dict:
+    """The CUDA caching allocator's cumulative retries, cudaMalloc and cudaFree calls ({} off a GPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    stats = torch.cuda.memory_stats()
+    return {"alloc_retries": stats.get("num_alloc_retries", 0), "cuda_mallocs": stats.get("num_device_alloc", 0),
+            "cuda_frees": stats.get("num_device_free", 0)}
 
 
 def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:
@@ -350,6 +381,7 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     elapsed = time.perf_counter() - start
     result = _result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result["timeline"] = timeline.summary()
+    result["stalls"] = timeline.stalls
     if idle is not None:
         result["gpu_idle"] = idle.summary
     result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
