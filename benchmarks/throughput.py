@@ -283,6 +283,7 @@ class StepTimeline:
         self.stalls: list[dict] = []  # steps that took over STALL_FACTOR x the previous one
         self.allocator_events = _allocator_events()
         self.gc_s = self.gc_started = self.gc_at_last_step = 0.0  # time in Python's garbage collector
+        self.gc_full = self.gc_full_at_last_step = 0  # full collections
         gc.callbacks.append(self._on_gc)
 
     def _on_gc(self, phase: str, info: dict) -> None:
@@ -290,6 +291,7 @@ class StepTimeline:
             self.gc_started = time.perf_counter()
         else:
             self.gc_s += time.perf_counter() - self.gc_started
+            self.gc_full += info["generation"] == 2
 
     def log(self, stats) -> None:
         seconds = stats.now - self.last
@@ -299,8 +301,9 @@ class StepTimeline:
             # block and synchronizes the device (a memory-pressure stall, not the engine).
             self.stalls.append({"step": len(self.steps), "ms": round(1e3 * seconds, 1), "running": self.running,
                                 "gc_ms": round(1e3 * (self.gc_s - self.gc_at_last_step), 1),
+                                "gc_full_collections": self.gc_full - self.gc_full_at_last_step,
                                 **{k: events[k] - self.allocator_events[k] for k in events}})
-        self.allocator_events, self.gc_at_last_step = events, self.gc_s
+        self.allocator_events, self.gc_at_last_step, self.gc_full_at_last_step = events, self.gc_s, self.gc_full
         self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running))
         self.last, self.running = stats.now, stats.num_running_sys
 

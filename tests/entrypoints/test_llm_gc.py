@@ -34,6 +34,15 @@ def test_the_heap_is_frozen_while_generate_steps_and_thawed_after(llm):
     assert gc.get_freeze_count() == 0
 
 
+def test_full_collections_wait_while_generate_steps_and_thresholds_come_back(llm):
+    before = gc.get_threshold()
+    seen = []
+    llm.llm_engine.add_logger("probe", type("Probe", (), {"log": lambda self, stats: seen.append(gc.get_threshold())})())
+    llm.generate(["ROMEO:"], SamplingParams(temperature=0.0, max_tokens=4))
+    assert seen and all(t[:2] == before[:2] and t[2] > 1_000_000 for t in seen)
+    assert gc.get_threshold() == before
+
+
 class Holder:
     """Something of the caller's that can sit in a reference cycle."""
 
