@@ -88,6 +88,8 @@ ROWS = [
     # The clients run in 4 processes: one Python process reading ~10k chunks/s is the bottleneck.
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
         "serving", 130, spec={"client_processes": SERVING_CLIENT_PROCESSES}),
+    Row("serving-no-async", "extra: the serving row with async_scheduling off (--no-async-scheduling)",
+        "serving", 130, spec={"server_args": ["--no-async-scheduling"], "client_processes": SERVING_CLIENT_PROCESSES}),
     Row("serving-inproc", "extra: the same, the engine inside the server's process (--disable-frontend-multiprocessing)",
         "serving", 130, spec={"server_args": ["--disable-frontend-multiprocessing"],
                               "client_processes": SERVING_CLIENT_PROCESSES}),

@@ -206,7 +206,7 @@ class SamplingTensors:
         floats = torch.tensor([[0.0 if g else p.temperature for p, g in zip(params, greedy)],
                                [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
         ints = torch.tensor([top_k, seeds, [d.get_len() for d in datas]], dtype=torch.int64)
-        floats, ints = _to(floats, device), _to(ints, device)
+        floats, ints = _to(_pad_rows(floats), device)[:, :len(params)], _to(_pad_rows(ints), device)[:, :len(params)]
         truncating = [k != -1 or p.top_p < 1.0 or p.min_p > 0.0 for k, p in zip(top_k, params)]
         num_logprobs = [p.logprobs for p in params]
         tensors = SamplingTensors(
@@ -230,6 +230,14 @@ def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -
     if all(k != -1 for k, t in zip(top_k, truncating) if t):
         return min(vocab_size, largest_k)
     return min(vocab_size, max(largest_k, _NUCLEUS_CANDIDATES))
+
+
+def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """`[fields, rows]` padded to a multiple of 4 rows, so that every field's row (a view into
+    one copy) starts 16 bytes aligned whatever the batch size: Triton specializes a kernel on
+    its pointers' 16-byte alignment, and a field starting unaligned for an odd batch compiled
+    the sampling kernels again in the middle of a run (0.2-0.7 s each, measured on an H100)."""
+    return torch.nn.functional.pad(tensor, (0, -tensor.shape[1] % 4))
 
 
 def _to(tensor: torch.Tensor, device) -> torch.Tensor:
@@ -256,9 +264,9 @@ def _add_penalties(t: SamplingTensors, rows: list[tuple[SequenceGroupToSample, i
     if all(p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0 and p.presence_penalty == 0.0
            for p in params):
         return  # the common case: no [rows, vocab] tensors at all
-    penalties = _to(torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
-                                  [p.presence_penalty for p in params]], dtype=torch.float32), device)
-    t.repetition_penalty, t.frequency_penalty, t.presence_penalty = penalties
+    penalties = torch.tensor([[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+                              [p.presence_penalty for p in params]], dtype=torch.float32)
+    t.repetition_penalty, t.frequency_penalty, t.presence_penalty = _to(_pad_rows(penalties), device)[:, :len(params)]
     t.prompt_mask, t.output_counts = token_stats.rows(rows)
 
 

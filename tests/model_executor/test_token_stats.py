@@ -4,11 +4,13 @@ whatever order requests arrive in, grow, end and reuse pool rows."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.model_executor.sampling_metadata import SequenceGroupToSample, TokenStatsCache, token_counts
+from minivllm.model_executor.sampling_metadata import (SamplingTensors, SequenceGroupToSample, TokenStatsCache,
+                                                      token_counts)
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SequenceData
 
@@ -58,3 +60,19 @@ def test_cached_statistics_equal_a_count_from_scratch(ops):
             assert torch.equal(counts, token_counts([d.output_token_ids for d in datas], VOCAB, "cpu"))
             counts += 1  # the rows handed out are copies: changing them leaves the pool alone
     assert len(cache.slots) + len(cache.free_slots) == cache.output_counts.shape[0]
+
+
+@pytest.mark.parametrize("num_rows", range(1, 10))
+def test_every_sampling_tensor_starts_16_bytes_aligned(num_rows):
+    """Triton specializes kernels on their pointers' 16-byte alignment: a field that starts
+    unaligned for some batch sizes compiles the sampling kernels again mid-run."""
+    params = SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
+                            frequency_penalty=0.2, presence_penalty=0.3, min_tokens=3)
+    groups = [SequenceGroupToSample(request_id=str(i), seq_ids=[0], sampling_params=params,
+                                    seq_data={0: SequenceData([1, 2, 3])}, is_prompt=False, do_sample=True,
+                                    prompt_logprob_indices=[], prompt_logprob_token_ids=[], sample_indices=[i])
+              for i in range(num_rows)]
+    t = SamplingTensors.from_groups(groups, VOCAB, "cpu", TokenStatsCache(VOCAB, "cpu"))
+    fields = {name: value for name, value in vars(t).items() if isinstance(value, torch.Tensor)}
+    assert {"temperature", "top_p", "min_p", "top_k", "seeds", "offsets", "repetition_penalty"} <= fields.keys()
+    assert {name: value.data_ptr() % 16 for name, value in fields.items()} == {name: 0 for name in fields}
