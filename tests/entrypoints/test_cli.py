@@ -96,6 +96,31 @@ def test_optional_choice_flags_default_to_none_and_take_only_real_values():
         parser.parse_args(["--preemption-mode", "None"])
 
 
+def test_async_scheduling_is_on_off_or_the_engines_choice():
+    parser = _engine_parser()
+    assert parser.parse_args([]).async_scheduling is None
+    assert parser.parse_args(["--async-scheduling"]).async_scheduling is True
+    assert parser.parse_args(["--no-async-scheduling"]).async_scheduling is False
+
+
+@pytest.mark.parametrize("flags, expected", [([], False), (["--async-scheduling"], True),
+                                             (["--no-async-scheduling"], False)])
+def test_the_server_runs_without_async_scheduling_unless_asked(monkeypatch, flags, expected):
+    from minivllm.entrypoints.cli import make_parser
+    from minivllm.entrypoints.openai import api_server
+
+    built = []
+
+    def refuse(engine_args, disable_frontend_multiprocessing):
+        built.append(engine_args)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(api_server, "build_engine_client", refuse)
+    with pytest.raises(SystemExit):
+        api_server.run_server(make_parser().parse_args(["serve", "some-model", *flags]))
+    assert built[0].async_scheduling is expected
+
+
 def test_help_shows_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--help"])

@@ -380,7 +380,14 @@ def run_server(args: argparse.Namespace) -> None:
     As vLLM v0.6: the engine runs in its own process (`MQLLMEngineClient`) unless
     --disable-frontend-multiprocessing keeps it in this one (`AsyncLLMEngine`).
     """
-    engine = build_engine_client(EngineArgs.from_cli_args(args), args.disable_frontend_multiprocessing)
+    engine_args = EngineArgs.from_cli_args(args)
+    if engine_args.async_scheduling is None:
+        # Off unless asked for (--async-scheduling): in the one GPU measurement of the server
+        # with it (256 streaming clients arriving together), throughput fell from 0.91x to
+        # 0.67x offline. Likely why: a run scheduled ahead is a whole multi-step run, and a
+        # request that arrives meanwhile waits for it before its prefill (docs/benchmarks.md).
+        engine_args.async_scheduling = False
+    engine = build_engine_client(engine_args, args.disable_frontend_multiprocessing)
     try:
         app = build_app(engine, args.served_model_name, **app_options(args, os.environ))
         logger.info("serving %s on http://%s:%d", engine.model_config.model, args.host, args.port)
