@@ -88,3 +88,30 @@ def assert_all_blocks_free(engine) -> None:
     block_manager = engine.scheduler.block_manager
     assert block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
     assert block_manager.get_num_free_cpu_blocks() == engine.cache_config.num_cpu_blocks
+
+
+def run_to_completion(engine, prompts, params) -> dict:
+    """Add each prompt as request "0", "1", ... (each its own params if `params` is a list),
+    step until none is left; request id -> its final CompletionOutput. Every finished request
+    must be reported exactly once."""
+    params_list = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
+    results = {}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            if output.finished:
+                assert output.request_id not in results, "a finished request was reported twice"
+                results[output.request_id] = output.outputs[0]
+    return results
+
+
+def launches_seen_by_each_output(engine) -> list[int]:
+    """Record, each time the engine processes a sequence's sampled token, how many forward
+    passes the worker had launched by then (what the overlap tests assert on)."""
+    runner = engine.model_executor.driver_worker.model_runner
+    launched, seen = [], []
+    run_model, process_outputs = runner.run_model, engine.output_processor.process_outputs
+    runner.run_model = lambda *args: launched.append(1) or run_model(*args)
+    engine.output_processor.process_outputs = lambda *args: seen.append(len(launched)) or process_outputs(*args)
+    return seen

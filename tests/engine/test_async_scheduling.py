@@ -40,19 +40,7 @@ def make_engine(checkpoint_dirs, async_scheduling: bool, **kwargs) -> LLMEngine:
     return engine
 
 
-def run(engine: LLMEngine, prompts, params) -> dict:
-    """Run to completion; request id -> its final CompletionOutput. Every finished request
-    is reported exactly once."""
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
-    results = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                assert output.request_id not in results, "a finished request was reported twice"
-                results[output.request_id] = output.outputs[0]
-    return results
+run = checkpoints.run_to_completion
 
 
 def assert_same_outputs(got: dict, expected: dict) -> None:
@@ -76,11 +64,7 @@ def test_the_next_run_is_queued_before_the_last_step_is_processed(checkpoint_dir
     """The contract: run 2's forward passes are launched while the engine still has run 1's
     last output to process, so the device never waits for the host between runs."""
     engine = make_engine(checkpoint_dirs, async_scheduling=True)
-    runner = engine.model_executor.driver_worker.model_runner
-    launched, seen = [], []
-    run_model, process_outputs = runner.run_model, engine.output_processor.process_outputs
-    runner.run_model = lambda *args: launched.append(1) or run_model(*args)
-    engine.output_processor.process_outputs = lambda *args: seen.append(len(launched)) or process_outputs(*args)
+    seen = checkpoints.launches_seen_by_each_output(engine)
     engine.add_request("0", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=9))
     engine.step()  # the prefill: token 1
     engine.step()  # run 1 (tokens 2-5); run 2 (tokens 6-9) is queued before token 5 is processed

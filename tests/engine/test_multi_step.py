@@ -36,17 +36,7 @@ def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
     return engine
 
 
-def run(engine: LLMEngine, prompts, params) -> dict[str, list[int]]:
-    """Run to completion; request id -> output token ids (each request's own params if a list)."""
-    params_list = params if isinstance(params, list) else [params] * len(prompts)
-    for i, (prompt, p) in enumerate(zip(prompts, params_list)):
-        engine.add_request(str(i), {"prompt_token_ids": prompt}, p)
-    results = {}
-    while engine.has_unfinished_requests():
-        for output in engine.step():
-            if output.finished:
-                results[output.request_id] = output.outputs[0]
-    return results
+run = checkpoints.run_to_completion
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
@@ -179,11 +169,7 @@ def test_every_step_is_queued_before_the_engine_processes_the_first(checkpoint_d
     step 0's outputs, so the GPU never waits for the host within a run. (Between runs:
     tests/engine/test_async_scheduling.py.)"""
     engine = make_engine(checkpoint_dirs, num_scheduler_steps=4, async_scheduling=False)
-    runner = engine.model_executor.driver_worker.model_runner
-    launched, seen = [], []
-    run_model, process_outputs = runner.run_model, engine.output_processor.process_outputs
-    runner.run_model = lambda *args: launched.append(1) or run_model(*args)
-    engine.output_processor.process_outputs = lambda *args: seen.append(len(launched)) or process_outputs(*args)
+    seen = checkpoints.launches_seen_by_each_output(engine)
     engine.add_request("0", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0.0, max_tokens=9))
     engine.step()  # the prefill: one forward, then its outputs
     assert seen == [1]
