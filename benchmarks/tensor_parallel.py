@@ -45,6 +45,7 @@ for _name, _value in NCCL_ENV.items():
     os.environ.setdefault(_name, _value)
 
 sys.path.insert(0, str(Path(__file__).parent))
+import issue15  # noqa: E402  (Triton's cache: which kernels a run compiled)
 import throughput  # noqa: E402  (the workload and the checkpoint builder, shared)
 
 MODEL = "llama-3-8b"
@@ -172,12 +173,16 @@ def run_all(args) -> int:
                    *(["--enforce-eager"] if args.enforce_eager else []),
                    *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
             print(f"== {kind}, TP={tp}", flush=True)
+            cached_before = set(issue15.triton_cache_entries())
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 pass
-            report["results"][f"{kind}-tp{tp}"] = (json.loads(result_file.read_text()) if result_file.exists()
-                                                   else {"error": "failed or timed out"})
+            result = json.loads(result_file.read_text()) if result_file.exists() else {"error": "failed or timed out"}
+            # Kernels this run compiled (the first run of a shape pays them; a stall may be one).
+            compiled = sorted(set(issue15.triton_cache_entries()) - cached_before)
+            result["triton_kernels_compiled_names"] = [issue15.kernel_name(entry) for entry in compiled]
+            report["results"][f"{kind}-tp{tp}"] = result
             (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
     report["summary"] = summary(report["results"])
     (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
