@@ -356,7 +356,9 @@ class Scheduler:
             return None
         finishing, going_on = [], []
         for seq_group in self.running:
-            last = seq_group.is_finished() or self._tokens_left(seq_group) <= 1
+            # (Only a token in flight can be the last: a group with one token left and none in
+            # flight must run, so it goes on and vetoes the schedule below.)
+            last = seq_group.is_finished() or (seq_group.request_id in in_flight and self._tokens_left(seq_group) <= 1)
             (finishing if last else going_on).append(seq_group)
         if not going_on or any(g.request_id not in in_flight or g.num_seqs() != 1 for g in going_on):
             return None

@@ -358,6 +358,20 @@ class LLMEngine:
             request, outputs = dataclasses.replace(request, continues_previous_run=False), None
         self._scheduled_ahead = (metadata, scheduler_outputs, request, outputs)
 
+    def _drop_run_continuing_lost_tokens(self) -> None:
+        """A step that failed after a run was queued ahead may not have appended the tokens
+        that run continues from: drop the run (its device work is thrown away; the next
+        schedule starts again from the host's tokens, whose K/V the failed run wrote)."""
+        ahead, self._scheduled_ahead = self._scheduled_ahead, None
+        if ahead is not None and not ahead[2].continues_previous_run:
+            self._scheduled_ahead = ahead  # a plain request: it runs from the host's tokens
+        elif ahead is not None:
+            try:
+                for _ in ahead[3] or ():
+                    pass
+            except Exception:  # its own failure changes nothing: it is dropped anyway
+                pass
+
     def _take_scheduled_ahead(self) -> tuple:
         """(metadata, decision, request, outputs) of the run scheduled ahead, or Nones. A run
         none of whose requests is still unfinished is drained and dropped."""
@@ -458,6 +472,7 @@ class LLMEngine:
         except WorkerDiedError:  # the engine's failure, not a request's: no retry can help
             raise
         except Exception as error:
+            self._drop_run_continuing_lost_tokens()
             if num_processed:
                 logger.warning("step %d failed after %d model steps; the rest runs next step: %r",
                                self.step_counter, num_processed, error)

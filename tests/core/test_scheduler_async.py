@@ -160,8 +160,8 @@ def test_a_run_is_scheduled_ahead_with_one_more_slot_and_one_token_fewer():
     for s in outputs.scheduled_seq_groups:  # the host processes the first step: 2 tokens each
         s.seq_group.update_num_computed_tokens(1)
         s.seq_group.first_seq.append_token_id(TOKEN, {TOKEN: 0.0})
-    # Group 1's token in flight is its third and last: only group 0 is scheduled ahead.
-    result = scheduler.schedule_ahead({"0"})
+    # Both have a token in flight; group 1's is its third and last: only group 0 is scheduled ahead.
+    result = scheduler.schedule_ahead({"0", "1"})
     assert result is not None
     _, ahead = result
     assert [s.seq_group.request_id for s in ahead.scheduled_seq_groups] == ["0"]
@@ -182,3 +182,22 @@ def test_nothing_is_scheduled_ahead_while_a_prompt_waits_or_a_group_lacks_a_toke
     assert scheduler.schedule_ahead(set()) is None  # "0" has no token in flight
     scheduler.add_seq_group(SequenceGroup("1", [Sequence(1, None, [1, 2], 4)], 0.0, SamplingParams(max_tokens=4)))
     assert scheduler.schedule_ahead({"0"}) is None  # "1" waits for its prefill
+
+
+def test_a_group_with_one_token_left_and_none_in_flight_is_not_left_out():
+    """One token left but nothing in flight (its last run was cut short, e.g. for blocks): it
+    must run, so nothing is scheduled ahead without it (left out, it would wait for ever
+    while the others kept running ahead)."""
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+                          CacheConfig(block_size=4, num_gpu_blocks=32))
+    groups = []
+    for i, max_tokens in enumerate((20, 2)):
+        groups.append(SequenceGroup(str(i), [Sequence(i, None, [1, 2, 3], 4)], 0.0, SamplingParams(max_tokens=max_tokens)))
+        scheduler.add_seq_group(groups[-1])
+    _, outputs, _ = scheduler.schedule()
+    for s in outputs.scheduled_seq_groups:
+        s.seq_group.update_num_computed_tokens(s.token_chunk_size)
+        s.seq_group.first_seq.append_token_id(TOKEN, {TOKEN: 0.0})
+    # Group 1 has one token left and none in flight; group 0 has one in flight.
+    assert scheduler.schedule_ahead({"0"}) is None
+    assert {g.request_id for g in scheduler.running} == {"0", "1"}

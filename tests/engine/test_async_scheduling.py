@@ -180,3 +180,30 @@ def test_a_run_that_cannot_continue_is_refused():
     runner._last_run = None
     with pytest.raises(RuntimeError, match="previous multi-step run"):
         runner._continue_previous_run([0], None, None)
+
+
+def test_a_step_failing_after_the_next_run_was_queued_loses_no_token(checkpoint_dirs):
+    """A streaming callback that raises on the last output of a run, after the next run was
+    queued from that output's tokens: the queued run is dropped, and the tokens are the ones
+    of an engine whose callbacks never failed."""
+    prompts = mixed_prompts(2, seed=5)
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    expected = run(make_engine(checkpoint_dirs, async_scheduling=False), prompts, greedy)
+    engine = make_engine(checkpoint_dirs, async_scheduling=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), {"prompt_token_ids": prompt}, greedy)
+    calls = []
+
+    def fails_on_the_last_output(outputs):
+        calls.append(1)
+        if len(calls) == 3:  # run 1's fourth (last) output: run 2 is already queued
+            raise RuntimeError("a client callback failed")
+
+    engine.step()  # the prefills
+    engine.step(on_model_step=fails_on_the_last_output)
+    assert engine.runs_ahead == [False, True]
+    got = {}
+    while engine.has_unfinished_requests():
+        got.update({o.request_id: o.outputs[0] for o in engine.step() if o.finished})
+    assert {k: o.token_ids for k, o in got.items()} == {k: o.token_ids for k, o in expected.items()}
+    assert_all_blocks_free(engine)
