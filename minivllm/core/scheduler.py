@@ -362,6 +362,8 @@ class Scheduler:
             (finishing if last else going_on).append(seq_group)
         if not going_on or any(g.request_id not in in_flight or g.num_seqs() != 1 for g in going_on):
             return None
+        if all(self._tokens_left(g) <= 2 for g in going_on):
+            return None  # the next run would be one step: nothing to queue ahead of the host
         # Conservatively what `can_append_slots` asks of each group, all at once.
         blocks_each = 1 + -(-(self.scheduler_config.num_lookahead_slots + 1) // self.block_manager.block_size)
         if blocks_each * len(going_on) > self.block_manager.get_num_free_gpu_blocks():

@@ -354,6 +354,11 @@ class LLMEngine:
         except WorkerDiedError:
             raise
         except Exception as error:  # run it the usual way next step, from the host's tokens
+            if self.engine_config.parallel_config.world_size > 1:
+                # The other ranks may have queued it already: their collectives would pair
+                # with the retry's. Nothing safe is left to do.
+                raise WorkerDiedError(f"queueing the run scheduled ahead failed on the driver ({error!r}); "
+                                      "the other ranks may have queued it: the engine cannot continue.") from error
             logger.warning("could not queue the run scheduled ahead (%r); it runs after this one", error)
             request, outputs = dataclasses.replace(request, continues_previous_run=False), None
         self._scheduled_ahead = (metadata, scheduler_outputs, request, outputs)
@@ -379,6 +384,8 @@ class LLMEngine:
         if ahead is None:
             return None, None, None, None
         if all(s.seq_group.is_finished() for s in ahead[1].scheduled_seq_groups):
+            if ahead[3] is None:  # never reached the worker: its finished ids still must
+                self._finished_requests_ids.extend(ahead[2].finished_requests_ids)
             for _ in ahead[3] or ():  # its device work, computed past every request's end
                 pass
             return None, None, None, None

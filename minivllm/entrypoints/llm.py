@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import itertools
+import threading
 from collections.abc import Sequence
 
 from minivllm.engine.arg_utils import EngineArgs
@@ -190,21 +191,29 @@ def _gc_heap_frozen():
     are still collected). What they would find, the few cycles a run makes, is collected
     after it.
     """
-    thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1], _NO_AUTOMATIC_FULL_COLLECTION)
-    frozen_here = not gc.get_freeze_count()
-    if frozen_here:
-        gc.freeze()
+    with _gc_pause_lock:  # generate calls of several LLMs in threads: the first in sets, the last out restores
+        if _gc_paused[0] == 0:
+            _gc_paused[1] = gc.get_threshold()
+            gc.set_threshold(_gc_paused[1][0], _gc_paused[1][1], _NO_AUTOMATIC_FULL_COLLECTION)
+        _gc_paused[0] += 1
+        frozen_here = not gc.get_freeze_count()
+        if frozen_here:
+            gc.freeze()
     try:
         yield
     finally:
-        if frozen_here:
-            gc.unfreeze()
-        gc.set_threshold(*thresholds)
+        with _gc_pause_lock:
+            if frozen_here:
+                gc.unfreeze()
+            _gc_paused[0] -= 1
+            if _gc_paused[0] == 0:
+                gc.set_threshold(*_gc_paused[1])
 
 
 # Young-generation collections between two full ones: in effect never, during one generate.
 _NO_AUTOMATIC_FULL_COLLECTION = 1_000_000_000
+_gc_pause_lock = threading.Lock()
+_gc_paused: list = [0, None]  # [generate calls inside, the thresholds before the first]
 
 
 def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptInput]:

@@ -201,3 +201,16 @@ def test_a_group_with_one_token_left_and_none_in_flight_is_not_left_out():
     # Group 1 has one token left and none in flight; group 0 has one in flight.
     assert scheduler.schedule_ahead({"0"}) is None
     assert {g.request_id for g in scheduler.running} == {"0", "1"}
+
+
+def test_no_run_is_scheduled_ahead_when_it_would_be_one_step():
+    """Every group with two tokens left: one in flight and one more, a one-step run that the
+    multi-step worker does not run; it is scheduled after the host catches up instead."""
+    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+                          CacheConfig(block_size=4, num_gpu_blocks=32))
+    group = SequenceGroup("0", [Sequence(0, None, [1, 2, 3], 4)], 0.0, SamplingParams(max_tokens=3))
+    scheduler.add_seq_group(group)
+    scheduler.schedule()
+    group.update_num_computed_tokens(3)
+    group.first_seq.append_token_id(TOKEN, {TOKEN: 0.0})
+    assert scheduler.schedule_ahead({"0"}) is None

@@ -70,3 +70,18 @@ def test_a_heap_the_caller_froze_is_left_frozen(llm):
         assert gc.get_freeze_count() > 0  # (frozen objects that die by reference count leave it)
     finally:
         gc.unfreeze()
+
+
+def test_overlapping_generate_calls_restore_the_thresholds_once_the_last_ends():
+    """generate calls of two LLMs in two threads may end in either order: the thresholds
+    come back when the last one ends, not before, and not to the paused value."""
+    from minivllm.entrypoints.llm import _gc_heap_frozen
+
+    before = gc.get_threshold()
+    first, second = _gc_heap_frozen(), _gc_heap_frozen()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_threshold()[2] > 1_000_000  # the second is still stepping
+    second.__exit__(None, None, None)
+    assert gc.get_threshold() == before and gc.get_freeze_count() == 0
