@@ -312,8 +312,7 @@ class LLMEngine:
             seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
         # A request of a run scheduled ahead may have ended since (its last token, an abort):
         # it was reported then, and its rows in this run are computed past its end.
-        ended = {id(s.seq_group) for s in scheduler_outputs.scheduled_seq_groups
-                 if s.seq_group.is_finished()} if request is not None else frozenset()
+        ended = {id(s.seq_group) for s in scheduler_outputs.scheduled_seq_groups if s.seq_group.is_finished()}
         for observer in self.step_observers:
             observer.on_scheduled(self, scheduler_outputs)
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
@@ -368,10 +367,15 @@ class LLMEngine:
         """A step that failed after a run was queued ahead may not have appended the tokens
         that run continues from: drop the run (its device work is thrown away; the next
         schedule starts again from the host's tokens, whose K/V the failed run wrote)."""
-        ahead = self._scheduled_ahead
-        if ahead is not None and ahead[2].continues_previous_run:  # (a plain request runs from the host's tokens)
-            self._scheduled_ahead = None
-            _drain(ahead[3])
+        ahead, self._scheduled_ahead = self._scheduled_ahead, None
+        if ahead is not None and not ahead[2].continues_previous_run:
+            self._scheduled_ahead = ahead  # a plain request: it runs from the host's tokens
+        elif ahead is not None:
+            try:
+                for _ in ahead[3] or ():
+                    pass
+            except Exception:  # its own failure changes nothing: it is dropped anyway
+                pass
 
     def _take_scheduled_ahead(self) -> tuple:
         """(metadata, decision, request, outputs) of the run scheduled ahead, or Nones. A run
@@ -382,7 +386,8 @@ class LLMEngine:
         if all(s.seq_group.is_finished() for s in ahead[1].scheduled_seq_groups):
             if ahead[3] is None:  # never reached the worker: its finished ids still must
                 self._finished_requests_ids.extend(ahead[2].finished_requests_ids)
-            _drain(ahead[3])  # its device work, computed past every request's end
+            for _ in ahead[3] or ():  # its device work, computed past every request's end
+                pass
             return None, None, None, None
         return ahead
 
@@ -612,15 +617,6 @@ class LLMEngine:
         stats.num_generation_tokens_requests.append(sum(s.get_output_len() for s in seq_group.get_seqs()))
         reasons = [SequenceStatus.get_finished_reason(s.status) for s in seq_group.get_seqs()]
         stats.finished_reason_requests.append(reasons[0] or "")
-
-
-def _drain(outputs: Iterable[SamplerOutput] | None) -> None:
-    """Wait out a dropped run's device work; its outputs, or its failure, change nothing."""
-    try:
-        for _ in outputs or ():
-            pass
-    except Exception:
-        pass
 
 
 def _load_tokenizer(name: str):
