@@ -289,6 +289,32 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     return tokens, logprobs
 
 
+def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
+                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    """Repetition, frequency and presence penalties from token statistics: the spec of
+    `sampling.apply_penalties` (same contract).
+
+    repetition (CTRL, transformers): a token seen in the prompt or the output has its logit
+    divided by the penalty when positive, multiplied when negative. frequency: minus penalty x
+    its count in the output. presence: minus penalty once if it is in the output (OpenAI's).
+
+    Args:
+        logits: `[rows, vocab]` float (any float dtype).
+        prompt_mask: `[rows, vocab]` bool, the tokens of each row's prompt.
+        output_counts: `[rows, vocab]` fp32, how often each token is in each row's output.
+        repetition, frequency, presence: `[rows]` fp32 (1.0, 0.0, 0.0 = off).
+    Returns:
+        `[rows, vocab]` fp32 logits, a new tensor.
+    """
+    logits = logits.float()
+    in_output = output_counts > 0
+    penalty = repetition.unsqueeze(1)
+    penalized = torch.where(logits > 0, logits / penalty, logits * penalty)
+    logits = torch.where(prompt_mask | in_output, penalized, logits)
+    logits = logits - frequency.unsqueeze(1) * output_counts
+    return logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
+
+
 def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """`[rows, vocab]` bool: the tokens that survive top-k, then top-p, then min-p (see
     `sample_tokens`), by a full descending sort."""

@@ -7,7 +7,7 @@ step could start. This module does all of it for a whole batch with a few tensor
 and one sampling kernel (`kernels/sampling.py`, or its PyTorch reference on the CPU):
 
     penalties      from each request's token counts, kept on the device between steps
-                   (`TokenStatsCache`: a step adds only its new tokens)
+                   (`TokenStatsCache`: a step adds only its new tokens), one kernel
     min_tokens     stop tokens masked while `min_tokens` is not reached
     temperature, top-k, top-p, min-p, the draw and its logprob     `sample_tokens`, one kernel
     top-N logprobs and the chosen token's rank    only for rows that asked
@@ -49,6 +49,23 @@ class SampleTokens(CustomOp):
 
         return sampling.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, offsets,
                                       needs_truncation=t.needs_truncation, num_candidates=t.num_candidates)
+
+
+class ApplyPenalties(CustomOp):
+    """`kernels.apply_penalties`: repetition, frequency and presence penalties, `[rows, vocab]`
+    fp32 logits out (see its docstring)."""
+
+    def forward_native(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        from minivllm.kernels import reference
+
+        return reference.apply_penalties(logits, t.prompt_mask, t.output_counts, t.repetition_penalty,
+                                         t.frequency_penalty, t.presence_penalty)
+
+    def forward_triton(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
+        from minivllm.kernels import sampling
+
+        return sampling.apply_penalties(logits, t.prompt_mask, t.output_counts, t.repetition_penalty,
+                                        t.frequency_penalty, t.presence_penalty)
 
 
 @dataclass
@@ -106,6 +123,7 @@ class DeviceSampler:
 
     def __init__(self, backend: str = "torch") -> None:
         self.sample_tokens = SampleTokens(backend)
+        self.apply_penalties = ApplyPenalties(backend)
         self.token_stats: TokenStatsCache | None = None  # made on the first request with penalties
 
     def prepare(self, groups: list[SequenceGroupToSample], vocab_size: int, device) -> SamplingTensors:
@@ -170,31 +188,18 @@ class DeviceSampler:
         if t.output_counts is not None:
             t.output_counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=t.output_counts.dtype).unsqueeze(1))
 
-    @staticmethod
-    def _process(logits: torch.Tensor, t: SamplingTensors, step: int) -> torch.Tensor:
+    def _process(self, logits: torch.Tensor, t: SamplingTensors, step: int) -> torch.Tensor:
         """Penalties and min_tokens, in fp32 (only where some row needs them: else untouched)."""
         if t.stop_mask is not None:
             pending = (t.min_tokens_left > step).unsqueeze(1)
             logits = logits.float().masked_fill(t.stop_mask & pending, -float("inf"))
         if t.output_counts is not None:
-            logits = _apply_penalties(logits.float(), t)
+            logits = self.apply_penalties(logits, t)
         return logits
 
 
 def _has_penalties(params: SamplingParams) -> bool:
     return params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0 or params.presence_penalty != 0.0
-
-
-def _apply_penalties(logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-    """Repetition over prompt + output tokens, frequency and presence over output tokens
-    (the host sampler's `apply_penalties`, from counts on the device)."""
-    counts = t.output_counts
-    seen = t.prompt_mask | (counts > 0)
-    repetition = t.repetition_penalty.unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    logits = logits - t.frequency_penalty.unsqueeze(1) * counts
-    return logits - t.presence_penalty.unsqueeze(1) * (counts > 0).to(logits.dtype)
 
 
 def _top_logprobs(logits: torch.Tensor, t: SamplingTensors, tokens: torch.Tensor, logprobs: torch.Tensor):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.kernels import reference
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata, SequenceGroupToSample, token_counts
 from minivllm.sampling_params import SamplingParams, SamplingType
@@ -179,14 +180,9 @@ def apply_penalties(logits: torch.Tensor, rows: list) -> torch.Tensor:
     datas = [group.seq_data[seq_id] for group, seq_id in rows]
     output_counts = token_counts([d.output_token_ids for d in datas], vocab_size, logits.device)
     prompt_counts = token_counts([d.prompt_token_ids for d in datas], vocab_size, logits.device)
-    seen = (output_counts > 0) | (prompt_counts > 0)
-    repetition = logits.new_tensor([p.repetition_penalty for p in params]).unsqueeze(1)
-    penalized = torch.where(logits > 0, logits / repetition, logits * repetition)
-    logits = torch.where(seen, penalized, logits)
-    frequency = logits.new_tensor([p.frequency_penalty for p in params]).unsqueeze(1)
-    presence = logits.new_tensor([p.presence_penalty for p in params]).unsqueeze(1)
-    logits = logits - frequency * output_counts
-    return logits - presence * (output_counts > 0).to(logits.dtype)
+    penalties = torch.tensor([[p.repetition_penalty, p.frequency_penalty, p.presence_penalty] for p in params],
+                             device=logits.device)
+    return reference.apply_penalties(logits, prompt_counts > 0, output_counts, *penalties.T)
 
 
 def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
