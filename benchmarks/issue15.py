@@ -88,8 +88,9 @@ ROWS = [
     # The clients run in 4 processes: one Python process reading ~10k chunks/s is the bottleneck.
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
         "serving", 130, spec={"client_processes": SERVING_CLIENT_PROCESSES}),
-    Row("serving-no-async", "extra: the serving row with async_scheduling off (--no-async-scheduling)",
-        "serving", 130, spec={"server_args": ["--no-async-scheduling"], "client_processes": SERVING_CLIENT_PROCESSES}),
+    Row("serving-async", "extra: the serving row with async scheduling on (--async-scheduling; the server's "
+        "default leaves it off)", "serving", 130,
+        spec={"server_args": ["--async-scheduling"], "client_processes": SERVING_CLIENT_PROCESSES}),
     Row("serving-inproc", "extra: the same, the engine inside the server's process (--disable-frontend-multiprocessing)",
         "serving", 130, spec={"server_args": ["--disable-frontend-multiprocessing"],
                               "client_processes": SERVING_CLIENT_PROCESSES}),
@@ -313,7 +314,7 @@ def _extra_lines(rows: dict, base: float | None) -> list[str]:
         rate = rows.get(name, {}).get("output_tokens_per_s")
         if rate and base:
             lines.append(f"\n{name}: costs {1 - rate / base:.1%} against plain temperature 0.6 (target <= {limit:.0%})")
-    for name in ("serving", "serving-inproc", "serving-1client"):
+    for name in ("serving", "serving-async", "serving-inproc", "serving-1client"):
         serving = rows.get(name, {})
         if serving.get("output_tokens_per_s") and base:
             lines.append(f"\n{name} / offline (headline row, same engine arguments, workload, sampling): "

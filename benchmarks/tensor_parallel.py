@@ -13,6 +13,10 @@ Two measurements, each system in its own process (so one's GPU memory never limi
                    32 LLMEngine.step() calls after a warm-up (CUDA graphs on: at TP=2 the
                    graph holds the two all-reduces of every layer)
 
+Systems (`--systems`): tp1, tp2 (the defaults: on GPUs the small all-reduces go through
+symmetric memory, `minivllm/distributed/symm_mem.py`) and tp2-nccl (TP=2 with
+`disable_custom_all_reduce=True`: NCCL does every all-reduce, as before the tenth session).
+
 The model: benchmarks/configs/llama-3-8b (random weights, transformers `from_config`, seed 0,
 bf16), saved once to a temporary directory. Targets (issue 16): batch-1 decode step at TP=2
 <= 0.6x TP=1, throughput at TP=2 >= 1.5x TP=1.
@@ -49,13 +53,13 @@ import issue15  # noqa: E402  (Triton's cache: which kernels a run compiled)
 import throughput  # noqa: E402  (the workload and the checkpoint builder, shared)
 
 MODEL = "llama-3-8b"
-TP_SIZES = (1, 2)
+SYSTEMS = {"tp1": (1, False), "tp2": (2, False), "tp2-nccl": (2, True)}  # name -> (TP size, NCCL only)
 DECODE_PROMPT_LEN, DECODE_STEPS, DECODE_WARMUP = 1024, 32, 4
 TARGET_DECODE_RATIO, TARGET_THROUGHPUT_RATIO = 0.6, 1.5
 
 
 def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
-                   steps: int, temperature: float) -> tuple[dict, Callable[[], None]]:
+                   steps: int, temperature: float, nccl_only: bool) -> tuple[dict, Callable[[], None]]:
     from minivllm import LLM, SamplingParams
 
     prompts, max_tokens = throughput.make_workload(num_seqs)
@@ -64,7 +68,7 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
               max_model_len=throughput.MAX_MODEL_LEN, max_num_seqs=throughput.MAX_NUM_SEQS,
               max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
               gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
-              num_scheduler_steps=steps)
+              num_scheduler_steps=steps, disable_custom_all_reduce=nccl_only)
     startup_s = time.perf_counter() - start
     inputs = [{"prompt_token_ids": p} for p in prompts]
     warmup = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS,
@@ -83,13 +87,14 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
     return result, llm.llm_engine.shutdown
 
 
-def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
+def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int, nccl_only: bool,
                profile_path: Path | None = None) -> tuple[dict, Callable[[], None]]:
     from minivllm import EngineArgs, LLMEngine, SamplingParams
 
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp, max_model_len=2048,
-        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager, num_scheduler_steps=steps))
+        max_num_seqs=8, gpu_memory_utilization=0.5, enforce_eager=enforce_eager, num_scheduler_steps=steps,
+        disable_custom_all_reduce=nccl_only))
     prompt = {"prompt_token_ids": list(range(100, 100 + DECODE_PROMPT_LEN))}
     engine.add_request("0", prompt, SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=4096,
                                                    detokenize=False))
@@ -114,33 +119,33 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
     return result, engine.shutdown
 
 
-def run_full_batch(ckpt: Path, tp: int, enforce_eager: bool, steps: int,
-                   profile_dir: Path | None) -> tuple[dict, Callable[[], None]]:
+def run_full_batch(ckpt: Path, tp: int, enforce_eager: bool, steps: int, nccl_only: bool,
+                   profile_dir: Path | None, name: str) -> tuple[dict, Callable[[], None]]:
     """The throughput run's engine once all 256 requests decode: engine step time, and with
     --profile-dir the kernels of one step, the host's cProfile and when TP rank 0's GPU idles
     (decode_latency.full_batch with this script's engine arguments)."""
     import decode_latency
 
-    profile = profile_dir / f"profile_full_batch_tp{tp}.txt" if profile_dir else None
+    profile = profile_dir / f"profile_full_batch_{name}.txt" if profile_dir else None
     result = decode_latency.full_batch(
         str(ckpt), profile, tensor_parallel_size=tp, max_model_len=throughput.MAX_MODEL_LEN,
         max_num_seqs=throughput.MAX_NUM_SEQS, max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
         gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
-        num_scheduler_steps=steps)
+        num_scheduler_steps=steps, disable_custom_all_reduce=nccl_only)
     return result, lambda: None  # full_batch's engine is gone with its LLM
 
 
 def run_one(args) -> int:
-    ckpt = Path(args.ckpt)
+    ckpt, (tp, nccl_only) = Path(args.ckpt), SYSTEMS[args.system]
     if args.kind == "throughput":
-        result, shutdown = run_throughput(ckpt, args.tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps,
-                                          args.temperature)
+        result, shutdown = run_throughput(ckpt, tp, args.num_seqs, args.enforce_eager, args.num_scheduler_steps,
+                                          args.temperature, nccl_only)
     elif args.kind == "full-batch":
-        result, shutdown = run_full_batch(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps,
-                                          Path(args.profile_dir) if args.profile_dir else None)
+        result, shutdown = run_full_batch(ckpt, tp, args.enforce_eager, args.num_scheduler_steps, nccl_only,
+                                          Path(args.profile_dir) if args.profile_dir else None, args.system)
     else:
-        profile = Path(args.profile_dir) / f"profile_batch1_tp{args.tp}.txt" if args.profile_dir else None
-        result, shutdown = run_decode(ckpt, args.tp, args.enforce_eager, args.num_scheduler_steps, profile)
+        profile = Path(args.profile_dir) / f"profile_batch1_{args.system}.txt" if args.profile_dir else None
+        result, shutdown = run_decode(ckpt, tp, args.enforce_eager, args.num_scheduler_steps, nccl_only, profile)
     # The result is saved before the engine shuts down: a 2-GPU shutdown once hung in NCCL's
     # teardown, and a measurement must not be lost to it.
     Path(args.result).write_text(json.dumps(result))
@@ -164,15 +169,15 @@ def run_all(args) -> int:
               "temperature": args.temperature,
               "nccl_env": NCCL_ENV, "results": {}}
     for kind in args.kinds:
-        for tp in TP_SIZES:
-            result_file = tmp / f"{kind}-tp{tp}.json"
-            cmd = [sys.executable, __file__, "one", "--kind", kind, "--tp", str(tp), "--ckpt", str(ckpt),
+        for system in args.systems:
+            result_file = tmp / f"{kind}-{system}.json"
+            cmd = [sys.executable, __file__, "one", "--kind", kind, "--system", system, "--ckpt", str(ckpt),
                    "--result", str(result_file), "--num-seqs", str(args.num_seqs),
                    "--temperature", str(args.temperature),
                    *(["--num-scheduler-steps", str(args.num_scheduler_steps)] if args.num_scheduler_steps else []),
                    *(["--enforce-eager"] if args.enforce_eager else []),
                    *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
-            print(f"== {kind}, TP={tp}", flush=True)
+            print(f"== {kind}, {system}", flush=True)
             cached_before = set(issue15.triton_cache_entries())
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
@@ -182,7 +187,7 @@ def run_all(args) -> int:
             # Kernels this run compiled (the first run of a shape pays them; a stall may be one).
             compiled = sorted(set(issue15.triton_cache_entries()) - cached_before)
             result["triton_kernels_compiled_names"] = [issue15.kernel_name(entry) for entry in compiled]
-            report["results"][f"{kind}-tp{tp}"] = result
+            report["results"][f"{kind}-{system}"] = result
             (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
     report["summary"] = summary(report["results"])
     (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
@@ -194,13 +199,16 @@ def summary(results: dict) -> dict:
     def get(key, field):
         return results.get(key, {}).get(field)
 
-    decode = [get(f"decode-tp{tp}", "ms_per_token") for tp in TP_SIZES]
-    tput = [get(f"throughput-tp{tp}", "output_tokens_per_s") for tp in TP_SIZES]
-    out = {"decode_ms_per_token": dict(zip(("tp1", "tp2"), decode)), "output_tokens_per_s": dict(zip(("tp1", "tp2"), tput))}
-    if all(decode):
+    decode = [get(f"decode-{system}", "ms_per_token") for system in SYSTEMS]
+    tput = [get(f"throughput-{system}", "output_tokens_per_s") for system in SYSTEMS]
+    out = {"decode_ms_per_token": dict(zip(SYSTEMS, decode)), "output_tokens_per_s": dict(zip(SYSTEMS, tput))}
+    for name, values in (("decode", decode), ("throughput", tput)):
+        if values[0] and values[2]:  # the NCCL-only TP=2 run, for what the custom all-reduce buys
+            out[f"{name}_ratio_tp2_nccl_over_tp1"] = round(values[2] / values[0], 3)
+    if all(decode[:2]):
         out["decode_ratio_tp2_over_tp1"] = round(decode[1] / decode[0], 3)
         out["decode_target_met"] = out["decode_ratio_tp2_over_tp1"] <= TARGET_DECODE_RATIO
-    if all(tput):
+    if all(tput[:2]):
         out["throughput_ratio_tp2_over_tp1"] = round(tput[1] / tput[0], 3)
         out["throughput_target_met"] = out["throughput_ratio_tp2_over_tp1"] >= TARGET_THROUGHPUT_RATIO
     return out
@@ -224,7 +232,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="decode, full-batch: also a torch.profiler table of one step on TP rank 0 "
                              "(full-batch: and the host's cProfile and the GPU-idle profile), per TP size")
     parser.add_argument("--kind", choices=("throughput", "decode", "full-batch"))
-    parser.add_argument("--tp", type=int)
+    parser.add_argument("--systems", nargs="+", default=["tp1", "tp2"], choices=tuple(SYSTEMS),
+                        help="which systems `all` measures, in this order")
+    parser.add_argument("--system", choices=tuple(SYSTEMS))
     parser.add_argument("--ckpt")
     parser.add_argument("--result")
     args = parser.parse_args(argv)

@@ -310,6 +310,8 @@ class ParallelConfig:
             "ray" (Ray actors, on one machine or a Ray cluster), "uni" (one process: world
             size 1 only), or None: "uni" for one rank, "mp" for more (vLLM's default on one
             node).
+        disable_custom_all_reduce: have NCCL do every all-reduce (by default, on GPUs, the TP
+            group's small bf16 all-reduces go through symmetric memory: `distributed/symm_mem.py`).
         rank: this worker's global rank. The engine's copy says 0; each worker gets a copy
             with its own (`dataclasses.replace`), never a shared config changed in place.
 
@@ -320,6 +322,7 @@ class ParallelConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    disable_custom_all_reduce: bool = False
     rank: int = 0
 
     def __post_init__(self) -> None:
@@ -327,6 +330,8 @@ class ParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer of at least 1, got {value!r}.")
+        if not isinstance(self.disable_custom_all_reduce, bool):
+            raise ValueError(f"disable_custom_all_reduce must be a bool, got {self.disable_custom_all_reduce!r}.")
         backend = self.distributed_executor_backend
         if backend is not None and backend not in DISTRIBUTED_EXECUTOR_BACKENDS:
             raise ValueError(f"distributed_executor_backend must be one of {DISTRIBUTED_EXECUTOR_BACKENDS} "

@@ -97,6 +97,8 @@ def test_parallel_config_sizes_and_backend():
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="mpi")
     with pytest.raises(ValueError, match="one process"):
         ParallelConfig(tensor_parallel_size=2, distributed_executor_backend="uni")
+    with pytest.raises(ValueError, match="disable_custom_all_reduce"):
+        ParallelConfig(tensor_parallel_size=2, disable_custom_all_reduce="yes")
 
 
 def test_device_config(monkeypatch):

@@ -18,8 +18,9 @@ from minivllm.distributed.parallel_state import (
     get_tp_group,
     init_distributed_environment,
     initialize_model_parallel,
-    wait_for_pending_teardown,
     model_parallel_is_initialized,
+    set_custom_all_reduce,
+    wait_for_pending_teardown,
 )
 from minivllm.distributed.utils import divide, get_pp_indices
 
@@ -37,6 +38,7 @@ __all__ = [
     "get_tp_group",
     "init_distributed_environment",
     "initialize_model_parallel",
+    "set_custom_all_reduce",
     "wait_for_pending_teardown",
     "model_parallel_is_initialized",
     "tensor_model_parallel_all_gather",

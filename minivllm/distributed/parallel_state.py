@@ -16,8 +16,12 @@ each process holds two groups. Ranks are laid out TP-major (vLLM's layout):
 group of one, so `get_tensor_model_parallel_world_size()` is 1 and every collective returns
 its input untouched: the single-device path creates no process group and copies nothing.
 
-Differs from vLLM: no custom all-reduce, PyNccl or shared-memory broadcast (torch.distributed's
-own NCCL or gloo does every collective), no world group object for the executors' use (the
+On GPUs the TP group's small bf16 all-reduces go through symmetric memory
+(`symm_mem.SymmMemCommunicator`, vLLM's name), the rest through NCCL;
+`set_custom_all_reduce(False)` (the engine's `disable_custom_all_reduce`) leaves NCCL doing all.
+
+Differs from vLLM: no PyNccl or shared-memory broadcast (torch.distributed's own NCCL or gloo
+does every other collective), no world group object for the executors' use (the
 `mp` executor hands work to its workers through queues instead of a broadcast), and no data
 parallel group.
 """
@@ -33,6 +37,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+
+from minivllm.distributed.symm_mem import SymmMemCommunicator
 
 logger = logging.getLogger(__name__)
 
@@ -56,12 +62,14 @@ class GroupCoordinator:
         device_group: the torch.distributed group, or None for a group of one.
     """
 
-    def __init__(self, ranks: list[int], rank: int, device_group: dist.ProcessGroup | None) -> None:
+    def __init__(self, ranks: list[int], rank: int, device_group: dist.ProcessGroup | None,
+                 symm_mem: SymmMemCommunicator | None = None) -> None:
         self.ranks = ranks
         self.rank = rank
         self.rank_in_group = ranks.index(rank)
         self.world_size = len(ranks)
         self.device_group = device_group
+        self.symm_mem = symm_mem  # the custom all-reduce of small GPU tensors, if any
 
     # ------------------------------------------------------------------ positions
     @property
@@ -94,6 +102,8 @@ class GroupCoordinator:
         """Sum over the group, in place. A group of one returns `input_` itself."""
         if self.world_size == 1:
             return input_
+        if self.symm_mem is not None and self.symm_mem.should_use(input_):
+            return self.symm_mem.all_reduce(input_)
         dist.all_reduce(input_, group=self.device_group)
         return input_
 
@@ -159,6 +169,9 @@ class GroupCoordinator:
         return None
 
     def destroy(self) -> None:
+        if self.symm_mem is not None:
+            self.symm_mem.close()
+            self.symm_mem = None
         if self.device_group is not None and dist.is_initialized():
             dist.destroy_process_group(self.device_group)
         self.device_group = None
@@ -168,6 +181,14 @@ class GroupCoordinator:
 _SINGLE_RANK = GroupCoordinator([0], 0, None)
 _TP: GroupCoordinator | None = None
 _PP: GroupCoordinator | None = None
+_ENABLE_CUSTOM_ALL_REDUCE = True
+
+
+def set_custom_all_reduce(enable: bool) -> None:
+    """Whether TP groups made after this call on GPUs all-reduce small tensors through
+    symmetric memory (vLLM's function of the same name; the engine's `disable_custom_all_reduce`)."""
+    global _ENABLE_CUSTOM_ALL_REDUCE
+    _ENABLE_CUSTOM_ALL_REDUCE = enable
 
 
 def get_tp_group() -> GroupCoordinator:
@@ -237,16 +258,19 @@ def initialize_model_parallel(tensor_model_parallel_size: int = 1, pipeline_mode
     backend = backend or dist.get_backend()
     tp_groups = [list(range(stage * tp, (stage + 1) * tp)) for stage in range(pp)]
     pp_groups = [list(range(tp_rank, world_size, tp)) for tp_rank in range(tp)]
-    _TP = _make_group(tp_groups, rank, backend)
+    custom_all_reduce = _ENABLE_CUSTOM_ALL_REDUCE and backend == "nccl" and tp > 1
+    _TP = _make_group(tp_groups, rank, backend, custom_all_reduce)
     _PP = _make_group(pp_groups, rank, backend)
 
 
-def _make_group(all_ranks: list[list[int]], rank: int, backend: str) -> GroupCoordinator:
+def _make_group(all_ranks: list[list[int]], rank: int, backend: str,
+                custom_all_reduce: bool = False) -> GroupCoordinator:
     mine = None
     for ranks in all_ranks:
         group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
         if rank in ranks:
-            mine = GroupCoordinator(ranks, rank, group)
+            device = torch.device("cuda", torch.cuda.current_device()) if custom_all_reduce else None
+            mine = GroupCoordinator(ranks, rank, group, SymmMemCommunicator(group, device) if device else None)
     return mine
 
 

@@ -87,6 +87,8 @@ class EngineArgs:
     distributed_executor_backend: str | None = _arg(
         None, "how workers run: uni (one process), mp (one process per rank on this machine), ray (Ray "
               "actors, on a Ray cluster) (default: uni for one rank, mp for more)", choices=("uni", "mp", "ray"))
+    disable_custom_all_reduce: bool = _arg(False, "have NCCL do every all-reduce (default: on GPUs, small "
+                                                  "tensor-parallel all-reduces go through symmetric memory)")
     speculative_model: str | None = _arg(None, "speculative decoding: a draft model (folder, hub id, or "
                                                "the bundled tiny-shakespeare-draft) or [ngram] for "
                                                "prompt lookup (default: no speculation)")
@@ -141,7 +143,7 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=device_config,
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                           self.distributed_executor_backend),
+                                           self.distributed_executor_backend, self.disable_custom_all_reduce),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,

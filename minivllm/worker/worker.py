@@ -47,7 +47,7 @@ import torch
 from minivllm.attention.selector import get_attn_backend
 from minivllm.config import EngineConfig
 from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
-                                  initialize_model_parallel, wait_for_pending_teardown)
+                                  initialize_model_parallel, set_custom_all_reduce, wait_for_pending_teardown)
 from minivllm.kernels import supports_cuda_graphs
 from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.plugins import load_general_plugins
@@ -135,6 +135,7 @@ class Worker:
                 raise ValueError("a worker of a world larger than 1 needs distributed_init_method.")
             init_distributed_environment(parallel.world_size, self.rank, self.distributed_init_method,
                                          self.local_rank, backend="nccl" if self.device.type == "cuda" else "gloo")
+            set_custom_all_reduce(not parallel.disable_custom_all_reduce)
             initialize_model_parallel(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
 
     def load_model(self) -> None:

@@ -117,6 +117,9 @@ def test_command_line_flags_with_vllm_names():
     assert long_form.tensor_parallel_size == 4 and long_form.distributed_executor_backend is None
     with pytest.raises(SystemExit):  # argparse refuses a backend it does not know
         parser.parse_args(["--distributed-executor-backend", "threads"])
+    assert args.create_engine_config().parallel_config.disable_custom_all_reduce is False
+    nccl_only = EngineArgs.from_cli_args(parser.parse_args(["-tp", "2", "--disable-custom-all-reduce"]))
+    assert nccl_only.create_engine_config().parallel_config.disable_custom_all_reduce is True
 
 
 def test_multi_step_at_tp2_gives_the_single_step_tokens(parallel_checkpoints, references, monkeypatch):

@@ -27,6 +27,7 @@ init_distributed_environment(2, rank, init_method, backend="gloo")
 initialize_model_parallel(2, 1)
 tp = get_tp_group()
 assert (tp.ranks, tp.rank_in_group, get_pp_group().world_size) == ([0, 1], rank, 1)
+assert tp.symm_mem is None  # the custom all-reduce is for GPUs only: gloo does every collective
 x = torch.full((2, 3), float(rank + 1))
 assert torch.equal(tensor_model_parallel_all_reduce(x.clone()), torch.full((2, 3), 3.0))
 gathered = tensor_model_parallel_all_gather(x, dim=-1)
