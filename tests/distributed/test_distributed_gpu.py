@@ -26,7 +26,6 @@ for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
 
 from minivllm import LLM, SamplingParams  # noqa: E402
 from minivllm.engine.arg_utils import EngineArgs  # noqa: E402
-from minivllm.distributed.utils import get_distributed_init_method, get_open_port  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner  # noqa: E402
 
@@ -136,13 +135,7 @@ print("ok", rank)
 
 
 def test_custom_all_reduce_sums_equal_nccls_eagerly_and_in_a_cuda_graph():
-    init_method = get_distributed_init_method("127.0.0.1", get_open_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", SYMM_MEM_RANK_SCRIPT, str(rank), init_method],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    outputs = [process.communicate(timeout=150)[0] for process in ranks]
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0 and f"ok {rank}" in output, output[-3000:]
+    outputs = checkpoints.run_rank_scripts(SYMM_MEM_RANK_SCRIPT, timeout=150)
     print(outputs[0][-500:])
 
 

@@ -7,10 +7,7 @@ be importable in a child); a rank exits non-zero, with the failing check, if any
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
-from minivllm.distributed.utils import get_distributed_init_method, get_open_port
+import engine_test_checkpoints as checkpoints
 
 RANK_SCRIPT = r'''
 import sys
@@ -53,11 +50,4 @@ print("ok", rank)
 
 
 def test_groups_and_collectives_on_two_gloo_processes():
-    init_method = get_distributed_init_method("127.0.0.1", get_open_port())
-    ranks = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(rank), init_method],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for rank in range(2)]
-    outputs = [process.communicate(timeout=120)[0] for process in ranks]
-    for rank, (process, output) in enumerate(zip(ranks, outputs)):
-        assert process.returncode == 0, f"rank {rank} failed:\n{output}"
-        assert f"ok {rank}" in output
+    checkpoints.run_rank_scripts(RANK_SCRIPT)

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import random
 import string
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -115,3 +117,19 @@ def launches_seen_by_each_output(engine) -> list[int]:
     runner.run_model = lambda *args: launched.append(1) or run_model(*args)
     engine.output_processor.process_outputs = lambda *args: seen.append(len(launched)) or process_outputs(*args)
     return seen
+
+
+def run_rank_scripts(script: str, world_size: int = 2, timeout: float = 120) -> list[str]:
+    """Run `script` once per rank as `python -c script <rank> <init method>` (plain processes:
+    no test module has to be importable in a child); assert each exited 0 and printed
+    "ok <rank>". Returns each rank's output."""
+    from minivllm.distributed.utils import get_distributed_init_method, get_open_port
+
+    init_method = get_distributed_init_method("127.0.0.1", get_open_port())
+    ranks = [subprocess.Popen([sys.executable, "-c", script, str(rank), init_method],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for rank in range(world_size)]
+    outputs = [process.communicate(timeout=timeout)[0] for process in ranks]
+    for rank, (process, output) in enumerate(zip(ranks, outputs)):
+        assert process.returncode == 0 and f"ok {rank}" in output, f"rank {rank} failed:\n{output[-3000:]}"
+    return outputs
