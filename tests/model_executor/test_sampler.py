@@ -37,12 +37,13 @@ def prompt_metadata(request_id, params, prompt, seq_id=0):
     return SequenceGroupMetadata(request_id, True, seq_data, params, {seq_id: [0]}, len(prompt))
 
 
-def run_sampler(metadata_list, logits_per_token, generators=None):
-    """Run the sampler where every token of the flat batch has the row `logits_per_token[i]`."""
+def run_sampler(metadata_list, logits_per_token, generators=None, backend="torch"):
+    """Run the sampler where every token of the flat batch has the row `logits_per_token[i]`
+    (backend "triton": the device sampler's kernels, in Triton's interpreter on a CPU)."""
     query_lens = [m.token_chunk_size for m in metadata_list]
     sampling = SamplingMetadata.prepare(metadata_list, query_lens, "cpu", generators)
     hidden_logits = logits_per_token[sampling.selected_token_indices]
-    return Sampler()(hidden_logits, sampling)
+    return Sampler(backend)(hidden_logits, sampling)
 
 
 def full_logprobs(output):
@@ -81,19 +82,21 @@ def test_temperature_top_k_top_p_min_p_match_transformers_warpers(logits):
     assert out.samples[0].output_token in finite.nonzero().flatten().tolist()
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("penalty", [0.5, 1.3, 2.0])
-def test_repetition_penalty_matches_transformers_over_prompt_and_output(logits, penalty):
+def test_repetition_penalty_matches_transformers_over_prompt_and_output(logits, penalty, backend):
     tokens = [1, 5, 5, 7, 9]  # prompt [1, 5, 5], output [7, 9]
     params = SamplingParams(temperature=0.0, repetition_penalty=penalty, logprobs=VOCAB)
-    [out] = run_sampler([decode_metadata("r", params, [tokens])], logits)
+    [out] = run_sampler([decode_metadata("r", params, [tokens])], logits, backend=backend)
     scores = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([tokens]), logits.clone())
     torch.testing.assert_close(full_logprobs(out.samples[0]), torch.log_softmax(scores[0], -1), atol=1e-5, rtol=1e-5)
 
 
-def test_frequency_and_presence_penalties_count_output_tokens_only(logits):
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_frequency_and_presence_penalties_count_output_tokens_only(logits, backend):
     tokens = [4, 4, 6, 7, 7, 7, 8]  # prompt [4, 4, 6]; output 7 three times and 8 once
     params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=1.5, logprobs=VOCAB)
-    [out] = run_sampler([decode_metadata("r", params, [tokens])], logits)
+    [out] = run_sampler([decode_metadata("r", params, [tokens])], logits, backend=backend)
     expected = logits[0].clone()
     # OpenAI: mu[j] - count[j] * frequency_penalty - (count[j] > 0) * presence_penalty.
     expected[7] -= 3 * 0.5 + 1.5
