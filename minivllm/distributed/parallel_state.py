@@ -269,8 +269,10 @@ def _make_group(all_ranks: list[list[int]], rank: int, backend: str,
     for ranks in all_ranks:
         group = dist.new_group(ranks, backend=backend, timeout=COLLECTIVE_TIMEOUT)
         if rank in ranks:
-            device = torch.device("cuda", torch.cuda.current_device()) if custom_all_reduce else None
-            mine = GroupCoordinator(ranks, rank, group, SymmMemCommunicator(group, device) if device else None)
+            mine = GroupCoordinator(ranks, rank, group)
+    # After every group exists: the buffer's rendezvous is a collective of this group alone.
+    if custom_all_reduce:
+        mine.symm_mem = SymmMemCommunicator(mine.device_group, torch.device("cuda", torch.cuda.current_device()))
     return mine
 
 
