@@ -156,6 +156,9 @@ def test_a_killed_engine_process_fails_requests_within_seconds():
     assert waited < 5.0  # noticed by the output loop's liveness check (every second), not a hang
     assert isinstance(MQEngineDeadError("x"), EngineStepError)  # the server answers it with a 500
     assert not client.process.is_alive() and not ipc_dir.exists()
+    # Both contexts closed here, not left to the GC: a context collected in one cycle with its
+    # open socket waits forever in term() (this once hung the suite in the next test's GC pass).
+    assert client.ctx.closed and client.actx.closed
 
 
 def test_shutdown_stops_the_engine_process_and_removes_its_sockets():

@@ -95,7 +95,11 @@ class MQLLMEngineClient(EngineClient):
         self._loop_task: asyncio.Task | None = None
         self._output_socket: zmq.asyncio.Socket | None = None
         self._dead: str | None = None  # why the engine is unusable, once it is
-        self.engine_config = self._rpc(RPCStartupRequest(), STARTUP_TIMEOUT_S)
+        try:
+            self.engine_config = self._rpc(RPCStartupRequest(), STARTUP_TIMEOUT_S)
+        except BaseException:
+            self.ctx.destroy(linger=0)  # never left to the GC (see `_close_output_socket`)
+            raise
         self.model_config = self.engine_config.model_config
         self.scheduler_config = self.engine_config.scheduler_config
         self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
@@ -178,21 +182,24 @@ class MQLLMEngineClient(EngineClient):
     async def stop_background_loop(self) -> None:
         """Abort every request in flight (their callers get `EngineStepError`, as from
         `AsyncLLMEngine`) and stop reading outputs."""
-        if not self.is_running:
-            return
-        aborted = list(self.streams)
-        self._fail_everything(EngineStepError("the engine loop was stopped."))
-        if aborted and self._dead is None:
-            self.input_socket.send_pyobj(RPCAbortRequest(aborted))
-        self._loop_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._loop_task
-        self._close_output_socket()
+        if self.is_running:
+            aborted = list(self.streams)
+            self._fail_everything(EngineStepError("the engine loop was stopped."))
+            if aborted and self._dead is None:
+                self.input_socket.send_pyobj(RPCAbortRequest(aborted))
+            self._loop_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop_task
+        self._close_output_socket()  # also after a loop that ended by itself (a dead engine)
 
     def _close_output_socket(self) -> None:
+        """Close the output socket and its context now. Left to the garbage collector, a
+        context and its socket die in one cycle: the weak reference by which the context finds
+        its sockets is cleared first, so its `__del__` waits in `term()` for a socket still
+        open, and the whole process hangs in a GC pass (seen in the test suite)."""
         if self._output_socket is not None:
-            self._output_socket.close()
-            self.actx.term()
+            self._output_socket.close(linger=0)
+            self.actx.destroy(linger=0)
             self._output_socket = None
 
     async def _run_output_loop(self) -> None:
@@ -325,6 +332,10 @@ class MQLLMEngineClient(EngineClient):
                 self.input_socket.send_pyobj(RPCShutdownRequest(), zmq.NOBLOCK)
         _stop_process(self.process)
         self._dead = self._dead or "the engine was shut down"
+        if self.is_running:  # a loop still reading (no stop_background_loop first)
+            with contextlib.suppress(RuntimeError):  # its event loop may be closed already
+                self._loop_task.cancel()
+        self._close_output_socket()
         self.ctx.destroy(linger=0)
         remove_ipc_dir(self.ipc_path)
 
