@@ -26,6 +26,11 @@ torch 2.11, the new world's rendezvous waits 60 s for a key and fails. So every 
 agrees (one all-reduce) whether all of them are fresh; if not, NCCL does every all-reduce of
 that world, with a log line saying so.
 
+A rank whose peer dies in the middle of a step waits in the kernel forever (NCCL's kernels
+wait too, but NCCL's watchdog can abort them): with the custom all-reduce the watchdog's
+COLLECTIVE_TIMEOUT (60 s) ends the engine's process instead of raising `WorkerDiedError`.
+`disable_custom_all_reduce=True` keeps NCCL's behaviour. Only ranks on one machine use it.
+
 Only for GPUs: on a CPU (gloo) nothing here is created. Symmetric memory is marked private
 (leading underscore) in PyTorch, so any failure to set it up logs a warning and leaves NCCL
 doing every all-reduce. It needs no NVLink multicast (the `multimem` operations do).
@@ -34,6 +39,8 @@ doing every all-reduce. It needs no NVLink multicast (the `multimem` operations 
 from __future__ import annotations
 
 import logging
+import socket
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -58,23 +65,25 @@ class SymmMemCommunicator:
         self.group_name = group.group_name
         self.disabled = True
         self.buffer: torch.Tensor | None = None
-        if not _all_ranks_fresh(group, device):
+        # Every decision below is the same on every rank (an all-reduce each): a rank that
+        # took NCCL while another ran a symmetric-memory kernel would leave that kernel
+        # waiting for it forever.
+        if not _on_every_rank(group, device, not _SET_UP_IN_THIS_PROCESS):
             logger.info("symmetric memory was set up by an earlier engine of a rank's process: "
                         "NCCL does every all-reduce of this one")
             return
-        try:
-            import torch.distributed._symmetric_memory as symm_mem
-
-            buffer = symm_mem.empty(max_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
-            symm_mem.rendezvous(buffer, self.group_name)
-        except Exception as error:  # noqa: BLE001 - a private API: any failure means "use NCCL"
-            logger.warning("symmetric memory unavailable (%r): NCCL does every all-reduce", error)
+        if not _on_one_machine(group, device):  # peers' memory is reachable only over NVLink / PCIe
+            logger.info("the tensor-parallel group spans machines: NCCL does every all-reduce")
             return
-        global _SET_UP_IN_THIS_PROCESS
-        _SET_UP_IN_THIS_PROCESS = True
+        buffer = _allocate_and_rendezvous(max_bytes, device, self.group_name)
+        if not _on_every_rank(group, device, buffer is not None):
+            logger.warning("symmetric memory could not be set up on every rank: NCCL does every all-reduce")
+            return
         self.buffer, self.disabled = buffer, False
-        # Two-shot straight into the caller's tensor where this PyTorch has the op (newer ones).
-        self.two_shot_out = hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+        # Two-shot straight into the caller's tensor where this PyTorch has the op (newer ones;
+        # built for 2, 4 and 8 ranks only). Elsewhere in place in the buffer, then copied out.
+        self.two_shot_out = (hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
+                             and dist.get_world_size(group) in (2, 4, 8))
 
     def should_use(self, tensor: torch.Tensor) -> bool:
         """bf16, on the GPU, contiguous, 16-byte aligned, a multiple of 16 bytes and no bigger
@@ -102,9 +111,32 @@ class SymmMemCommunicator:
         self.buffer, self.disabled = None, True
 
 
-def _all_ranks_fresh(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether no rank of `group` has set up symmetric memory before (the same answer on every
-    rank: a rank that skipped the rendezvous alone would leave the others waiting in it)."""
-    fresh = torch.tensor([0 if _SET_UP_IN_THIS_PROCESS else 1], device=device)
-    dist.all_reduce(fresh, op=dist.ReduceOp.MIN, group=group)
-    return bool(fresh.item())
+def _allocate_and_rendezvous(max_bytes: int, device: torch.device, group_name: str) -> torch.Tensor | None:
+    """The buffer, mapped by every peer; None (and a warning) if this rank failed."""
+    global _SET_UP_IN_THIS_PROCESS
+    _SET_UP_IN_THIS_PROCESS = True  # even a failed attempt leaves state behind in this process
+    try:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        buffer = symm_mem.empty(max_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
+        symm_mem.rendezvous(buffer, group_name)
+        return buffer
+    except Exception as error:  # noqa: BLE001 - a private API: any failure means "use NCCL"
+        logger.warning("symmetric memory unavailable on this rank (%r)", error)
+        return None
+
+
+def _on_every_rank(group: dist.ProcessGroup, device: torch.device, holds: bool) -> bool:
+    """Whether `holds` is true on every rank of `group` (the same answer on each)."""
+    flag = torch.tensor([1 if holds else 0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+    return bool(flag.item())
+
+
+def _on_one_machine(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether every rank of `group` runs on this machine (a Ray group may span several):
+    the min of the host names' hashes and the min of their negations bound the same value."""
+    host = zlib.crc32(socket.gethostname().encode())
+    bounds = torch.tensor([host, -host], device=device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MIN, group=group)
+    return bool(bounds[0] == -bounds[1])

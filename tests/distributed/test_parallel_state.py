@@ -51,3 +51,38 @@ print("ok", rank)
 
 def test_groups_and_collectives_on_two_gloo_processes():
     checkpoints.run_rank_scripts(RANK_SCRIPT)
+
+
+AGREEMENT_SCRIPT = r'''
+import sys
+import torch
+import torch.distributed as dist
+from minivllm.distributed import init_distributed_environment, destroy_distributed_environment
+from minivllm.distributed import symm_mem
+
+rank, init_method = int(sys.argv[1]), sys.argv[2]
+init_distributed_environment(2, rank, init_method, backend="gloo")
+group, cpu = dist.group.WORLD, torch.device("cpu")
+
+
+def set_up_on_rank_0_only(max_bytes, device, group_name):
+    """Stands in for the GPU-only allocation: rank 1's fails."""
+    symm_mem._SET_UP_IN_THIS_PROCESS = True
+    return torch.zeros(8, dtype=torch.bfloat16) if rank == 0 else None
+
+
+symm_mem._allocate_and_rendezvous = set_up_on_rank_0_only
+first = symm_mem.SymmMemCommunicator(group, cpu)
+assert first.disabled and first.buffer is None, "rank 0 kept a buffer rank 1 could not make"
+assert symm_mem._on_one_machine(group, cpu)
+assert symm_mem._on_every_rank(group, cpu, True) and not symm_mem._on_every_rank(group, cpu, rank == 0)
+destroy_distributed_environment()
+print("ok", rank)
+'''
+
+
+def test_every_rank_takes_the_same_all_reduce_path_when_one_fails_to_set_up():
+    """The custom all-reduce's set-up decisions are collective: one rank failing to set up
+    symmetric memory leaves every rank on NCCL (one rank in a symmetric-memory kernel and the
+    other in NCCL would wait for each other forever)."""
+    checkpoints.run_rank_scripts(AGREEMENT_SCRIPT)

@@ -190,7 +190,7 @@ class MQLLMEngineClient(EngineClient):
             self._loop_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop_task
-        self._close_output_socket()  # also after a loop that ended by itself (a dead engine)
+        self._close_output_socket()  # (the loop's `finally` did, unless it never started)
 
     def _close_output_socket(self) -> None:
         """Close the output socket and its context now. Left to the garbage collector, a
@@ -221,6 +221,8 @@ class MQLLMEngineClient(EngineClient):
             logger.exception("the engine client's output loop failed")
             self._dead = f"the engine client's output loop failed: {e!r}"
             self._fail_everything(MQEngineDeadError(self._dead))
+        finally:  # in the loop's own thread, however the loop ends (cancelled, a dead engine)
+            self._close_output_socket()
 
     def _handle(self, message) -> None:
         if isinstance(message, RPCStepOutputs):
@@ -332,10 +334,14 @@ class MQLLMEngineClient(EngineClient):
                 self.input_socket.send_pyobj(RPCShutdownRequest(), zmq.NOBLOCK)
         _stop_process(self.process)
         self._dead = self._dead or "the engine was shut down"
-        if self.is_running:  # a loop still reading (no stop_background_loop first)
-            with contextlib.suppress(RuntimeError):  # its event loop may be closed already
-                self._loop_task.cancel()
-        self._close_output_socket()
+        task = self._loop_task
+        if task is not None and not task.done() and task.get_loop().is_running():
+            # Still reading (no stop_background_loop first), maybe in another thread: its loop
+            # cancels it, and the loop's `finally` closes the output socket there.
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                task.get_loop().call_soon_threadsafe(task.cancel)
+        else:
+            self._close_output_socket()
         self.ctx.destroy(linger=0)
         remove_ipc_dir(self.ipc_path)
 
