@@ -22,14 +22,15 @@ prefill tensors are bandwidth-bound, where NCCL is as fast, and the buffer stays
 
 One world per process: a process that already set up symmetric memory for an earlier engine
 (a notebook or test making TP engines one after another) cannot rendezvous again: measured on
-torch 2.11, the new world's rendezvous waits 60 s for a key and fails. So every rank first
-agrees (one all-reduce) whether all of them are fresh; if not, NCCL does every all-reduce of
-that world, with a log line saying so.
+torch 2.11, the new world's rendezvous waits 60 s for a key and fails. So the ranks decide
+together, one small all-reduce per question: are all of them fresh, on one machine, and did
+every rank's set-up succeed? If not, NCCL does every all-reduce of that world (a log line says
+why): one rank in a symmetric-memory kernel and another in NCCL would wait for each other forever.
 
 A rank whose peer dies in the middle of a step waits in the kernel forever (NCCL's kernels
 wait too, but NCCL's watchdog can abort them): with the custom all-reduce the watchdog's
 COLLECTIVE_TIMEOUT (60 s) ends the engine's process instead of raising `WorkerDiedError`.
-`disable_custom_all_reduce=True` keeps NCCL's behaviour. Only ranks on one machine use it.
+`disable_custom_all_reduce=True` keeps NCCL's behaviour.
 
 Only for GPUs: on a CPU (gloo) nothing here is created. Symmetric memory is marked private
 (leading underscore) in PyTorch, so any failure to set it up logs a warning and leaves NCCL
