@@ -209,3 +209,28 @@ def test_stopping_the_loop_fails_the_requests_in_flight(client):
 
     outputs = run(client, body())
     assert outputs[-1].finished
+
+
+def test_shutdown_from_another_thread_than_the_output_loops_closes_everything():
+    """The output loop runs in a thread of its own (as a server or notebook thread would);
+    `shutdown()` from this thread hands the cancel to that loop, whose `finally` closes the
+    output socket there: no zmq socket is touched from two threads, nothing is left open."""
+    import threading
+
+    client = MQLLMEngineClient.from_engine_args(EngineArgs(**ARGS))
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        outputs = asyncio.run_coroutine_threadsafe(collect(client, "t", PROMPTS[0]), loop).result(60)
+        assert outputs[-1].finished and client.is_running  # the loop reads on, in its thread
+        client.shutdown()
+        for _ in range(100):  # the cancel runs on the loop's thread
+            if not client.is_running:
+                break
+            time.sleep(0.05)
+        assert not client.is_running and client.ctx.closed and client.actx.closed
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(5)
+        loop.close()
