@@ -76,6 +76,7 @@ first = symm_mem.SymmMemCommunicator(group, cpu)
 assert first.disabled and first.buffer is None, "rank 0 kept a buffer rank 1 could not make"
 assert symm_mem._on_one_machine(group, cpu)
 assert symm_mem._on_every_rank(group, cpu, True) and not symm_mem._on_every_rank(group, cpu, rank == 0)
+dist.barrier()
 destroy_distributed_environment()
 print("ok", rank)
 '''
