@@ -21,6 +21,7 @@ children share the parent's KV blocks by reference count until they write to the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import logging
@@ -367,14 +368,12 @@ class LLMEngine:
         """A step that failed after a run was queued ahead may not have appended the tokens
         that run continues from: drop the run (its device work is thrown away; the next
         schedule starts again from the host's tokens, whose K/V the failed run wrote)."""
-        ahead, self._scheduled_ahead = self._scheduled_ahead, None
-        if ahead is not None and not ahead[2].continues_previous_run:
-            self._scheduled_ahead = ahead  # a plain request: it runs from the host's tokens
-        elif ahead is not None:
-            try:
-                for _ in ahead[3] or ():
-                    pass
-            except Exception:  # its own failure changes nothing: it is dropped anyway
+        ahead = self._scheduled_ahead
+        if ahead is None or not ahead[2].continues_previous_run:
+            return  # nothing queued, or a plain request: it runs from the host's tokens
+        self._scheduled_ahead = None
+        with contextlib.suppress(Exception):  # its own failure changes nothing: it is dropped anyway
+            for _ in ahead[3] or ():
                 pass
 
     def _take_scheduled_ahead(self) -> tuple:
