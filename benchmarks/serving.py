@@ -248,7 +248,7 @@ def _client_process(url: str, payloads: list[dict], start_at: float) -> tuple[li
 
 
 async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: list[int], temperature: float,
-                        client_processes: int = 1) -> dict:
+                        client_processes: int = 1, on_warm=None) -> dict:
     """bench.py's warm-up, then every request at once, each streaming; tokens checked per request.
 
     `client_processes` > 1 splits the clients over that many processes: one Python process
@@ -259,6 +259,8 @@ async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: lis
         model = (await client.get(f"{base_url}/v1/models")).json()["data"][0]["id"]
         warmup = {"model": model, "prompt": "Benchmark: ", "max_tokens": 64, "temperature": 1.0}
         (await client.post(f"{base_url}/v1/completions", json=warmup, timeout=_REQUEST_TIMEOUT_S)).raise_for_status()
+    if on_warm is not None:
+        on_warm()
     url = f"{base_url}/v1/completions"
     payloads = [{"model": model, "prompt": p, "max_tokens": m, "temperature": temperature, "ignore_eos": True,
                  "stream": True, "stream_options": {"include_usage": True}} for p, m in zip(prompts, max_tokens)]
@@ -292,6 +294,45 @@ async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: lis
     return run
 
 
+class ServerProfile:
+    """py-spy sampling the server and its engine process (`--subprocesses`) while the workload
+    runs: where the host's time goes, one speedscope profile per thread, waits included (`--idle`: a
+    thread blocked on the GPU or a socket shows where it waits). py-spy samples from
+    outside without pausing the processes (`--nonblocking`); it needs permission to attach
+    (ptrace), so a machine that refuses leaves its error in the report instead."""
+
+    def __init__(self, server_pid: int, path: str) -> None:
+        self.server_pid, self.path, self.proc, self.error = server_pid, path, None, ""
+
+    def start(self) -> None:
+        import shutil
+        import subprocess
+
+        py_spy = shutil.which("py-spy")
+        if py_spy is None:
+            self.error = "py-spy is not installed"
+            return
+        cmd = [py_spy, "record", "--pid", str(self.server_pid), "--subprocesses", "--idle", "--nonblocking", "--rate", "200",
+               "--format", "speedscope", "--output", self.path]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        time.sleep(1.0)  # attached before the clock starts
+        if self.proc.poll() is not None:
+            self.error = f"py-spy exited at once: {self.proc.stdout.read()[-500:]}"
+
+    def stop(self) -> dict:
+        import signal
+
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)  # py-spy writes its profile on Ctrl-C
+            try:
+                log = self.proc.communicate(timeout=60)[0]
+                self.error = "" if os.path.exists(self.path) else log[-500:]
+            except Exception as e:  # noqa: BLE001 (a profile is extra; the run's numbers stand)
+                self.proc.kill()
+                self.error = f"py-spy did not stop: {e!r}"
+        return {"path": self.path if os.path.exists(self.path) else None, "error": self.error}
+
+
 def run_workload(args: argparse.Namespace) -> dict:
     import sys
     from pathlib import Path
@@ -313,7 +354,11 @@ def run_workload(args: argparse.Namespace) -> dict:
     try:
         asyncio.run(wait_healthy(base_url, proc, SERVER_START_TIMEOUT_S))
         startup_s = time.perf_counter() - start
-        run = asyncio.run(send_workload(base_url, prompts, max_tokens, WORKLOAD_TEMPERATURE, args.client_processes))
+        profile = ServerProfile(proc.pid, args.profile_server) if args.profile_server else None
+        run = asyncio.run(send_workload(base_url, prompts, max_tokens, WORKLOAD_TEMPERATURE, args.client_processes,
+                                        on_warm=profile.start if profile else None))
+        if profile is not None:
+            run["server_profile"] = profile.stop()
     finally:
         proc.terminate()
         try:
@@ -340,6 +385,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--server-arg", action="append", default=None,
                         help="with --workload: one more `minivllm serve` argument (repeatable), e.g. "
                              "--server-arg=--disable-frontend-multiprocessing")
+    parser.add_argument("--profile-server", default=None, metavar="PATH",
+                        help="with --workload: py-spy records the server's processes during the workload (speedscope JSON)")
     parser.add_argument("--server-log", default=None, help="with --workload: the server's output (default: beside --json)")
     parser.add_argument("--base-url", default="http://127.0.0.1:8000")
     parser.add_argument("--model", default=None, help="default: the server's first model")

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 # Logprob lives in sequence.py, as in vLLM; outputs re-export it.
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 from minivllm.sequence import Logprob, RequestMetrics, Sequence, SequenceGroup, SequenceStatus
 
 # Finished before a stop condition or a length: `finish_message` says why.
@@ -81,6 +82,27 @@ class RequestOutput:
     metrics: RequestMetrics | None = field(default=None, repr=False)
     num_cached_tokens: int | None = None
 
+    def add(self, next_output: "RequestOutput") -> None:
+        """Merge the request's next DELTA output into this one, in place: each completion's new
+        text, token ids and logprobs appended, the newest state kept (vLLM v1's `add`). A
+        stream whose reader fell behind hands it one output instead of several."""
+        by_index = {c.index: c for c in self.outputs}
+        for new in next_output.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if old.logprobs is not None and new.logprobs is not None:
+                old.logprobs = old.logprobs + new.logprobs
+            old.cumulative_logprob, old.finish_reason = new.cumulative_logprob, new.finish_reason
+            old.stop_reason, old.finish_message = new.stop_reason, new.finish_message
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = next_output.prompt_logprobs
+        self.finished, self.metrics = next_output.finished, next_output.metrics
+        self.num_cached_tokens = next_output.num_cached_tokens
+
     @classmethod
     def from_seq_group(
         cls,
@@ -97,29 +119,43 @@ class RequestOutput:
         params = seq_group.sampling_params
         seqs = _reported_seqs(seq_group, eos_token_id)
         want_logprobs = params.logprobs is not None
-        outputs = [
-            CompletionOutput(
+        delta = params.output_kind == RequestOutputKind.DELTA
+        buffer_length = _stop_string_buffer(params)
+        first_tokens = delta and seqs[0].last_output_token_ids_offset == 0  # before this output
+        outputs = []
+        for index, seq in enumerate(seqs):
+            returned = seq.last_output_token_ids_offset if delta else 0
+            token_ids = seq.get_output_token_ids_to_return(delta)
+            outputs.append(CompletionOutput(
                 index=index,
-                text=seq.output_text,
-                token_ids=list(seq.get_output_token_ids()),
+                text=seq.get_output_text_to_return(buffer_length, delta),
+                token_ids=token_ids,
                 cumulative_logprob=seq.get_cumulative_logprob() if want_logprobs or params.use_beam_search else None,
-                logprobs=_sample_logprobs(seq, decode_token) if want_logprobs else None,
+                logprobs=_sample_logprobs(seq, decode_token, returned) if want_logprobs else None,
                 finish_reason=SequenceStatus.get_finished_reason(seq.status),
                 stop_reason=seq.stop_reason,
                 finish_message=seq_group.finish_message if seq.status in _EARLY_ENDINGS else None,
-            )
-            for index, seq in enumerate(seqs)
-        ]
+            ))
+        # A delta carries the prompt's logprobs once, with the request's first tokens (as vLLM).
+        with_prompt_logprobs = not delta or (first_tokens and bool(outputs[0].token_ids or seq_group.is_finished()))
         return cls(
             request_id=seq_group.request_id,
             prompt=seq_group.prompt,
             prompt_token_ids=seq_group.prompt_token_ids,
-            prompt_logprobs=_prompt_logprobs(seq_group, decode_token),
+            prompt_logprobs=_prompt_logprobs(seq_group, decode_token) if with_prompt_logprobs else None,
             outputs=outputs,
             finished=seq_group.is_finished(),
             metrics=seq_group.metrics,
             num_cached_tokens=seq_group.num_cached_tokens,
         )
+
+
+def _stop_string_buffer(params: SamplingParams) -> int:
+    """Characters a running sequence holds back: the longest stop string could still be
+    completing in them, and then they are cut (vLLM's buffer_length)."""
+    if not params.stop or params.include_stop_str_in_output:
+        return 0
+    return max(len(s) for s in params.stop) - 1
 
 
 def _reported_seqs(seq_group: SequenceGroup, eos_token_id: int | None) -> list[Sequence]:
@@ -138,10 +174,12 @@ def _reported_seqs(seq_group: SequenceGroup, eos_token_id: int | None) -> list[S
     return sorted(seqs, key=score, reverse=True)[: params.n]
 
 
-def _sample_logprobs(seq: Sequence, decode_token) -> SampleLogprobs:
+def _sample_logprobs(seq: Sequence, decode_token, start: int = 0) -> SampleLogprobs:
+    """Per output token from `start` on: {token: Logprob}."""
     return [
         _logprob_dict(entry, token, rank, decode_token)
-        for entry, token, rank in zip(seq.output_logprobs, seq.get_output_token_ids(), seq.output_ranks)
+        for entry, token, rank in zip(seq.output_logprobs[start:], seq.get_output_token_ids()[start:],
+                                      seq.output_ranks[start:])
     ]
 
 

@@ -30,13 +30,17 @@ class SamplingType(enum.IntEnum):
 class RequestOutputKind(enum.Enum):
     """What `LLMEngine.step()` returns for a request that has not finished (vLLM's enum).
 
-    CUMULATIVE: its whole output so far, every step (streaming servers). FINAL_ONLY:
-    nothing until it finishes (`LLM.generate`, which only keeps finished outputs, so the
-    engine need not build a `RequestOutput` per request per step). vLLM's third kind,
-    DELTA, is not implemented: the OpenAI server computes its deltas itself.
+    CUMULATIVE: its whole output so far, every step. DELTA: only what is new since its last
+    output (text, token ids, logprobs): what a stream sends, so the OpenAI server streams with
+    it. Building and shipping a cumulative output costs time proportional to its length, every
+    step, so a stream of L tokens costs O(L^2); deltas cost O(L) (see `Sequence.
+    get_output_token_ids_to_return`). FINAL_ONLY: nothing until it finishes (`LLM.generate`,
+    which only keeps finished outputs, so the engine need not build a `RequestOutput` per
+    request per step).
     """
 
     CUMULATIVE = 0
+    DELTA = 1
     FINAL_ONLY = 2
 
 
@@ -93,6 +97,11 @@ class SamplingParams:
         self.logits_processors = _as_list("logits_processors", self.logits_processors)
         self._verify_args()
         self.all_stop_token_ids = set(self.stop_token_ids)
+        if self.output_kind == RequestOutputKind.DELTA and (self.use_beam_search or self.best_of > self.n):
+            # Which sequences are reported (and in which order) changes from step to step there:
+            # a delta of one step would not continue the last.
+            raise InvalidParameterError("output_kind", "output_kind DELTA needs best_of == n and no beam search, got "
+                                        f"n={self.n}, best_of={self.best_of}, use_beam_search={self.use_beam_search}.")
         if self.use_beam_search:
             self._verify_beam_search()
         elif self.temperature < _SAMPLING_EPS:

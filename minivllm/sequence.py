@@ -173,6 +173,9 @@ class Sequence:
         self.read_offset = 0
         self.decode_stream = None
         self.stream_fed = 0
+        # What the request's outputs have returned so far (RequestOutputKind.DELTA).
+        self.last_output_token_ids_offset = 0
+        self.last_output_text_offset = 0
 
     @property
     def lora_int_id(self) -> int:
@@ -247,6 +250,26 @@ class Sequence:
         self.output_ranks.append(rank)
         self.data.append_token_id(token_id, logprobs.get(token_id, 0.0))
 
+    # ------------------------------------------------------------ outputs
+    def get_output_token_ids_to_return(self, delta: bool) -> list[int]:
+        """The output token ids a `RequestOutput` carries: all of them, or (delta) the ones no
+        output has returned yet. Only the new tokens are copied: O(1) per step, not O(length)."""
+        if not delta:
+            return list(self.data.output_token_ids)
+        start, self.last_output_token_ids_offset = self.last_output_token_ids_offset, self.get_output_len()
+        return self.data.output_token_ids[start:]
+
+    def get_output_text_to_return(self, buffer_length: int, delta: bool) -> str:
+        """The output text to return: all of it, or (delta) the part not returned yet; while
+        running, less its last `buffer_length` characters, which a stop string still being
+        generated could cut off (so a stream never shows text that is later taken back)."""
+        end = len(self.output_text) if self.is_finished() else max(len(self.output_text) - buffer_length, 0)
+        if not delta:
+            return self.output_text[:end]
+        start = self.last_output_text_offset
+        self.last_output_text_offset = max(start, end)
+        return self.output_text[start:end]
+
     def get_beam_search_score(
         self, length_penalty: float = 1.0, seq_len: int | None = None, eos_token_id: int | None = None
     ) -> float:
@@ -274,6 +297,8 @@ class Sequence:
         child.output_logprobs = list(self.output_logprobs)
         child.output_ranks = list(self.output_ranks)
         child.decode_stream = None  # a stream cannot be copied: the child rebuilds one from the offsets
+        # A new completion: its first delta carries everything it has (the parent's tokens too).
+        child.last_output_token_ids_offset = child.last_output_text_offset = 0
         return child
 
     def reset_state_for_recompute(self) -> None:

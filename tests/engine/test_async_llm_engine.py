@@ -246,3 +246,32 @@ def test_a_merging_stream_hands_a_reader_that_fell_behind_only_the_newest_output
     merged, every = asyncio.run(body(True)), asyncio.run(body(False))
     assert [len(o.outputs[0].token_ids) for o in merged] == [1, 4]  # caught up in one chunk
     assert [len(o.outputs[0].token_ids) for o in every] == [1, 2, 3, 4]
+
+
+def test_a_merging_stream_of_deltas_appends_what_queued_up():
+    """DELTA outputs (the server's streams) merge by appending: nothing a skipped one said is lost."""
+    from minivllm.engine.multiprocessing.client import MergingAsyncStream
+    from minivllm.outputs import CompletionOutput, RequestOutput
+
+    def delta(token: int, finish=None) -> RequestOutput:
+        completions = [CompletionOutput(i, f"<{token}.{i}>", [token], -1.0 * token, [{token: -1.0}], finish)
+                       for i in (0, 1)]
+        return RequestOutput("r", None, [1], None, completions, finish is not None)
+
+    async def body():
+        stream = MergingAsyncStream("r", on_cancel=lambda _: None, delta=True)
+        reader = stream.generator()
+        stream.put(delta(1))
+        first = await reader.__anext__()
+        for token in (2, 3):
+            stream.put(delta(token))
+        stream.put(delta(4, finish="length"))
+        stream.finish()
+        return [first] + [output async for output in reader]
+
+    first, merged = asyncio.run(body())
+    assert [c.token_ids for c in first.outputs] == [[1], [1]]
+    assert [c.text for c in merged.outputs] == ["<2.0><3.0><4.0>", "<2.1><3.1><4.1>"]
+    assert all(c.token_ids == [2, 3, 4] and len(c.logprobs) == 3 for c in merged.outputs)
+    assert merged.finished and [c.finish_reason for c in merged.outputs] == ["length"] * 2
+    assert merged.outputs[0].cumulative_logprob == -4.0  # the newest

@@ -70,3 +70,18 @@ def test_any_sequence_of_outputs_is_rebuilt_exactly(changes):
         steps.append(output([tokens], texts=[text], rid="a"))
         steps.append(output([tokens[:i]], texts=[text[:i]], rid="b"))
     assert roundtrip(steps)[1] == steps
+
+
+def test_delta_outputs_pass_through_with_the_prompt_once():
+    """A DELTA request's outputs are deltas already: sent as they are, nothing rebuilt at the client."""
+    prompt_lps = [None, {2: Logprob(-1.0)}]
+    steps = [output([[n]], texts=[f" t{n}"], logprobs=True, prompt_logprobs=prompt_lps if n == 0 else None)
+             for n in range(5)] + [output([[5]], texts=[" t5"], finished=True)]
+    encoder, decoder = OutputDeltaEncoder(), OutputDeltaDecoder()
+    encoder.add_delta_request("r")
+    decoder.add_delta_request("r")
+    wires = [encoder.encode(step) for step in steps]
+    rebuilt = [decoder.decode(pickle.loads(pickle.dumps(wire))) for wire in wires]
+    assert rebuilt == steps  # each delta as the engine made it; prompt logprobs in the first only
+    assert wires[0][1] == ("ROMEO:", [1, 2, 3] * 200) and all(w[1] is None for w in wires[1:])
+    assert not encoder._sent and not encoder._delta_ids and not decoder._last and not decoder._delta_ids

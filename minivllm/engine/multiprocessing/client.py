@@ -39,7 +39,7 @@ from minivllm.engine.multiprocessing.deltas import OutputDeltaDecoder
 from minivllm.engine.multiprocessing.engine import run_mp_engine
 from minivllm.engine.protocol import EngineClient
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -53,17 +53,25 @@ SHUTDOWN_TIMEOUT_S = 30.0
 
 class MergingAsyncStream(AsyncStream):
     """A stream whose caller, if it falls behind (outputs queued up while it was busy, e.g. a
-    server writing hundreds of streams), gets only the newest of the queued outputs: they are
-    cumulative, so it says everything the skipped ones said, and the caller catches up in one
-    chunk instead of one per step (vLLM v1's `RequestOutputCollector` merges the same way). A
-    caller that keeps up still sees every step. (`AsyncLLMEngine` does not merge: its step
-    thread and its callers share one GIL and take turns anyway, and its tests check that
-    every step arrives.)"""
+    server writing hundreds of streams), gets the queued outputs as one, and catches up in
+    one chunk instead of one per step (vLLM v1's `RequestOutputCollector` merges the same
+    way): cumulative outputs by keeping the newest (it says everything the skipped ones said),
+    DELTA outputs by appending them (`RequestOutput.add`). A caller that keeps up still sees
+    every step. (`AsyncLLMEngine` does not merge: its step thread and its callers share one
+    GIL and take turns anyway, and its tests check that every step arrives.)"""
+
+    def __init__(self, request_id: str, on_cancel, delta: bool = False) -> None:
+        super().__init__(request_id, on_cancel)
+        self.delta = delta
 
     def _next_item(self):
         item = self._items.popleft()
         while isinstance(item, RequestOutput) and self._items and isinstance(self._items[0], RequestOutput):
-            item = self._items.popleft()
+            newer = self._items.popleft()
+            if self.delta:
+                item.add(newer)
+            else:
+                item = newer
         return item
 
 
@@ -284,8 +292,11 @@ class MQLLMEngineClient(EngineClient):
         if request_id in self._wire_ids:
             raise ValueError(f"request {request_id!r} already exists.")
         wire_id = f"{request_id}#{next(self._next_wire_number)}"
-        # A stream whose reader falls behind (a busy server) gets the newest output only.
-        stream = MergingAsyncStream(request_id, on_cancel=self._abort_now)
+        # A stream whose reader falls behind (a busy server) gets what queued up as one output.
+        delta = params.output_kind == RequestOutputKind.DELTA
+        stream = MergingAsyncStream(request_id, on_cancel=self._abort_now, delta=delta)
+        if delta:
+            self.decoder.add_delta_request(wire_id)
         accepted = asyncio.get_running_loop().create_future()
         self._wire_ids[request_id] = wire_id
         self.streams[wire_id], self._accepting[wire_id] = stream, accepted

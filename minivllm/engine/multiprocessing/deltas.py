@@ -11,6 +11,12 @@ the server the same cumulative `RequestOutput` it would get from an engine in it
 
 When a completion does not simply grow (beam search may swap a beam's tokens; a stop string
 trims the text), its full value is sent instead, so the rebuilt output is always exact.
+
+A request that asked for `RequestOutputKind.DELTA` outputs (the OpenAI server's streams) gets
+them as they are: the engine built only the new part, and there is nothing to diff or rebuild.
+(Comparing a cumulative output with the last one costs time proportional to its length, every
+step; measured on an H100 with 256 streams, that and building the cumulative outputs kept the
+engine process busy while the GPU waited: `docs/benchmarks.md`, eleventh session.)
 """
 
 from __future__ import annotations
@@ -33,8 +39,15 @@ class OutputDeltaEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, tuple[Any, list[CompletionOutput]]] = {}  # id -> (prompt_logprobs, outputs)
+        self._delta_ids: set[str] = set()  # requests whose outputs are deltas already
+
+    def add_delta_request(self, request_id: str) -> None:
+        """The request's outputs are `RequestOutputKind.DELTA`: send them as they are."""
+        self._delta_ids.add(request_id)
 
     def encode(self, output: RequestOutput) -> WireOutput:
+        if output.request_id in self._delta_ids:
+            return self._encode_delta(output)
         previous = self._sent.get(output.request_id)
         head = (output.prompt, output.prompt_token_ids) if previous is None else None
         prompt_logprobs = output.prompt_logprobs
@@ -50,10 +63,23 @@ class OutputDeltaEncoder:
         return (output.request_id, head, prompt_logprobs, completions, output.finished, output.metrics,
                 output.num_cached_tokens)
 
+    def _encode_delta(self, output: RequestOutput) -> WireOutput:
+        first = output.request_id not in self._sent
+        if output.finished:
+            self._sent.pop(output.request_id, None)
+            self._delta_ids.discard(output.request_id)
+        elif first:
+            self._sent[output.request_id] = (None, [])  # the client has the prompt now
+        head = (output.prompt, output.prompt_token_ids) if first else None
+        completions = [_encode_completion(c, None) for c in output.outputs]  # each one whole: it is the delta
+        return (output.request_id, head, output.prompt_logprobs, completions, output.finished, output.metrics,
+                output.num_cached_tokens)
+
     def forget(self, request_ids) -> None:
         """Aborted requests: the client drops them too."""
         for request_id in request_ids:
             self._sent.pop(request_id, None)
+            self._delta_ids.discard(request_id)
 
 
 class OutputDeltaDecoder:
@@ -61,25 +87,41 @@ class OutputDeltaDecoder:
 
     def __init__(self) -> None:
         self._last: dict[str, RequestOutput] = {}
+        self._delta_ids: set[str] = set()
+
+    def add_delta_request(self, request_id: str) -> None:
+        """The request's outputs are deltas: nothing to rebuild, and the prompt's logprobs come
+        once, as from an engine in this process."""
+        self._delta_ids.add(request_id)
 
     def decode(self, wire: WireOutput) -> RequestOutput:
         request_id, head, prompt_logprobs, completions, finished, metrics, num_cached_tokens = wire
         last = self._last.get(request_id)
         prompt, prompt_token_ids = head if head is not None else (last.prompt, last.prompt_token_ids)
+        if request_id in self._delta_ids:
+            outputs = [_decode_completion(c, None) for c in completions]
+            output = RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
+                                   metrics, num_cached_tokens)
+            self._remember(request_id, output, finished)
+            return output
         if prompt_logprobs is None and last is not None:
             prompt_logprobs = last.prompt_logprobs
         previous = last.outputs if last is not None else []
         outputs = [_decode_completion(c, previous[i] if i < len(previous) else None) for i, c in enumerate(completions)]
         output = RequestOutput(request_id, prompt, prompt_token_ids, prompt_logprobs, outputs, finished,
                                metrics, num_cached_tokens)
+        self._remember(request_id, output, finished)
+        return output
+
+    def _remember(self, request_id: str, output: RequestOutput, finished: bool) -> None:
         if finished:
-            self._last.pop(request_id, None)
+            self.forget(request_id)
         else:
             self._last[request_id] = output
-        return output
 
     def forget(self, request_id: str) -> None:
         self._last.pop(request_id, None)
+        self._delta_ids.discard(request_id)
 
 
 def _same_length(a, b) -> bool:

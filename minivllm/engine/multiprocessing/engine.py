@@ -26,6 +26,7 @@ from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_
                                              RPCResponse, RPCShutdownRequest, RPCStartupRequest, RPCStepFailed,
                                              RPCStepOutputs, RPCUtilityRequest, remove_ipc_dir)
 from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder
+from minivllm.sampling_params import RequestOutputKind
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +118,8 @@ class MQLLMEngine:
             self._send(RPCError(request.request_id, e))
             return
         self.request_ids.add(request.request_id)
+        if request.params.output_kind == RequestOutputKind.DELTA:
+            self.encoder.add_delta_request(request.request_id)
         self._send(RPCRequestAccepted(request.request_id))
 
     def _handle_rpc(self, request) -> None:

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field
 
-from minivllm.sampling_params import InvalidParameterError, SamplingParams
+from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 
 def _check_utf8(text: str) -> str:
     """JSON escapes can smuggle lone surrogates ("\\udc80") that no tokenizer can encode."""
@@ -146,6 +146,8 @@ class SamplingRequestMixin(OpenAIBaseModel):
             min_tokens=self.min_tokens,
             logprobs=self.requested_logprobs,
             skip_special_tokens=self.skip_special_tokens,
+            # A stream sends only what is new, so it asks the engine for only that (as vLLM).
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.CUMULATIVE,
         )
 
     @property

@@ -4,12 +4,15 @@ Mirrors `vllm/entrypoints/openai/serving_completion.py`. One HTTP request may ca
 of prompts; each becomes its own engine request, and choice `i` of prompt `p` is reported
 as choice `p * n + i`, as OpenAI does.
 
-The engine's text is cumulative (everything generated so far); a stream sends the part a
-choice has not sent yet:
+A stream asks the engine for DELTA outputs (`RequestOutputKind.DELTA`: only what is new
+since the request's last output) and sends each as a chunk:
 
     step 1: "To"      -> data: {"choices": [{"index": 0, "text": "To"}]}
-    step 2: "To be"   -> data: {"choices": [{"index": 0, "text": " be"}]}
+    step 2: " be"     -> data: {"choices": [{"index": 0, "text": " be"}]}
     ...                  data: [DONE]
+
+(A cumulative output would repeat all the text so far every step: building, shipping and
+cutting it costs time proportional to its length, per token.)
 """
 
 from __future__ import annotations

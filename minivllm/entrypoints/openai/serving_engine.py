@@ -229,32 +229,31 @@ class Delta:
 
 @dataclass
 class DeltaTracker:
-    """Turns the engine's cumulative outputs into per-choice deltas for a stream.
+    """Per-choice chunks for a stream, from the engine's DELTA outputs (what a stream asks the
+    engine for): skips outputs with nothing new, counts what each choice has sent.
 
-    Example: outputs "To", "To be", "To be," for choice 0 give deltas "To", " be", ",".
+    Example: outputs "To", " be", "," for choice 0 give chunks "To", " be", ",".
     """
 
     sent_chars: dict[int, int] = field(default_factory=dict)
-    sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     num_generated: int = 0  # tokens of the finished choices, for the usage chunk
+    sent_tokens: dict[int, int] = field(default_factory=dict)
 
     def delta(self, index: int, output: CompletionOutput) -> Delta | None:
-        """The new part of choice `index`, or None if it has nothing new (or already finished)."""
+        """Choice `index`'s new part, or None if it has nothing new (or already finished)."""
         if index in self.finished:
             return None
         first = index not in self.sent_chars
-        n_chars, n_tokens = self.sent_chars.get(index, 0), self.sent_tokens.get(index, 0)
-        text, token_ids = output.text[n_chars:], output.token_ids[n_tokens:]
-        if not text and not token_ids and output.finish_reason is None:
+        if not output.text and not output.token_ids and output.finish_reason is None:
             return None
-        # Text can shrink when a stop string is cut off; what was sent stays sent.
-        self.sent_chars[index] = max(len(output.text), n_chars)
-        self.sent_tokens[index] = len(output.token_ids)
+        n_chars = self.sent_chars.get(index, 0)
+        self.sent_chars[index] = n_chars + len(output.text)
+        self.sent_tokens[index] = self.sent_tokens.get(index, 0) + len(output.token_ids)
         if output.finish_reason is not None:
             self.finished.add(index)
-            self.num_generated += len(output.token_ids)
-        return Delta(text, token_ids, (output.logprobs or [])[n_tokens:], n_chars, first)
+            self.num_generated += self.sent_tokens[index]
+        return Delta(output.text, output.token_ids, output.logprobs or [], n_chars, first)
 
 
 def wire_stop_reason(output: CompletionOutput) -> int | str | None:

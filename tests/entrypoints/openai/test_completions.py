@@ -97,6 +97,18 @@ def test_stop_string_truncates_like_vllm(client, llm):
     assert choice.stop_reason == stop  # vLLM's extra field
 
 
+def test_a_streamed_stop_string_never_shows_its_first_characters(client, llm):
+    """The engine holds back the characters a stop string could still be completing in, so no
+    chunk sends text that the stop string later cuts (as vLLM)."""
+    full = offline(llm, PROMPT, temperature=0.0, max_tokens=24, ignore_eos=True)[0].text
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
+    chunks = client.completions.create(model="tiny-shakespeare", prompt=PROMPT, max_tokens=24, temperature=0.0,
+                                       stop=[stop], stream=True)
+    pieces = [c.choices[0].text for c in chunks]
+    assert "".join(pieces) == full[: full.index(stop)]
+    assert len([p for p in pieces if p]) > 1
+
+
 def test_logprobs_match_the_engine(client, llm):
     expected = offline(llm, PROMPT, temperature=0.0, max_tokens=6, logprobs=3)[0]
     response = client.completions.create(model="tiny-shakespeare", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=3)

@@ -44,6 +44,22 @@ def test_streamed_and_plain_completions_equal_the_offline_engine(mq_server, llm)
     assert generated and float(generated[0].rsplit(" ", 1)[1]) >= 30  # 2 x 10 + 10 tokens, counted here
 
 
+def test_streamed_choices_with_logprobs_add_up_to_the_plain_answer(mq_server):
+    """Streams travel from the engine process as DELTA outputs: n choices, logprobs and a stop
+    string add up to what a plain request returns."""
+    client = openai.OpenAI(base_url=mq_server.url + "/v1", api_key="unused", max_retries=0)
+    kwargs = dict(model=MODEL_NAME, prompt="ROMEO:", max_tokens=16, n=2, temperature=1.0, seed=5, logprobs=1,
+                  stop=["e,"])
+    plain = {c.index: c for c in client.completions.create(**kwargs).choices}
+    text, tokens = {0: "", 1: ""}, {0: [], 1: []}
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            text[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens
+    assert text == {i: c.text for i, c in plain.items()}
+    assert tokens == {i: c.logprobs.tokens for i, c in plain.items()}
+
+
 def test_a_bad_request_is_a_400_and_the_server_goes_on(mq_server):
     client = openai.OpenAI(base_url=mq_server.url + "/v1", api_key="unused", max_retries=0)
     with pytest.raises(openai.BadRequestError):
