@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import subprocess
 import sys
@@ -25,6 +26,7 @@ for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_D
     os.environ.setdefault(_name, "0" if _name == "NCCL_NVLS_ENABLE" else "1")
 
 from minivllm import LLM, SamplingParams  # noqa: E402
+from minivllm.distributed import wait_for_pending_teardown  # noqa: E402
 from minivllm.engine.arg_utils import EngineArgs  # noqa: E402
 from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner  # noqa: E402
@@ -167,6 +169,11 @@ print("ok")
 def test_bf16_tp2_custom_all_reduce_gives_the_nccl_tokens_and_a_second_engine_falls_back():
     """In a fresh process: the first TP=2 engine all-reduces through symmetric memory, the
     second (same process) through NCCL, with identical tokens and no 60 s rendezvous wait."""
+    # The script passed alone on 2x H200 (eleventh session) but failed in LLM() when it ran after
+    # this file's in-process engines: let their teardown finish and their memory go first.
+    wait_for_pending_teardown()
+    gc.collect()
+    torch.cuda.empty_cache()
     process = subprocess.run([sys.executable, "-c", ENGINES_RANK0_SCRIPT], capture_output=True, text=True,
                              timeout=240)
     # "ok" is printed once both engines have run and shut down. (Not the exit code: one GPU run
