@@ -243,8 +243,11 @@ async def _stream_all(url: str, payloads: list[dict], start_at: float) -> tuple[
     return list(results), time.time()
 
 
-def _client_process(url: str, payloads: list[dict], start_at: float) -> tuple[list[RequestResult], float]:
-    return asyncio.run(_stream_all(url, payloads, start_at))
+def _client_process(url: str, payloads: list[dict], start_at: float) -> tuple[list[RequestResult], float, float]:
+    """One client process's streams; also its CPU seconds (a client near 100 % of a core measures itself)."""
+    cpu = time.process_time()
+    results, end = asyncio.run(_stream_all(url, payloads, start_at))
+    return results, end, time.process_time() - cpu
 
 
 async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: list[int], temperature: float,
@@ -265,8 +268,9 @@ async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: lis
     payloads = [{"model": model, "prompt": p, "max_tokens": m, "temperature": temperature, "ignore_eos": True,
                  "stream": True, "stream_options": {"include_usage": True}} for p, m in zip(prompts, max_tokens)]
     if client_processes <= 1:
-        start = time.time()
+        start, cpu = time.time(), time.process_time()
         results, end = await _stream_all(url, payloads, start)
+        client_cpu = [time.process_time() - cpu]
     else:
         import concurrent.futures
         import multiprocessing
@@ -279,9 +283,10 @@ async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: lis
                      for i in range(client_processes)]
             done = [await asyncio.wrap_future(part) for part in parts]
         results = [None] * len(payloads)
-        for i, (part_results, _) in enumerate(done):
+        for i, (part_results, _, _) in enumerate(done):
             results[i::client_processes] = part_results
-        end = max(part_end for _, part_end in done)
+        end = max(part_end for _, part_end, _ in done)
+        client_cpu = [part_cpu for _, _, part_cpu in done]
     elapsed = end - start
     run = summarize(float("inf"), results, elapsed)
     wrong = [i for i, (r, m) in enumerate(zip(results, max_tokens)) if r.output_tokens != m]
@@ -290,8 +295,19 @@ async def send_workload(base_url: str, prompts: list[list[int]], max_tokens: lis
                expected_output_tokens=sum(max_tokens), tokens_checked=not wrong, wrong_token_counts=len(wrong),
                streamed_chunks=sum(len(r.itl) + 1 for r in results if r.success),
                elapsed_s=round(elapsed, 3), output_tokens_per_s=round(sum(r.output_tokens for r in results) / elapsed, 1),
-               sampling_params={"temperature": temperature, "ignore_eos": True})
+               sampling_params={"temperature": temperature, "ignore_eos": True},
+               client_cpu_busy=[round(c / elapsed, 2) for c in client_cpu])  # share of a core, per client process
     return run
+
+
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of one process so far (Linux's /proc; None elsewhere)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
 
 
 class ServerProfile:
@@ -340,9 +356,11 @@ def run_workload(args: argparse.Namespace) -> dict:
     sys.path.insert(0, str(Path(__file__).parent))
     from throughput import NANO_MAX_MODEL_LEN, engine_args_used, row_workload
 
-    spec = {"num_seqs": args.num_prompts_workload}
+    spec = {"num_seqs": args.num_prompts_workload or 256}
     if args.smoke:
-        spec.update(num_seqs=4, prompt_cap=48, max_tokens_cap=8)
+        spec.update(num_seqs=args.num_prompts_workload or 4, prompt_cap=48, max_tokens_cap=8)
+    if args.max_tokens_cap:
+        spec.update(max_tokens_cap=args.max_tokens_cap)
     prompts, max_tokens = row_workload(spec)
     dtype = "float32" if args.smoke else "bfloat16"
     port = free_port()
@@ -355,8 +373,21 @@ def run_workload(args: argparse.Namespace) -> dict:
         asyncio.run(wait_healthy(base_url, proc, SERVER_START_TIMEOUT_S))
         startup_s = time.perf_counter() - start
         profile = ServerProfile(proc.pid, args.profile_server) if args.profile_server else None
+        cpu_at_start = []
+
+        def on_warm() -> None:
+            cpu_at_start.append(process_cpu_s(proc.pid))
+            if profile is not None:
+                profile.start()
+
         run = asyncio.run(send_workload(base_url, prompts, max_tokens, WORKLOAD_TEMPERATURE, args.client_processes,
-                                        on_warm=profile.start if profile else None))
+                                        on_warm=on_warm))
+        cpu_s = process_cpu_s(proc.pid)
+        if cpu_s is not None and cpu_at_start[0] is not None:
+            # The API server's own process (the engine runs in a child of it): its CPU time
+            # per streamed token, a cost that does not depend on how fast the GPU is.
+            run["server_cpu_s"] = round(cpu_s - cpu_at_start[0], 3)
+            run["server_cpu_us_per_token"] = round(1e6 * run["server_cpu_s"] / max(run["output_tokens"], 1), 1)
         if profile is not None:
             run["server_profile"] = profile.stop()
     finally:
@@ -377,8 +408,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workload", action="store_true",
                         help="issue 15: start a server on --ckpt and send nano-vllm's workload, all clients at once")
     parser.add_argument("--ckpt", default=None, help="with --workload: the checkpoint to serve")
-    parser.add_argument("--num-prompts-workload", type=int, default=256, help="with --workload: clients")
+    parser.add_argument("--num-prompts-workload", type=int, default=None,
+                        help="with --workload: clients (default 256; 4 with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="with --workload: 4 tiny requests, fp32 (CPU)")
+    parser.add_argument("--max-tokens-cap", type=int, default=None,
+                        help="with --workload: at most this many tokens per request (e.g. with --smoke, more streams)")
     parser.add_argument("--client-processes", type=int, default=1,
                         help="with --workload: split the clients over this many processes (one Python process "
                              "reading every stream saturates first)")
