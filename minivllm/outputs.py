@@ -94,8 +94,8 @@ class RequestOutput:
                 continue
             old.text += new.text
             old.token_ids = old.token_ids + new.token_ids
-            if old.logprobs is not None and new.logprobs is not None:
-                old.logprobs = old.logprobs + new.logprobs
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
             old.cumulative_logprob, old.finish_reason = new.cumulative_logprob, new.finish_reason
             old.stop_reason, old.finish_message = new.stop_reason, new.finish_message
         if self.prompt_logprobs is None:

@@ -19,6 +19,7 @@ done; no streaming API), `mp` executor only.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import threading
 from collections.abc import Iterable
@@ -28,7 +29,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
 from minivllm.executor.virtual_engine import SharedPipeline, VirtualEngineExecutor
 from minivllm.outputs import RequestOutput
-from minivllm.sampling_params import SamplingParams
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
 class PipelineParallelEngine:
@@ -55,6 +56,9 @@ class PipelineParallelEngine:
     def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None) -> None:
         """Queue on the virtual engine with the fewest unfinished requests (the id must be
         unique across them: abort reaches every virtual engine)."""
+        # `run` keeps finished outputs only, as `LLM.generate` does: ask for nothing else (a
+        # DELTA request's finished output would be only its last piece).
+        params = dataclasses.replace(params or SamplingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
         min(self.engines, key=LLMEngine.get_num_unfinished_requests).add_request(request_id, prompt, params)
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:

@@ -78,3 +78,22 @@ def test_delta_needs_stable_sequences():
         SamplingParams(n=1, best_of=3, temperature=1.0, output_kind=RequestOutputKind.DELTA)
     with pytest.raises(ValueError, match="output_kind DELTA"):
         SamplingParams(n=2, use_beam_search=True, temperature=0.0, output_kind=RequestOutputKind.DELTA)
+
+
+def test_the_pipeline_parallel_engine_returns_whole_outputs_for_a_delta_request(tiny_llama):
+    """`PipelineParallelEngine.run()` keeps finished outputs only: it asks for FINAL_ONLY, as
+    `LLM.generate` does, so a DELTA request still gets its whole output (a review found only
+    its last piece)."""
+    from minivllm.engine.pipeline_parallel_engine import PipelineParallelEngine
+
+    engine = PipelineParallelEngine.from_engine_args(EngineArgs(model=tiny_llama[0], device="cpu", block_size=8,
+                                                                pipeline_parallel_size=2))
+    try:
+        greedy = dict(temperature=0.0, max_tokens=6, ignore_eos=True)
+        engine.add_request("c", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(**greedy))
+        engine.add_request("d", {"prompt_token_ids": [5, 6, 7]},
+                           SamplingParams(**greedy, output_kind=RequestOutputKind.DELTA))
+        outputs = {o.request_id: o.outputs[0] for o in engine.run()}
+    finally:
+        engine.shutdown()
+    assert len(outputs["c"].token_ids) == 6 and outputs["d"].token_ids == outputs["c"].token_ids

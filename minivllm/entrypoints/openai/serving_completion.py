@@ -119,6 +119,9 @@ class OpenAIServingCompletion(OpenAIServing):
     async def _events(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker()
+        # Per choice, where its next token's text starts (legacy logprobs' text_offset): counted
+        # over the tokens sent, not the text sent, which holds back what a stop string may cut.
+        token_offsets: dict[int, int] = {}
 
         def chunk(choices, usage=None) -> str:
             return sse_event(CompletionStreamResponse(id=request_id, created=created, model=model, choices=choices, usage=usage))
@@ -131,7 +134,11 @@ class OpenAIServingCompletion(OpenAIServing):
                     continue
                 echo = self._echo_text(request, prompts[prompt_index]) if delta.first else ""
                 text = echo + delta.text
-                yield chunk([self._choice(request, index, output, delta.token_ids, delta.logprobs, text, delta.text_offset)])
+                choice = self._choice(request, index, output, delta.token_ids, delta.logprobs, text,
+                                      token_offsets.get(index, 0))
+                if choice.logprobs is not None and choice.logprobs.tokens:
+                    token_offsets[index] = choice.logprobs.text_offset[-1] + len(choice.logprobs.tokens[-1])
+                yield chunk([choice])
         if request.include_usage:
             num_prompt = sum(len(ids) for ids in prompts)
             total = num_prompt + tracker.num_generated

@@ -223,37 +223,33 @@ class Delta:
     text: str
     token_ids: list[int]
     logprobs: list[dict[int, Logprob]]
-    text_offset: int  # characters of this choice already sent
     first: bool  # the choice's first chunk
 
 
 @dataclass
 class DeltaTracker:
     """Per-choice chunks for a stream, from the engine's DELTA outputs (what a stream asks the
-    engine for): skips outputs with nothing new, counts what each choice has sent.
+    engine for): skips outputs with nothing new, counts the tokens each choice has sent.
 
     Example: outputs "To", " be", "," for choice 0 give chunks "To", " be", ",".
     """
 
-    sent_chars: dict[int, int] = field(default_factory=dict)
+    sent_tokens: dict[int, int] = field(default_factory=dict)
     finished: set[int] = field(default_factory=set)
     num_generated: int = 0  # tokens of the finished choices, for the usage chunk
-    sent_tokens: dict[int, int] = field(default_factory=dict)
 
     def delta(self, index: int, output: CompletionOutput) -> Delta | None:
         """Choice `index`'s new part, or None if it has nothing new (or already finished)."""
         if index in self.finished:
             return None
-        first = index not in self.sent_chars
         if not output.text and not output.token_ids and output.finish_reason is None:
             return None
-        n_chars = self.sent_chars.get(index, 0)
-        self.sent_chars[index] = n_chars + len(output.text)
+        first = index not in self.sent_tokens
         self.sent_tokens[index] = self.sent_tokens.get(index, 0) + len(output.token_ids)
         if output.finish_reason is not None:
             self.finished.add(index)
             self.num_generated += self.sent_tokens[index]
-        return Delta(output.text, output.token_ids, output.logprobs or [], n_chars, first)
+        return Delta(output.text, output.token_ids, output.logprobs or [], first)
 
 
 def wire_stop_reason(output: CompletionOutput) -> int | str | None:

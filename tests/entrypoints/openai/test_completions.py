@@ -109,6 +109,22 @@ def test_a_streamed_stop_string_never_shows_its_first_characters(client, llm):
     assert len([p for p in pieces if p]) > 1
 
 
+def test_streamed_text_offsets_equal_the_plain_answer_with_a_stop_string(client):
+    """Legacy logprobs' `text_offset` counts the tokens' text, not the text sent so far, which
+    holds back the characters a stop string could still cut (a review found the lag)."""
+    kwargs = dict(model="tiny-shakespeare", prompt=PROMPT, max_tokens=16, temperature=0.0, logprobs=1,
+                  stop=["@@@@"], extra_body={"ignore_eos": True})  # never generated: 3 characters held back
+    plain = client.completions.create(**kwargs).choices[0]
+    assert "@@@@" not in plain.text
+    offsets, tokens = [], []
+    for chunk in client.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            offsets += choice.logprobs.text_offset
+            tokens += choice.logprobs.tokens
+    assert tokens == plain.logprobs.tokens
+    assert offsets == plain.logprobs.text_offset
+
+
 def test_logprobs_match_the_engine(client, llm):
     expected = offline(llm, PROMPT, temperature=0.0, max_tokens=6, logprobs=3)[0]
     response = client.completions.create(model="tiny-shakespeare", prompt=PROMPT, max_tokens=6, temperature=0.0, logprobs=3)
