@@ -110,7 +110,8 @@ class RequestOutput:
         decode_token: Callable[[int], str] | None = None,
         eos_token_id: int | None = None,
     ) -> "RequestOutput":
-        """The request's state now: cumulative text and tokens of its `n` reported sequences.
+        """The request's state now: text and tokens of its `n` reported sequences, all of them
+        (CUMULATIVE, FINAL_ONLY) or those no output has returned yet (DELTA).
 
         Args:
             decode_token: token id -> its text, for `Logprob.decoded_token` (None: not filled).

@@ -6,7 +6,8 @@ Mirrors `vllm/engine/llm_engine.py` (v0, ~0.6). One `step()`:
     2. execute     the executor's worker applies the moves, runs the model, samples
     3. process     append the sampled tokens (forking sequences for n > 1 and beam search),
                    detokenize, check stop conditions, free finished sequences' blocks
-    4. report      one RequestOutput per request that advanced (cumulative text), metrics
+    4. report      one RequestOutput per request that advanced (all its text so far, or with
+                   RequestOutputKind.DELTA the new part), metrics
 
     engine = LLMEngine.from_engine_args(EngineArgs())          # the bundled model
     engine.add_request("0", "ROMEO:", SamplingParams(max_tokens=16))

@@ -38,7 +38,8 @@ class EngineClient(ABC):
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's `RequestOutput` after every step that advanced it.
 
-        Text is cumulative, as in `LLMEngine.step`: each output holds everything so far.
+        As `LLMEngine.step`: by default each output holds everything so far; with
+        `output_kind=RequestOutputKind.DELTA` only what is new (what a streaming server asks).
         Leaving the loop early (break, cancellation, a dropped client) aborts the request.
         """
         stream = await self.add_request(request_id, prompt, sampling_params, priority=priority)

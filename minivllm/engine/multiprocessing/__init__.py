@@ -97,7 +97,7 @@ class RPCStepOutputs:
     """One step's outputs (or a multi-step run's partial outputs) and the step's statistics.
 
     `outputs` are deltas (`deltas.py`: the prompt once, then only what is new); the client
-    rebuilds the cumulative `RequestOutput`s."""
+    rebuilds the cumulative `RequestOutput`s (a DELTA request's outputs travel as they are)."""
 
     outputs: list
     stats: list = field(default_factory=list)
