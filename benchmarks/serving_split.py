@@ -18,6 +18,8 @@ gap between `mq delta` and `benchmarks/serving.py --workload` is the HTTP server
 
     python benchmarks/serving_split.py /tmp/ck/qwen3-0.6b offline final delta-wire delta-wire:1.0
     python benchmarks/serving_split.py /tmp/ck/qwen3-0.6b mq delta cumulative
+
+`--smoke` (first argument): 4 short requests in fp32 on the CPU, to check that it runs.
 """
 
 from __future__ import annotations
@@ -98,10 +100,15 @@ async def run_mq(client: MQLLMEngineClient, name: str, prompts, max_tokens, tag:
     return {"mode": f"mq {name}", "output_tokens_per_s": round(sum(counts) / elapsed, 1), "elapsed_s": round(elapsed, 3)}
 
 
+SMOKE = {"num_seqs": 4, "prompt_cap": 16, "max_tokens_cap": 6}
+
+
 def main(argv: list[str]) -> None:
-    ckpt, layer, modes = argv[0], argv[1], argv[2:]
-    args = EngineArgs(model=ckpt, dtype="bfloat16", max_model_len=NANO_MAX_MODEL_LEN)
-    prompts, max_tokens = row_workload({})
+    smoke = argv[0] == "--smoke"
+    ckpt, layer, modes = argv[smoke], argv[smoke + 1], argv[smoke + 2:]
+    device = dict(dtype="float32", device="cpu") if smoke else dict(dtype="bfloat16")
+    args = EngineArgs(model=ckpt, max_model_len=NANO_MAX_MODEL_LEN, **device)
+    prompts, max_tokens = row_workload(SMOKE if smoke else {})
     if layer == "offline":
         engine = LLMEngine.from_engine_args(args)
         engine.add_request("warm", NANO_WARMUP_PROMPT, params(64, RequestOutputKind.CUMULATIVE))

@@ -134,6 +134,21 @@ def test_progress_logger_says_how_far_an_unfinished_row_got(tmp_path):
     assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in issue15.markdown_table(report)
 
 
+def test_serving_split_runs_each_layer(tmp_path):
+    """benchmarks/serving_split.py on the CPU: the offline modes (a ramp included) and the engine
+    process each deliver the whole workload (the script checks every stream's token count)."""
+    ckpt = throughput.build_checkpoint("qwen3-0.6b", tmp_path, "cpu", issue15.SMOKE_CONFIG)
+    reports = []
+    for layer, modes in (("offline", ["final", "delta-wire", "cumulative-wire:0.05"]), ("mq", ["delta", "cumulative"])):
+        run = subprocess.run([sys.executable, str(BENCHMARKS / "serving_split.py"), "--smoke", str(ckpt), layer, *modes],
+                             capture_output=True, text=True, timeout=180)
+        assert run.returncode == 0, run.stderr[-2000:]
+        reports += [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["mode"] for r in reports] == ["offline final", "offline delta-wire", "offline cumulative-wire:0.05",
+                                           "mq delta", "mq cumulative"]
+    assert all(r["output_tokens_per_s"] > 0 for r in reports)
+
+
 def test_kv_transfer_phases_round_trip_exactly():
     """benchmarks/kv_transfer.py on tiny CPU shapes: every phase runs and the blocks come back
     bit for bit (its exit status says so)."""
