@@ -15,8 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-# Logprob lives in sequence.py, as in vLLM; outputs re-export it.
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+# Logprob lives in sequence.py, as in vLLM; outputs re-export it.
 from minivllm.sequence import Logprob, RequestMetrics, Sequence, SequenceGroup, SequenceStatus
 
 # Finished before a stop condition or a length: `finish_message` says why.
