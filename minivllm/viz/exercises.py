@@ -375,6 +375,28 @@ def check_parse_sse(fn: Callable[[str], list[str]]) -> bool:
     return _run("parse_sse", fn, cases)
 
 
+def check_text_to_return(fn: Callable[[str, int, int, bool], tuple[str, int]]) -> bool:
+    """fn(output_text, returned, buffer_length, finished) -> (the text a DELTA output carries,
+    the characters returned after it): from `returned` to the end, less the last
+    `buffer_length` characters while the sequence runs (a stop string may still cut them). The
+    expected values come from the engine's own `Sequence.get_output_text_to_return`."""
+    from minivllm.sequence import Sequence, SequenceStatus
+
+    def cases(fn):
+        for text, returned, buffer_length, finished in [("To be", 0, 0, False), ("To be, or", 5, 0, False),
+                                                        ("To be, or", 2, 3, False), ("To be, or", 6, 3, True),
+                                                        ("ab", 0, 3, False), ("To be", 5, 2, False)]:
+            seq = Sequence(0, None, [1], block_size=16)
+            seq.output_text, seq.last_output_text_offset = text, returned
+            seq.status = SequenceStatus.FINISHED_STOPPED if finished else SequenceStatus.RUNNING
+            expected = (seq.get_output_text_to_return(buffer_length, delta=True), seq.last_output_text_offset)
+            got = fn(text, returned, buffer_length, finished)
+            _expect(tuple(got) if isinstance(got, (tuple, list)) else got, expected,
+                    f"output_text={text!r}, returned={returned}, buffer_length={buffer_length}, finished={finished}")
+            yield
+    return _run("text_to_return", fn, cases)
+
+
 # ================================================================ speculative decoding
 def check_rejection_step(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[float, torch.Tensor]]) -> bool:
     """fn(p [V], q [V], x) -> (probability of accepting the draft token x, the distribution to
