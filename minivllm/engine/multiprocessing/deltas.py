@@ -39,11 +39,12 @@ class OutputDeltaEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, tuple[Any, list[CompletionOutput]]] = {}  # id -> (prompt_logprobs, outputs)
-        self._delta_ids: set[str] = set()  # requests whose outputs are deltas already
+        # Requests whose outputs are deltas already -> whether the client has their prompt.
+        self._delta_ids: dict[str, bool] = {}
 
     def add_delta_request(self, request_id: str) -> None:
         """The request's outputs are `RequestOutputKind.DELTA`: send them as they are."""
-        self._delta_ids.add(request_id)
+        self._delta_ids[request_id] = False
 
     def encode(self, output: RequestOutput) -> WireOutput:
         if output.request_id in self._delta_ids:
@@ -64,12 +65,11 @@ class OutputDeltaEncoder:
                 output.num_cached_tokens)
 
     def _encode_delta(self, output: RequestOutput) -> WireOutput:
-        first = output.request_id not in self._sent
+        first = not self._delta_ids[output.request_id]
         if output.finished:
-            self._sent.pop(output.request_id, None)
-            self._delta_ids.discard(output.request_id)
-        elif first:
-            self._sent[output.request_id] = (None, [])  # the client has the prompt now
+            del self._delta_ids[output.request_id]
+        else:
+            self._delta_ids[output.request_id] = True
         head = (output.prompt, output.prompt_token_ids) if first else None
         completions = [_encode_completion(c, None) for c in output.outputs]  # each one whole: it is the delta
         return (output.request_id, head, output.prompt_logprobs, completions, output.finished, output.metrics,
@@ -79,7 +79,7 @@ class OutputDeltaEncoder:
         """Aborted requests: the client drops them too."""
         for request_id in request_ids:
             self._sent.pop(request_id, None)
-            self._delta_ids.discard(request_id)
+            self._delta_ids.pop(request_id, None)
 
 
 class OutputDeltaDecoder:
