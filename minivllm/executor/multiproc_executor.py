@@ -8,7 +8,9 @@ together), then every rank's answer is collected: each step is also a health che
 A worker that dies makes the next (or current) call raise `WorkerDiedError` within about
 `POLL_INTERVAL_S`, or as soon as the driver's collective sees its peer's socket close;
 `shutdown()` stops every process (and a worker whose engine process was killed exits by
-itself), so no process outlives its engine.
+itself), so no process outlives its engine. With the custom all-reduce on GPUs a peer's death
+can leave the driver waiting on its GPU for good; `dead_peer_watchdog.py` then ends the
+engine's process within seconds, naming the dead rank.
 """
 
 from __future__ import annotations
@@ -19,9 +21,12 @@ import os
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import torch
 from torch.distributed import DistNetworkError
 
+from minivllm.distributed.parallel_state import get_tp_group
 from minivllm.distributed.utils import get_distributed_init_method, get_open_port
+from minivllm.executor.dead_peer_watchdog import DeadPeerWatchdog
 from minivllm.executor.distributed_executor import DistributedExecutorBase, WorkerDiedError, run_every_step
 from minivllm.executor.metadata_delta import MetadataEncoder
 from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper, pack_task
@@ -86,6 +91,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         context = _process_context()
         self.workers: list[ProcessWorkerWrapper] = []
         self.driver_worker: Worker | None = None
+        self.watchdog: DeadPeerWatchdog | None = None
         self.encoder = MetadataEncoder()  # the workers' copy of every request, sent as deltas
         try:
             self.workers = [ProcessWorkerWrapper(context, self.engine_config, rank, rank, init_method)
@@ -99,8 +105,22 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         except BaseException:
             self.shutdown()
             raise
+        if self._peer_death_can_stall_the_driver():
+            self.watchdog = DeadPeerWatchdog(self.workers, self._driver_gpu_drained)
         logger.info("mp executor: driver in process, %d worker process(es) %s", len(self.workers),
                     [w.process.pid for w in self.workers])
+
+    def _peer_death_can_stall_the_driver(self) -> bool:
+        """The driver's TP group all-reduces through symmetric memory, whose kernels wait for
+        their peers without a timeout (`distributed/symm_mem.py`)."""
+        return get_tp_group().symm_mem is not None
+
+    def _driver_gpu_drained(self) -> Callable[[], bool]:
+        """A check that turns true once the driver's GPU has finished all it has queued now
+        (the engine computes on the default stream)."""
+        event = torch.cuda.Event()
+        event.record(torch.cuda.default_stream(self.driver_worker.device))
+        return event.query
 
     def _run_workers(self, method: Callable[..., Any], *args: Any) -> list[Any]:
         return self._finish_call(self._start_call(method, args))
@@ -151,6 +171,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
             try:
                 results.append(worker.result(WorkerDiedError))
             except WorkerDiedError:
+                self._stand_down_watchdog()  # the engine reports the death itself
                 raise
             except RuntimeError as error:
                 errors.append(error)
@@ -159,14 +180,20 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
     def check_health(self) -> None:
         dead = [w for w in self.workers if not w.is_alive()]
         if dead:
+            self._stand_down_watchdog()  # the engine reports the death itself
             raise WorkerDiedError(", ".join(f"worker rank {w.rank} (pid {w.process.pid}) died with exit code "
                                             f"{w.process.exitcode}" for w in dead)
                                   + "; the engine cannot continue without it.")
+
+    def _stand_down_watchdog(self) -> None:
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.stand_down()
 
     def shutdown(self) -> None:
         # Every rank leaves its process groups at the same time: NCCL tears a communicator down
         # together with its peers, so a driver that waited for the workers to exit first (or
         # left after they were gone) could wait forever. Ask, leave, then wait.
+        self._stand_down_watchdog()  # workers that stop now have not died
         for worker in self.workers:
             worker.request_stop()
         if self.driver_worker is not None:

@@ -16,6 +16,7 @@ import gc
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -180,3 +181,97 @@ def test_bf16_tp2_custom_all_reduce_gives_the_nccl_tokens_and_a_second_engine_fa
     # of this script exited 1 with a teardown thread refused at interpreter shutdown; see
     # docs/benchmarks.md.)
     assert "ok" in process.stdout.splitlines(), (process.stdout[-2000:], process.stderr[:3000])
+
+
+DEAD_PEER_SCRIPT = r'''
+import os, signal, threading, time
+from minivllm import LLM, SamplingParams
+from minivllm.distributed import get_tp_group
+from minivllm.executor.distributed_executor import WorkerDiedError
+
+llm = LLM(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.3,
+          tensor_parallel_size=2)
+assert get_tp_group().symm_mem is not None and not get_tp_group().symm_mem.disabled
+engine = llm.llm_engine
+params = SamplingParams(temperature=0.0, max_tokens=240, ignore_eos=True)
+threading.Timer(1.0, os.kill, (engine.model_executor.workers[0].process.pid, signal.SIGKILL)).start()
+print("stepping", flush=True)
+start, batches = time.monotonic(), 0
+try:
+    while time.monotonic() - start < 30:  # keep the GPUs in their steps when the worker dies
+        if not engine.has_unfinished_requests():
+            for i in range(8):
+                engine.add_request(f"{batches}-{i}", {"prompt_token_ids": [5, 6, 7]}, params)
+            batches += 1
+        engine.step()
+    print("no error within 30 s", flush=True)
+except WorkerDiedError as error:
+    print(f"reported after {time.monotonic() - start:.1f} s: {error}", flush=True)
+os._exit(0)
+'''
+
+
+def test_a_worker_killed_mid_step_with_the_custom_all_reduce_ends_in_a_clear_error_within_seconds():
+    """The peer's death leaves the driver's GPU inside a symmetric-memory kernel that never ends.
+    Either the engine reports the death itself (WorkerDiedError, when it notices between steps)
+    or the dead-peer watchdog ends the process, naming the rank (exit code 70): never a hang."""
+    wait_for_pending_teardown()
+    gc.collect()
+    torch.cuda.empty_cache()
+    process = subprocess.Popen([sys.executable, "-c", DEAD_PEER_SCRIPT], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = process.stdout.readline()  # printed once the engine is up, 1 s before the kill
+        stepping_at = time.monotonic()
+        stdout, stderr = process.communicate(timeout=60)
+        ended_after_s = time.monotonic() - stepping_at
+    finally:
+        process.kill()
+    print(process.returncode, f"{ended_after_s:.1f} s", first_line + stdout, stderr[-1000:])
+    assert first_line.strip() == "stepping", stderr[-3000:]
+    assert ended_after_s < 15  # the kill comes 1 s in; the watchdog allows the engine 3 s
+    if process.returncode == 70:
+        assert "worker rank 1" in stderr and "died while the driver's GPU waits" in stderr
+    else:
+        assert process.returncode == 0 and "reported after" in stdout, (stdout, stderr[-3000:])
+
+
+STUCK_DRIVER_SCRIPT = r'''
+import os, signal, torch
+from minivllm import LLM
+from minivllm.distributed import get_tp_group
+
+llm = LLM(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.3,
+          tensor_parallel_size=2)
+tp = get_tp_group()
+x = torch.ones(4096, dtype=torch.bfloat16, device="cuda")
+assert tp.symm_mem is not None and tp.symm_mem.should_use(x)
+tp.all_reduce(x)  # the driver alone (its peer idles between calls): the kernel waits for the peer
+os.kill(llm.llm_engine.model_executor.workers[0].process.pid, signal.SIGKILL)
+print("waiting", flush=True)
+torch.cuda.synchronize()  # as the engine's thread reading a step's tokens: a wait that cannot end
+print("synchronize returned", flush=True)
+'''
+
+
+def test_a_driver_stuck_on_a_dead_peer_ends_its_process_within_seconds():
+    """Deterministic: the driver's GPU is inside a symmetric-memory all-reduce when its peer is
+    killed, and its host waits on that GPU. The dead-peer watchdog ends the process (exit code
+    70, the rank named) instead of NCCL's 60 s timeout."""
+    wait_for_pending_teardown()
+    gc.collect()
+    torch.cuda.empty_cache()
+    process = subprocess.Popen([sys.executable, "-c", STUCK_DRIVER_SCRIPT], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True)
+    try:
+        first_line = process.stdout.readline()
+        waiting_at = time.monotonic()
+        stdout, stderr = process.communicate(timeout=60)
+        ended_after_s = time.monotonic() - waiting_at
+    finally:
+        process.kill()
+    print(process.returncode, f"{ended_after_s:.1f} s", first_line + stdout, stderr[-1000:])
+    assert first_line.strip() == "waiting", stderr[-3000:]
+    assert process.returncode == 70 and "synchronize returned" not in stdout
+    assert "worker rank 1" in stderr and "died while the driver's GPU waits" in stderr
+    assert ended_after_s < 10
