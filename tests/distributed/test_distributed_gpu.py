@@ -183,6 +183,25 @@ def test_bf16_tp2_custom_all_reduce_gives_the_nccl_tokens_and_a_second_engine_fa
     assert "ok" in process.stdout.splitlines(), (process.stdout[-2000:], process.stderr[:3000])
 
 
+def run_after_first_line(script: str) -> tuple[int, str, str, str, float]:
+    """Run `script` in a fresh process: its exit code, first line, the rest of its output, and
+    the seconds from its first line (printed just before the kill) to its end."""
+    wait_for_pending_teardown()  # this file's in-process engines: their teardown and memory first
+    gc.collect()
+    torch.cuda.empty_cache()
+    process = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)
+    try:
+        first_line = process.stdout.readline()
+        started = time.monotonic()
+        stdout, stderr = process.communicate(timeout=60)
+        ended_after_s = time.monotonic() - started
+    finally:
+        process.kill()
+    print(process.returncode, f"{ended_after_s:.1f} s", first_line + stdout, stderr[-1000:])
+    return process.returncode, first_line, stdout, stderr, ended_after_s
+
+
 DEAD_PEER_SCRIPT = r'''
 import os, signal, threading, time
 from minivllm import LLM, SamplingParams
@@ -215,25 +234,13 @@ def test_a_worker_killed_mid_step_with_the_custom_all_reduce_ends_in_a_clear_err
     """The peer's death leaves the driver's GPU inside a symmetric-memory kernel that never ends.
     Either the engine reports the death itself (WorkerDiedError, when it notices between steps)
     or the dead-peer watchdog ends the process, naming the rank (exit code 70): never a hang."""
-    wait_for_pending_teardown()
-    gc.collect()
-    torch.cuda.empty_cache()
-    process = subprocess.Popen([sys.executable, "-c", DEAD_PEER_SCRIPT], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        first_line = process.stdout.readline()  # printed once the engine is up, 1 s before the kill
-        stepping_at = time.monotonic()
-        stdout, stderr = process.communicate(timeout=60)
-        ended_after_s = time.monotonic() - stepping_at
-    finally:
-        process.kill()
-    print(process.returncode, f"{ended_after_s:.1f} s", first_line + stdout, stderr[-1000:])
+    returncode, first_line, stdout, stderr, ended_after_s = run_after_first_line(DEAD_PEER_SCRIPT)
     assert first_line.strip() == "stepping", stderr[-3000:]
     assert ended_after_s < 15  # the kill comes 1 s in; the watchdog allows the engine 3 s
-    if process.returncode == 70:
+    if returncode == 70:
         assert "worker rank 1" in stderr and "died while the driver's GPU waits" in stderr
     else:
-        assert process.returncode == 0 and "reported after" in stdout, (stdout, stderr[-3000:])
+        assert returncode == 0 and "reported after" in stdout, (stdout, stderr[-3000:])
 
 
 STUCK_DRIVER_SCRIPT = r'''
@@ -258,20 +265,8 @@ def test_a_driver_stuck_on_a_dead_peer_ends_its_process_within_seconds():
     """Deterministic: the driver's GPU is inside a symmetric-memory all-reduce when its peer is
     killed, and its host waits on that GPU. The dead-peer watchdog ends the process (exit code
     70, the rank named) instead of NCCL's 60 s timeout."""
-    wait_for_pending_teardown()
-    gc.collect()
-    torch.cuda.empty_cache()
-    process = subprocess.Popen([sys.executable, "-c", STUCK_DRIVER_SCRIPT], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
-    try:
-        first_line = process.stdout.readline()
-        waiting_at = time.monotonic()
-        stdout, stderr = process.communicate(timeout=60)
-        ended_after_s = time.monotonic() - waiting_at
-    finally:
-        process.kill()
-    print(process.returncode, f"{ended_after_s:.1f} s", first_line + stdout, stderr[-1000:])
+    returncode, first_line, stdout, stderr, ended_after_s = run_after_first_line(STUCK_DRIVER_SCRIPT)
     assert first_line.strip() == "waiting", stderr[-3000:]
-    assert process.returncode == 70 and "synchronize returned" not in stdout
+    assert returncode == 70 and "synchronize returned" not in stdout
     assert "worker rank 1" in stderr and "died while the driver's GPU waits" in stderr
     assert ended_after_s < 10
