@@ -7,7 +7,9 @@
   give exactly the eager TP=2 tokens, and TP=2 agrees with TP=1 (bf16 rounds differently
   when the sum is split, so a near-tie may flip late in a sequence; the first tokens agree);
 * the custom all-reduce (symmetric memory): every sum equal to NCCL's, eagerly and replayed
-  from a CUDA graph, and the engine's tokens equal with it and without it.
+  from a CUDA graph, and the engine's tokens equal with it and without it;
+* a worker that dies while the driver waits in a custom all-reduce: a clear error within
+  seconds (`WorkerDiedError`, or the dead-peer watchdog ending the process), never a hang.
 """
 
 from __future__ import annotations
