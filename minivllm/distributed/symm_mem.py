@@ -30,8 +30,8 @@ why): one rank in a symmetric-memory kernel and another in NCCL would wait for e
 A rank whose peer dies in the middle of a step waits in the kernel forever (NCCL's kernels
 wait too, but NCCL can abort them and the executor then raises `WorkerDiedError`). So with the
 custom all-reduce the `mp` executor's `DeadPeerWatchdog` (`executor/dead_peer_watchdog.py`)
-ends the engine's process within seconds, naming the dead rank, when the engine cannot
-report the death itself. `disable_custom_all_reduce=True` keeps NCCL's behaviour.
+ends the engine's process within seconds, naming the dead rank, when the driver's GPU cannot
+finish the work it has queued. `disable_custom_all_reduce=True` keeps NCCL's behaviour.
 
 Only for GPUs: on a CPU (gloo) nothing here is created. Symmetric memory is marked private
 (leading underscore) in PyTorch, so any failure to set it up logs a warning and leaves NCCL

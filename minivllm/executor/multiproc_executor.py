@@ -112,8 +112,9 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
 
     def _peer_death_can_stall_the_driver(self) -> bool:
         """The driver's TP group all-reduces through symmetric memory, whose kernels wait for
-        their peers without a timeout (`distributed/symm_mem.py`)."""
-        return get_tp_group().symm_mem is not None
+        their peers without a timeout (`distributed/symm_mem.py`; not when it fell back to NCCL)."""
+        symm_mem = get_tp_group().symm_mem
+        return symm_mem is not None and not symm_mem.disabled
 
     def _driver_gpu_drained(self) -> Callable[[], bool]:
         """A check that turns true once the driver's GPU has finished all it has queued now
@@ -169,9 +170,10 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         results, errors = [], []
         for worker in self.workers:
             try:
-                results.append(worker.result(WorkerDiedError))
+                # While one worker's answer is awaited, another may die: with TP x PP a rank can
+                # wait for the dead one inside a kernel forever, so check them all.
+                results.append(worker.result(WorkerDiedError, while_waiting=self.check_health))
             except WorkerDiedError:
-                self._stand_down_watchdog()  # the engine reports the death itself
                 raise
             except RuntimeError as error:
                 errors.append(error)
@@ -180,20 +182,16 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
     def check_health(self) -> None:
         dead = [w for w in self.workers if not w.is_alive()]
         if dead:
-            self._stand_down_watchdog()  # the engine reports the death itself
             raise WorkerDiedError(", ".join(f"worker rank {w.rank} (pid {w.process.pid}) died with exit code "
                                             f"{w.process.exitcode}" for w in dead)
                                   + "; the engine cannot continue without it.")
-
-    def _stand_down_watchdog(self) -> None:
-        if getattr(self, "watchdog", None) is not None:
-            self.watchdog.stand_down()
 
     def shutdown(self) -> None:
         # Every rank leaves its process groups at the same time: NCCL tears a communicator down
         # together with its peers, so a driver that waited for the workers to exit first (or
         # left after they were gone) could wait forever. Ask, leave, then wait.
-        self._stand_down_watchdog()  # workers that stop now have not died
+        if getattr(self, "watchdog", None) is not None:
+            self.watchdog.engine_shutting_down()  # workers that stop from now on have not died
         for worker in self.workers:
             worker.request_stop()
         if self.driver_worker is not None:

@@ -18,6 +18,7 @@ import pickle
 import queue
 import traceback
 from multiprocessing.reduction import ForkingPickler
+from collections.abc import Callable
 from typing import Any
 
 from minivllm.config import EngineConfig
@@ -49,12 +50,15 @@ class ProcessWorkerWrapper:
         """Send a call packed by `pack_task` (the same bytes go to every worker)."""
         self.tasks.put(task)
 
-    def result(self, died_error: type[Exception]) -> Any:
-        """Wait for the answer to the last `submit`; `died_error` if the process is gone."""
+    def result(self, died_error: type[Exception], while_waiting: Callable[[], None] | None = None) -> Any:
+        """Wait for the answer to the last `submit`; `died_error` if the process is gone.
+        `while_waiting` runs every POLL_INTERVAL_S until the answer comes (it may raise)."""
         while True:
             try:
                 ok, value = self.results.get(timeout=POLL_INTERVAL_S)
             except queue.Empty:
+                if while_waiting is not None:
+                    while_waiting()
                 if not self.process.is_alive():
                     raise died_error(f"worker rank {self.rank} (pid {self.process.pid}) died with exit code "
                                      f"{self.process.exitcode}; the engine cannot continue without it.") from None
