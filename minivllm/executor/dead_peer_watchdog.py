@@ -49,7 +49,6 @@ class DeadPeerWatchdog:
     def __init__(self, workers: Sequence, gpu_drained: Callable[[], Callable[[], bool]]) -> None:
         self.workers = list(workers)
         self.gpu_drained = gpu_drained
-        self._death_seen = threading.Event()
         self._shutting_down = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="minivllm-dead-peer-watchdog", daemon=True)
         self._thread.start()
@@ -64,7 +63,6 @@ class DeadPeerWatchdog:
         while not self._shutting_down.is_set():
             exited = wait(list(sentinels), timeout=WAKE_INTERVAL_S)
             if exited and not self._shutting_down.is_set():
-                self._death_seen.set()
                 self._after_death(sentinels[exited[0]])
                 return
 
