@@ -190,7 +190,7 @@ class MultiprocessingDistributedExecutor(DistributedExecutorBase):
         # Every rank leaves its process groups at the same time: NCCL tears a communicator down
         # together with its peers, so a driver that waited for the workers to exit first (or
         # left after they were gone) could wait forever. Ask, leave, then wait.
-        if getattr(self, "watchdog", None) is not None:
+        if self.watchdog is not None:
             self.watchdog.engine_shutting_down()  # workers that stop from now on have not died
         for worker in self.workers:
             worker.request_stop()

@@ -17,8 +17,8 @@ import os
 import pickle
 import queue
 import traceback
-from multiprocessing.reduction import ForkingPickler
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from minivllm.config import EngineConfig

@@ -49,15 +49,10 @@ def exits(monkeypatch):
     return calls, exited
 
 
-def watch(workers, drained_checks) -> DeadPeerWatchdog:
-    """A watchdog whose GPU probes return `drained_checks()` each time."""
-    return DeadPeerWatchdog(workers, gpu_drained=drained_checks)
-
-
 def test_a_death_the_gpu_cannot_get_past_ends_the_process_naming_the_rank(exits, capsys):
     calls, exited = exits
     workers = [FakeWorker(1), FakeWorker(2)]
-    watch(workers, lambda: (lambda: False))
+    DeadPeerWatchdog(workers, gpu_drained=lambda: (lambda: False))
     workers[1].die()
     assert exited.wait(5 * GRACE_S + 2)
     assert calls == [EXIT_CODE]
@@ -71,7 +66,7 @@ def test_work_queued_after_the_death_that_never_finishes_ends_the_process(exits,
     monkeypatch.setattr(dead_peer_watchdog, "WAKE_INTERVAL_S", 0.05)
     checks = iter([lambda: True, lambda: True])  # then: work that never finishes
     worker = FakeWorker(1)
-    watch([worker], lambda: next(checks, lambda: False))
+    DeadPeerWatchdog([worker], gpu_drained=lambda: next(checks, lambda: False))
     worker.die()
     assert exited.wait(5 * GRACE_S + 2)
     assert calls == [EXIT_CODE]
@@ -90,7 +85,7 @@ def test_a_gpu_that_cannot_even_be_probed_counts_as_stuck(exits, probe):
         return lambda: 1 / 0
 
     worker = FakeWorker(1)
-    watch([worker], gpu_drained)
+    DeadPeerWatchdog([worker], gpu_drained=gpu_drained)
     worker.die()
     assert exited.wait(5 * GRACE_S + 2)
     assert calls == [EXIT_CODE]
@@ -99,7 +94,7 @@ def test_a_gpu_that_cannot_even_be_probed_counts_as_stuck(exits, probe):
 def test_shutting_down_after_a_death_still_ends_a_stuck_process(exits):
     calls, exited = exits
     worker = FakeWorker(1)
-    watchdog = watch([worker], lambda: (lambda: False))
+    watchdog = DeadPeerWatchdog([worker], gpu_drained=lambda: (lambda: False))
     worker.die()
     time.sleep(GRACE_S / 3)
     watchdog.engine_shutting_down()
@@ -111,7 +106,7 @@ def test_shutting_down_after_a_death_still_ends_a_stuck_process(exits):
 def test_the_process_lives_on(exits, how):
     calls, exited = exits
     worker = FakeWorker(1)
-    watchdog = watch([worker], lambda: (lambda: True))
+    watchdog = DeadPeerWatchdog([worker], gpu_drained=lambda: (lambda: True))
     try:
         if how == "the workers stop for a shutdown":
             watchdog.engine_shutting_down()
