@@ -36,6 +36,7 @@ import json
 import os
 import pstats
 import random
+import tempfile
 import time
 from pathlib import Path
 
@@ -301,6 +302,8 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
                   decode_steps_timed=steps, target_decode_ms=1.0)
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path)
+        if every_rank:
+            result["every_rank"] = profile_every_rank(engine, profile_path.with_name(profile_path.stem + "_ranks.json"))
         result["host_profile"] = profile_host(engine, 2 if smoke else 3 * HOST_PROFILE_STEPS,
                                               profile_path.with_name("profile_batch1_host.txt"))
     engine.abort_request("b1")
@@ -332,6 +335,7 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
     import sys
 
     from minivllm import LLM, SamplingParams
+    from minivllm.engine.llm_engine import TORCH_PROFILER_DIR_ENV
     from minivllm.sampling_params import RequestOutputKind
 
     sys.path.insert(0, str(Path(__file__).parent))
@@ -342,6 +346,9 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
         prompts, max_tokens = [p[:16] for p in prompts], [40] * len(prompts)
     given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16",
              "max_model_len": 256 if smoke else NANO_MAX_MODEL_LEN, **engine_kwargs}
+    every_rank = profile_path is not None and given.get("tensor_parallel_size", 1) > 1
+    if every_rank:  # each rank's trace (Worker.start_profile); read by the workers, so set before they start
+        os.environ.setdefault(TORCH_PROFILER_DIR_ENV, tempfile.mkdtemp(prefix="minivllm-traces-"))
     llm = LLM(**given)
     engine = llm.llm_engine
     for i, (prompt, limit) in enumerate(zip(prompts, max_tokens)):  # as LLM.generate adds them
@@ -368,6 +375,8 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
               "output_tok_s_while_decoding": round(batch * tokens / sum(times), 1)}
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path, label=f"at batch {batch}")
+        if every_rank:
+            result["every_rank"] = profile_every_rank(engine, profile_path.with_name(profile_path.stem + "_ranks.json"))
         result["host_profile"] = profile_host(engine, 1 if smoke else HOST_PROFILE_STEPS,
                                               profile_path.with_name(profile_path.stem + "_host.txt"))
         if torch.cuda.is_available():
@@ -559,6 +568,78 @@ def profile_one_step(engine, seq, path: Path, label: str = "at batch 1") -> dict
     return {"file": str(path), "step_wall_ms": round(wall_ms, 3), "step_tokens": step_tokens,
             "kernel_count": len(kernels), "kernel_time_us": round(total_us, 1),
             "top_kernels": [{"name": n[:120], "us": round(sum(v), 1), "calls": len(v)} for n, v in ranked[:10]]}
+
+
+def profile_every_rank(engine, path: Path) -> dict:
+    """One engine step profiled on every tensor-parallel rank at once (`LLMEngine.start_profile`),
+    to tell an all-reduce's own time from a rank's wait for its peer. Both ranks leave a
+    collective together, so a pair of the same all-reduce on two ranks ends at about the same
+    moment: the rank that started later spent only the op's own time in it (the shorter
+    duration), the other waited the rest at the entry. Pairs are found by overlap in time
+    (the traces share the host's clock); the ends' spread is reported as the clock's check.
+    The summary is written to `path` (JSON)."""
+    engine.start_profile()
+    engine.step()
+    traces = engine.stop_profile()
+    kernels = [_trace_kernels(trace) for trace in traces]
+    reduces = [[k for k in rank if _is_all_reduce(k[0])] for rank in kernels]
+    summary = {
+        "traces": traces,
+        "ranks": [{"kernels": len(k), "kernel_ms": round(sum(d for _, _, d in k) / 1e3, 2),
+                   "all_reduces": len(r), "all_reduce_ms": round(sum(d for _, _, d in r) / 1e3, 2),
+                   "all_reduce_median_us": round(_median([d for _, _, d in r]), 1)}
+                  for k, r in zip(kernels, reduces)],
+        **all_reduce_waits(reduces[0], reduces[1])}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    return summary
+
+
+def all_reduce_waits(rank0: list[tuple[str, float, float]], rank1: list[tuple[str, float, float]]) -> dict:
+    """Two ranks' all-reduce kernels (name, start us, duration us), each sorted by start:
+    those that overlap in time are one collective; the shorter duration of a pair is the op's
+    own time, the rest of the longer one a wait for the peer."""
+    pairs = _overlapping_pairs(rank0, rank1)
+    own = [min(a[2], b[2]) for a, b in pairs]
+    waits = [(a[2] - o, b[2] - o) for (a, b), o in zip(pairs, own)]
+    end_spread = [abs((a[1] + a[2]) - (b[1] + b[2])) for a, b in pairs]
+    return {"paired_all_reduces": len(pairs),
+            "own_time_ms": round(sum(own) / 1e3, 3), "own_time_median_us": round(_median(own), 1),
+            "rank0_waited_ms": round(sum(w0 for w0, _ in waits) / 1e3, 3),
+            "rank1_waited_ms": round(sum(w1 for _, w1 in waits) / 1e3, 3),
+            "rank0_waited_in": sum(w0 > w1 for w0, w1 in waits),
+            "end_spread_median_us": round(_median(end_spread), 2)}
+
+
+def _trace_kernels(trace: str) -> list[tuple[str, float, float]]:
+    """(name, start us, duration us) of every GPU kernel in a Chrome trace, by start."""
+    events = json.loads(Path(trace).read_text())["traceEvents"]
+    return sorted(((e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"),
+                  key=lambda k: k[1])
+
+
+def _is_all_reduce(name: str) -> bool:
+    """Symmetric memory's `two_shot_all_reduce_kernel`, NCCL's `ncclDevKernel_AllReduce...`."""
+    return "allreduce" in name.lower().replace("_", "")
+
+
+def _overlapping_pairs(a: list, b: list) -> list[tuple]:
+    """Kernels of two ranks, each sorted by start, paired when their intervals overlap."""
+    pairs, i, j = [], 0, 0
+    while i < len(a) and j < len(b):
+        (_, a_start, a_dur), (_, b_start, b_dur) = a[i], b[j]
+        if max(a_start, b_start) < min(a_start + a_dur, b_start + b_dur):
+            pairs.append((a[i], b[j]))
+            i, j = i + 1, j + 1
+        elif a_start + a_dur <= b_start:
+            i += 1
+        else:
+            j += 1
+    return pairs
+
+
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2] if values else 0.0
 
 
 def main() -> int:

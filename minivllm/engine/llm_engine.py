@@ -27,6 +27,7 @@ import dataclasses
 import itertools
 import logging
 import numbers
+import os
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -50,6 +51,9 @@ from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, Sequence, Seq
                                SequenceGroupMetadata, SequenceGroupOutput, SequenceStatus)
 
 logger = logging.getLogger(__name__)
+
+# A folder for `start_profile`'s traces (vLLM: VLLM_TORCH_PROFILER_DIR).
+TORCH_PROFILER_DIR_ENV = "MINIVLLM_TORCH_PROFILER_DIR"
 
 PromptInput = str | dict[str, Any]
 
@@ -289,6 +293,19 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
+
+    def start_profile(self) -> None:
+        """torch.profiler on every worker until `stop_profile`; the traces go to the folder
+        named by MINIVLLM_TORCH_PROFILER_DIR (vLLM: VLLM_TORCH_PROFILER_DIR), read here, in
+        the engine's process."""
+        trace_dir = os.environ.get(TORCH_PROFILER_DIR_ENV)
+        if not trace_dir:
+            raise RuntimeError(f"profiling is off: set {TORCH_PROFILER_DIR_ENV} to a folder for the traces.")
+        self.model_executor.start_profile(trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        """Every worker's Chrome trace of the steps since `start_profile`: the paths, by rank."""
+        return self.model_executor.stop_profile()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()

@@ -42,6 +42,14 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
+    def start_profile(self) -> None:
+        """Profile every worker (torch.profiler) until `stop_profile`; see `LLMEngine.start_profile`."""
+        self.llm_engine.start_profile()
+
+    def stop_profile(self) -> list[str]:
+        """The workers' Chrome traces (one per rank) of the calls since `start_profile`."""
+        return self.llm_engine.stop_profile()
+
     def generate(
         self,
         prompts: PromptInput | Sequence[PromptInput] | None = None,

@@ -56,6 +56,12 @@ class DistributedExecutorBase(ExecutorBase):
         results = self._run_workers(run_every_step, execute_model_req)
         return results[self.engine_config.parallel_config.output_rank]
 
+    def start_profile(self, trace_dir: str) -> None:
+        self._run_workers(Worker.start_profile, trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        return self._run_workers(Worker.stop_profile)
+
 
 def run_every_step(worker: Worker, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
     """`worker.execute_model`, every step's output collected before returning (a result that

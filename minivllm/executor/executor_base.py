@@ -1,7 +1,7 @@
 """The executor: how the engine reaches its worker(s).
 
 Mirrors `vllm/executor/executor_base.py` (v0). The engine never touches a `Worker`
-directly; it calls these five methods. With one device the executor just forwards them to
+directly; it calls these methods. With one device the executor just forwards them to
 one in-process worker (`UniProcExecutor`). The distributed executors (`mp`: processes on
 this machine, `ray`: Ray actors; `distributed_executor.py`) start one worker per rank,
 broadcast each call to all of them (every shard runs the same step on its slice of the
@@ -45,6 +45,14 @@ class ExecutorBase(ABC):
         A multi-step run may hand them out one at a time as they reach the host (a
         generator), so the engine processes step s while the device computes step s + 1.
         """
+
+    def start_profile(self, trace_dir: str) -> None:
+        """Every worker starts torch.profiler, for a trace in `trace_dir` (`Worker.start_profile`)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile its workers.")
+
+    def stop_profile(self) -> list[str]:
+        """Every worker stops profiling: their trace files, in rank order."""
+        raise NotImplementedError(f"{type(self).__name__} cannot profile its workers.")
 
     def check_health(self) -> None:
         """Raise if a worker died (a single in-process worker cannot die on its own)."""

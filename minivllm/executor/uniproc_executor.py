@@ -32,3 +32,9 @@ class UniProcExecutor(ExecutorBase):
 
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
         return self.driver_worker.execute_model(execute_model_req)
+
+    def start_profile(self, trace_dir: str) -> None:
+        self.driver_worker.start_profile(trace_dir)
+
+    def stop_profile(self) -> list[str]:
+        return [self.driver_worker.stop_profile()]

@@ -112,6 +112,8 @@ class Worker:
             runner_class = KVConnectorCUDAGraphModelRunner if use_graphs else KVConnectorModelRunner
         self.model_runner: ModelRunner = runner_class(engine_config, self.device)
         self.cache_engine: CacheEngine | None = None
+        self.profiler: torch.profiler.profile | None = None
+        self.trace_dir, self.num_traces = "", 0
 
     @property
     def kv_caches(self) -> list[torch.Tensor]:
@@ -218,6 +220,30 @@ class Worker:
             pp_group.send_tensor_dict(output.tensors)
             return []
         return [output]
+
+    # ------------------------------------------------------------------ profiling
+    def start_profile(self, trace_dir: str) -> None:
+        """Record this rank's CPU ops and GPU kernels (torch.profiler) until `stop_profile`,
+        which writes the trace into `trace_dir`."""
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if self.device.type == "cuda":
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler, self.trace_dir = torch.profiler.profile(activities=activities), trace_dir
+        self.profiler.start()
+
+    def stop_profile(self) -> str:
+        """Stop recording and write the Chrome trace (Perfetto or chrome://tracing opens it):
+        its path, `<trace_dir>/rank<rank>-<n>.pt.trace.json`."""
+        if self.profiler is None:
+            raise RuntimeError("stop_profile without start_profile.")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the kernels queued inside the window finish in it
+        self.profiler.stop()
+        os.makedirs(self.trace_dir, exist_ok=True)
+        path = os.path.join(self.trace_dir, f"rank{self.rank}-{self.num_traces}.pt.trace.json")
+        self.profiler.export_chrome_trace(path)
+        self.profiler, self.num_traces = None, self.num_traces + 1
+        return path
 
     def shutdown(self) -> None:
         """Leave the process groups (a world of one has none)."""

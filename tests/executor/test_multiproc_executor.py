@@ -3,14 +3,16 @@ over processes; a killed worker is a clear error within seconds; nothing outlive
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import time
 
 import pytest
 
+from minivllm import LLM
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.llm_engine import TORCH_PROFILER_DIR_ENV, LLMEngine
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.multiproc_executor import MultiprocessingDistributedExecutor
 from minivllm.sampling_params import SamplingParams
@@ -156,3 +158,41 @@ def test_workers_of_a_killed_engine_process_exit_by_themselves(llama, tmp_path):
         assert not any(is_running(pid) for pid in pids)
     finally:
         engine_process.kill()
+
+
+def test_start_and_stop_profile_write_one_trace_per_rank(llama, tmp_path, monkeypatch):
+    """vLLM's profiler API at TP=2: between `start_profile` and `stop_profile` every rank records
+    its own ops, the tensor-parallel all-reduce among them, into a Chrome trace of its own."""
+    monkeypatch.setenv(TORCH_PROFILER_DIR_ENV, str(tmp_path / "traces"))
+    engine = make_engine(llama[0])
+    try:
+        engine.start_profile()
+        engine.add_request("a", {"prompt_token_ids": [5, 6, 7]}, SamplingParams(max_tokens=3, temperature=0.0))
+        while engine.has_unfinished_requests():
+            engine.step()
+        traces = engine.stop_profile()
+    finally:
+        engine.shutdown()
+    assert [os.path.basename(t) for t in traces] == ["rank0-0.pt.trace.json", "rank1-0.pt.trace.json"]
+    for trace in traces:
+        assert os.path.dirname(trace) == str(tmp_path / "traces")
+        with open(trace) as f:
+            names = {event.get("name", "") for event in json.load(f)["traceEvents"]}
+        assert "aten::linear" in names and any("all_reduce" in name for name in names), sorted(names)[:50]
+
+
+def test_profiling_one_worker_in_process_through_llm(llama, tmp_path, monkeypatch):
+    """The single-process executor too, from `LLM`; without a trace folder, a clear error."""
+    llm = LLM(model=llama[0], device="cpu", block_size=8)
+    monkeypatch.delenv(TORCH_PROFILER_DIR_ENV, raising=False)
+    with pytest.raises(RuntimeError, match=TORCH_PROFILER_DIR_ENV):
+        llm.start_profile()
+    monkeypatch.setenv(TORCH_PROFILER_DIR_ENV, str(tmp_path))
+    llm.start_profile()
+    llm.generate([{"prompt_token_ids": [5, 6, 7]}], SamplingParams(max_tokens=2, temperature=0.0), use_tqdm=False)
+    (trace,) = llm.stop_profile()
+    assert trace == str(tmp_path / "rank0-0.pt.trace.json")
+    with open(trace) as f:
+        assert any(event.get("name") == "aten::linear" for event in json.load(f)["traceEvents"])
+    with pytest.raises(RuntimeError, match="without start_profile"):
+        llm.stop_profile()
