@@ -302,8 +302,6 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
                   decode_steps_timed=steps, target_decode_ms=1.0)
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path)
-        if every_rank:
-            result["every_rank"] = profile_every_rank(engine, profile_path.with_name(profile_path.stem + "_ranks.json"))
         result["host_profile"] = profile_host(engine, 2 if smoke else 3 * HOST_PROFILE_STEPS,
                                               profile_path.with_name("profile_batch1_host.txt"))
     engine.abort_request("b1")
@@ -347,7 +345,7 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
     given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16",
              "max_model_len": 256 if smoke else NANO_MAX_MODEL_LEN, **engine_kwargs}
     every_rank = profile_path is not None and given.get("tensor_parallel_size", 1) > 1
-    if every_rank:  # each rank's trace (Worker.start_profile); read by the workers, so set before they start
+    if every_rank:  # where LLMEngine.start_profile writes each rank's trace
         os.environ.setdefault(TORCH_PROFILER_DIR_ENV, tempfile.mkdtemp(prefix="minivllm-traces-"))
     llm = LLM(**given)
     engine = llm.llm_engine
@@ -587,7 +585,7 @@ def profile_every_rank(engine, path: Path) -> dict:
         "traces": traces,
         "ranks": [{"kernels": len(k), "kernel_ms": round(sum(d for _, _, d in k) / 1e3, 2),
                    "all_reduces": len(r), "all_reduce_ms": round(sum(d for _, _, d in r) / 1e3, 2),
-                   "all_reduce_median_us": round(_median([d for _, _, d in r]), 1)}
+                   "all_reduce_median_us": round(_median([d for _, _, d in r]), 1), **_idle_between_kernels(k)}
                   for k, r in zip(kernels, reduces)],
         **all_reduce_waits(reduces[0], reduces[1])}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -609,6 +607,18 @@ def all_reduce_waits(rank0: list[tuple[str, float, float]], rank1: list[tuple[st
             "rank1_waited_ms": round(sum(w1 for _, w1 in waits) / 1e3, 3),
             "rank0_waited_in": sum(w0 > w1 for w0, w1 in waits),
             "end_spread_median_us": round(_median(end_spread), 2)}
+
+
+def _idle_between_kernels(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:
+    """A rank's GPU idle time (holes of at least IDLE_GAP_US between its kernels) and its
+    largest holes, each with the kernels before and after it (where the rank waits)."""
+    holes = []
+    for (before, start, dur), (after, next_start, _) in zip(kernels, kernels[1:]):
+        if next_start - (start + dur) >= IDLE_GAP_US:
+            holes.append((next_start - (start + dur), before[:60], after[:60]))
+    holes.sort(reverse=True)
+    return {"idle_ms": round(sum(h[0] for h in holes) / 1e3, 2), "idle_holes": len(holes),
+            "largest_holes": [{"us": round(us, 1), "after": b, "before": a} for us, b, a in holes[:top]]}
 
 
 def _trace_kernels(trace: str) -> list[tuple[str, float, float]]:
