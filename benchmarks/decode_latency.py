@@ -610,15 +610,15 @@ def all_reduce_waits(rank0: list[tuple[str, float, float]], rank1: list[tuple[st
 
 
 def _idle_between_kernels(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:
-    """A rank's GPU idle time (holes of at least IDLE_GAP_US between its kernels) and its
-    largest holes, each with the kernels before and after it (where the rank waits)."""
-    holes = []
-    for (before, start, dur), (after, next_start, _) in zip(kernels, kernels[1:]):
-        if next_start - (start + dur) >= IDLE_GAP_US:
-            holes.append((next_start - (start + dur), before[:60], after[:60]))
-    holes.sort(reverse=True)
-    return {"idle_ms": round(sum(h[0] for h in holes) / 1e3, 2), "idle_holes": len(holes),
-            "largest_holes": [{"us": round(us, 1), "after": b, "before": a} for us, b, a in holes[:top]]}
+    """A rank's GPU idle time (`gpu_idle_gaps` over its kernels) and its largest holes, each
+    with the kernels before and after it (where the rank waits)."""
+    _, gaps, _ = gpu_idle_gaps([(start, start + dur) for _, start, dur in kernels], [], IDLE_GAP_US)
+    ending_at = {start + dur: name for name, start, dur in kernels}
+    starting_at = {start: name for name, start, _ in kernels}
+    largest = sorted(gaps, key=lambda gap: gap[0] - gap[1])[:top]
+    return {"idle_ms": round(sum(end - begin for begin, end in gaps) / 1e3, 2), "idle_holes": len(gaps),
+            "largest_holes": [{"us": round(end - begin, 1), "after": ending_at[begin][:60], "before": starting_at[end][:60]}
+                              for begin, end in largest]}
 
 
 def _trace_kernels(trace: str) -> list[tuple[str, float, float]]:
