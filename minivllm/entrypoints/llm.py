@@ -13,15 +13,13 @@ over them. Mirrors `vllm/entrypoints/llm.py` (v0).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import itertools
-import threading
 from collections.abc import Sequence
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
+from minivllm.entrypoints.gc_tuning import gc_heap_frozen
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
@@ -158,7 +156,7 @@ class LLM:
             from tqdm.auto import tqdm  # only when a bar is wanted (scripts run without tqdm)
 
             bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
-        with _gc_heap_frozen():
+        with gc_heap_frozen():  # no full GC scan of the model's objects mid-run
             self._step_until_done(finished, bar)
         if bar is not None:
             bar.close()
@@ -180,48 +178,6 @@ class LLM:
                         f"output: {generated_tokens / elapsed:.1f} toks/s"
                     )
                     bar.update(1)
-
-
-@contextlib.contextmanager
-def _gc_heap_frozen():
-    """Keep the objects alive now out of the GC's scans, and hold off full collections,
-    while the engine steps.
-
-    The model, torch and transformers are ~300k Python objects; each full collection during a
-    run scans them all (0.15-0.25 s, once or twice in a benchmark run, measured). vLLM freezes
-    the heap once the model is warm (`freeze_gc_heap`) in the engine's own process; in the
-    caller's process the freeze lasts one `generate` only, so nothing of the caller's stays
-    frozen (uncollectable) after it. A heap someone else froze is left as it is.
-
-    The freeze alone still left a 190-260 ms collection once or twice per benchmark run on
-    the GPU machine (Python 3.12; measured by the step timeline's GC clock), so automatic
-    full collections also wait until the run ends (the third threshold; young generations
-    are still collected). What they would find, the few cycles a run makes, is collected
-    after it.
-    """
-    with _gc_pause_lock:  # generate calls of several LLMs in threads: the first in sets, the last out restores
-        if _gc_paused[0] == 0:
-            _gc_paused[1] = gc.get_threshold()
-            gc.set_threshold(_gc_paused[1][0], _gc_paused[1][1], _NO_AUTOMATIC_FULL_COLLECTION)
-        _gc_paused[0] += 1
-        frozen_here = not gc.get_freeze_count()
-        if frozen_here:
-            gc.freeze()
-    try:
-        yield
-    finally:
-        with _gc_pause_lock:
-            if frozen_here:
-                gc.unfreeze()
-            _gc_paused[0] -= 1
-            if _gc_paused[0] == 0:
-                gc.set_threshold(*_gc_paused[1])
-
-
-# Young-generation collections between two full ones: in effect never, during one generate.
-_NO_AUTOMATIC_FULL_COLLECTION = 1_000_000_000
-_gc_pause_lock = threading.Lock()
-_gc_paused: list = [0, None]  # [generate calls inside, the thresholds before the first]
 
 
 def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptInput]:

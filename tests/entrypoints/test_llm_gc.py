@@ -75,10 +75,10 @@ def test_a_heap_the_caller_froze_is_left_frozen(llm):
 def test_overlapping_generate_calls_restore_the_thresholds_once_the_last_ends():
     """generate calls of two LLMs in two threads may end in either order: the thresholds
     come back when the last one ends, not before, and not to the paused value."""
-    from minivllm.entrypoints.llm import _gc_heap_frozen
+    from minivllm.entrypoints.gc_tuning import gc_heap_frozen
 
     before = gc.get_threshold()
-    first, second = _gc_heap_frozen(), _gc_heap_frozen()
+    first, second = gc_heap_frozen(), gc_heap_frozen()
     first.__enter__()
     second.__enter__()
     first.__exit__(None, None, None)
