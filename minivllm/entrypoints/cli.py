@@ -11,7 +11,8 @@ so `--help` is instant; a sub-command checks its own arguments before it loads a
 
 A mistake the user can fix (a bad value, a missing folder, no GPU) is printed as one line,
 `minivllm generate: error: ...`, with exit status 1; `--debug` (or `MINIVLLM_DEBUG=1`)
-shows the traceback instead.
+shows the traceback instead. A malformed command line (an unknown flag, a missing prompt) is
+one line too, with argparse's exit status 2, instead of the whole usage.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import random
 import sys
 import time
 from dataclasses import dataclass
+from typing import NoReturn
 
 from minivllm.engine.arg_utils import EngineArgs
 
@@ -33,6 +35,7 @@ DEBUG_ENV = "MINIVLLM_DEBUG"
 USER_ERRORS = (ValueError, OSError, ImportError)
 EXIT_USER_ERROR = 1
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
+EXIT_USAGE = 2  # argparse's code for a malformed command line
 # What `pip install minivllm[serve]` adds (and what it pulls in), for the hint when one is missing.
 SERVE_EXTRA_MODULES = ("fastapi", "uvicorn", "prometheus_client", "starlette", "pydantic")
 
@@ -71,8 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_INTERRUPTED
 
 
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, except that a mistake prints one line: the engine's flags make the usage that
+    argparse prints before the message about 40 lines long, and the message is what matters."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see `{self.prog} --help`)\n")
+
+
 def make_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minivllm", description="minivllm: a small, readable vLLM.")
+    parser = _OneLineErrorParser(prog="minivllm", description="minivllm: a small, readable vLLM.")
     parser.add_argument("--version", action="version", version=f"minivllm {_installed_version()}")
     subparsers = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)

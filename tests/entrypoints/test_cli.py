@@ -164,6 +164,21 @@ def test_bad_arguments_fail_in_one_line_before_a_model_loads(no_model_load, caps
     assert err.count("\n") == 1 and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, prog, reason", [
+    (["generate", "--max-tokens", "0"], "minivllm generate", "required: prompts"),
+    (["generat", "ROMEO:"], "minivllm", "invalid choice: 'generat'"),
+    (["serve", "--port", "abc"], "minivllm serve", "--port"),
+    ([], "minivllm", "required: command"),
+])
+def test_a_malformed_command_line_is_one_line_not_the_usage(capsys, argv, prog, reason):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2  # argparse's status for a usage error
+    err = capsys.readouterr().err
+    assert err.startswith(f"{prog}: error: ") and reason in err and f"{prog} --help" in err
+    assert err.count("\n") == 1 and "usage:" not in err
+
+
 def test_a_missing_model_folder_is_one_line(capsys, monkeypatch):
     monkeypatch.delenv("MINIVLLM_DEBUG", raising=False)
     assert main(["generate", "ROMEO:", "--model", "/no/such/checkpoint"]) == 1
