@@ -77,10 +77,10 @@ class BlockSpaceManager:
       reused at once;
     - `fork` is stricter: a parent without blocks (vLLM returns silently) or a child that
       already has blocks is a `ValueError`; so is every other misuse (a sequence without
-      blocks, a `Sequence` whose `block_size` is not the manager's), where vLLM asserts or
-      raises `KeyError`; a pool too small raises `OutOfBlocksError` and changes nothing;
-    - the manager's `block_size` is the only one that counts blocks: `Sequence.n_blocks`
-      (sized with the sequence's own block size) is never used.
+      blocks), where vLLM asserts or raises `KeyError`; a pool too small raises
+      `OutOfBlocksError` and changes nothing;
+    - blocks are counted with the manager's `block_size` alone, as in vLLM's default v2
+      manager (v1 read `Sequence.n_blocks`, sized with the sequence's own block size).
 
     Args:
         block_size: tokens per block.
@@ -160,14 +160,9 @@ class BlockSpaceManager:
             self._num_cached_tokens[s.seq_id] = num_cached_tokens
 
     def get_num_required_blocks(self, seq: Sequence) -> int:
-        """Blocks that hold every token of `seq`, counted with the manager's block size.
-
-        Raises ValueError for a `Sequence` built with another block size: its own count
-        (`Sequence.n_blocks`) would disagree with the slots `append_slots` hands out.
-        """
-        if seq.block_size != self.block_size:
-            raise ValueError(f"sequence {seq.seq_id} was built with block_size={seq.block_size}, "
-                             f"but the block manager's is {self.block_size}.")
+        """Blocks that hold every token of `seq`, counted with the manager's block size
+        (whatever block size the `Sequence` was built with: the slots `append_slots` hands
+        out are the manager's)."""
         return -(-seq.get_len() // self.block_size)
 
     def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:

@@ -495,20 +495,32 @@ def test_swap_in_reuses_blocks_still_cached_on_gpu():
 
 # ------------------------------------------------------------------ block size
 def test_the_managers_block_size_counts_the_blocks():
-    """A 7-token prompt needs 2 blocks of 4; a Sequence built with another block size (16:
-    one block) must not be sized by its own count (vLLM 0.6 sized it so, then append_slots
-    used the manager's size). One owner: the manager; a disagreeing Sequence is refused."""
+    """A 7-token prompt needs 2 blocks of 4, whatever block size its Sequence was built with
+    (16 would be one block): the manager alone owns the block size, as vLLM's v2 manager."""
     bm = BlockSpaceManager(BLOCK_SIZE, 8, 0, watermark=0.0)
     group = make_group(7)
     assert bm.get_num_required_blocks(group.first_seq) == 2
     bm.allocate(group)
     assert len(bm.get_block_table(group.first_seq)) == 2
     other = make_group(7, block_size=16)
-    with pytest.raises(ValueError, match="block_size=16"):
-        bm.can_allocate(other)
-    with pytest.raises(ValueError, match="block_size=16"):
-        bm.allocate(other)
-    assert bm.get_num_free_gpu_blocks() == 8 - 2  # nothing allocated for the refused one
+    seq = other.first_seq
+    assert seq.n_blocks == 1 and bm.get_num_required_blocks(seq) == 2
+    assert bm.can_allocate(other) == AllocStatus.OK
+    bm.allocate(other)
+    other.set_status(SequenceStatus.RUNNING)
+    assert len(bm.get_block_table(seq)) == 2 and bm.get_num_free_gpu_blocks() == 8 - 4
+    seq.append_token_id(7, {7: 0.0})  # the 8th token fills the second block of 4
+    assert bm.append_slots(seq) == [] and len(bm.get_block_table(seq)) == 2
+    seq.append_token_id(7, {7: 0.0})  # the 9th starts a third block (not at 17, as 16 would)
+    assert bm.append_slots(seq) == [] and len(bm.get_block_table(seq)) == 3
+    assert bm.get_num_free_gpu_blocks() == 8 - 5
+
+
+def test_a_prompt_too_big_for_the_managers_blocks_is_never_admitted_whatever_its_own_size():
+    bm = BlockSpaceManager(BLOCK_SIZE, 2, 0, watermark=0.0)
+    # 9 tokens: one block of 16 by the Sequence's count, three of the manager's 4.
+    assert bm.can_allocate(make_group(9, block_size=16)) == AllocStatus.NEVER
+    assert bm.can_allocate(make_group(8, block_size=1)) == AllocStatus.OK
 
 
 def test_queries_for_observers():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 
-import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
@@ -76,26 +75,28 @@ class BlockManagerMachine(RuleBasedStateMachine):
         group = SequenceGroup(str(next(self.request_ids)), [seq], arrival_time=0.0)
         self.prefill(group, mark)
 
-    @rule(length=st.integers(1, 20))
-    def add_request_with_another_block_size(self, length):
+    @rule(system=st.integers(0, len(SYSTEM_PROMPTS) - 1), cut=st.integers(0, 12),
+          tail=st.lists(VOCAB, max_size=10), seq_block_size=st.integers(1, 32), mark=st.booleans())
+    def add_request_with_another_block_size(self, system, cut, tail, seq_block_size, mark):
         """The manager's block size is the only one that counts blocks: a Sequence built with
-        another is refused, and nothing changes."""
-        seq = Sequence(next(self.seq_ids), None, [1] * length, self.block_size * 2)
+        another one is served like any other (every check below counts the manager's blocks)."""
+        prompt = SYSTEM_PROMPTS[system][:cut] + tail or [1]
+        seq = Sequence(next(self.seq_ids), None, prompt, seq_block_size)
         group = SequenceGroup(str(next(self.request_ids)), [seq], arrival_time=0.0)
-        free = self.bm.get_num_free_gpu_blocks()
-        for call in (self.bm.can_allocate, self.bm.allocate):
-            with pytest.raises(ValueError, match="block_size"):
-                call(group)
-        assert self.bm.get_num_free_gpu_blocks() == free and seq.seq_id not in self.bm.block_tables
+        self.prefill(group, mark)
+
+    def num_blocks(self, seq: Sequence) -> int:
+        """Blocks that hold every token of `seq`, in the manager's block size."""
+        return -(-seq.get_len() // self.block_size)
 
     def prefill(self, group: SequenceGroup, mark: bool) -> None:
         seq = group.first_seq
         status = self.bm.can_allocate(group)
         usable = self.bm.num_total_gpu_blocks - self.bm.watermark_blocks
-        assert (status == AllocStatus.NEVER) == (seq.n_blocks > usable)
+        assert (status == AllocStatus.NEVER) == (self.num_blocks(seq) > usable)
         if status != AllocStatus.OK:
             assert status == AllocStatus.NEVER or (
-                self.bm.get_num_free_gpu_blocks() - seq.n_blocks < self.bm.watermark_blocks)
+                self.bm.get_num_free_gpu_blocks() - self.num_blocks(seq) < self.bm.watermark_blocks)
             return
         cached = self.bm.get_num_cached_tokens(seq)
         assert cached % self.block_size == 0 and cached < seq.get_len()
@@ -243,7 +244,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         for group in getattr(self, "groups", []):
             for seq in group.get_unfinished_seqs():
                 table = self.bm.get_block_table(seq)
-                assert len(table) == seq.n_blocks
+                assert len(table) == self.num_blocks(seq)
                 on_gpu = seq.status == SequenceStatus.RUNNING
                 allocator = self.bm.gpu_allocator if on_gpu else self.bm.cpu_allocator
                 assert all(b.device is allocator.device for b in self.bm.block_tables[seq.seq_id])
