@@ -12,18 +12,11 @@ each process holds two groups. Ranks are laid out TP-major (vLLM's layout):
     PP groups       [0, 2]  [1, 3]       one per TP rank: stage s sends to stage s + 1
 
 `get_tp_group()` / `get_pp_group()` return this process's `GroupCoordinator`s. Before
-`initialize_model_parallel` (one process, world size 1: the `UniProcExecutor`), both are a
-group of one, so `get_tensor_model_parallel_world_size()` is 1 and every collective returns
-its input untouched: the single-device path creates no process group and copies nothing.
-
+`initialize_model_parallel` (one process: the `UniProcExecutor`), both are a group of one:
+every collective returns its input untouched, with no process group and no copy.
 On GPUs the TP group's small bf16 all-reduces go through symmetric memory
-(`symm_mem.SymmMemCommunicator`, vLLM's name), the rest through NCCL;
-`set_custom_all_reduce(False)` (the engine's `disable_custom_all_reduce`) leaves NCCL doing all.
-
-Differs from vLLM: no PyNccl or shared-memory broadcast (torch.distributed's own NCCL or gloo
-does every other collective), no world group object for the executors' use (the
-`mp` executor hands work to its workers through queues instead of a broadcast), and no data
-parallel group.
+(`symm_mem.SymmMemCommunicator`), the rest through NCCL; `set_custom_all_reduce(False)` (the
+engine's `disable_custom_all_reduce`) leaves NCCL doing all.
 """
 
 from __future__ import annotations
@@ -302,13 +295,12 @@ def destroy_distributed_environment() -> None:
 def _abort_nccl_world() -> None:
     """Abort every NCCL communicator in a background thread; wait for it only briefly.
 
-    A graceful teardown (ncclCommDestroy) finalizes with the peers, and on two H200s engine
-    shutdowns hung in it. Abort is local and clears torch's registry of groups (so a later
-    engine can join a new world), but measured there it took over 10 s per shutdown, and it
-    can wait on a communicator whose peer left in the middle of a collective (an engine
-    shutting down after an error). So a shutdown never waits for it past
-    NCCL_SHUTDOWN_WAIT_S; the next `init_distributed_environment` in this process waits for
-    it instead (up to NCCL_TEARDOWN_TIMEOUT_S), since it needs the registry cleared.
+    A graceful teardown (ncclCommDestroy) finalizes with the peers, and can hang there. Abort
+    is local and clears torch's registry of groups (so a later engine can join a new world),
+    but it can take seconds, and it can wait on a communicator whose peer left in the middle
+    of a collective (an engine shutting down after an error). So a shutdown never waits for it
+    past NCCL_SHUTDOWN_WAIT_S; the next `init_distributed_environment` in this process waits
+    for it instead (up to NCCL_TEARDOWN_TIMEOUT_S), since it needs the registry cleared.
     """
     global _PENDING_ABORT
 

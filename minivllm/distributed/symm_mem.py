@@ -1,41 +1,20 @@
 """A faster all-reduce for the small tensors of decoding: `SymmMemCommunicator`.
 
-Mirrors `vllm/distributed/device_communicators/symm_mem.py` (vLLM's custom all-reduce does
-the same job with its own CUDA kernels). Why: at tensor parallel size 2 every decoder layer
-all-reduces its attention output and its MLP output, `[tokens, hidden]`, two small tensors a
-layer. NCCL's ring all-reduce pays a fixed cost per call that dominates at these sizes
-(measured on 2x H200 inside CUDA graphs, bf16 `[rows, 4096]`: 10.8 us at 1 row, 32.1 us at
-256 rows; `docs/benchmarks.md`).
+Mirrors `vllm/distributed/device_communicators/symm_mem.py`. At tensor parallel size 2 each
+decoder layer all-reduces two small `[num_tokens, hidden_size]` tensors, where NCCL's fixed
+cost per call dominates. PyTorch's symmetric memory maps one buffer per rank into every peer,
+so a kernel on one GPU loads its peers' buffers directly (NVLink; no multicast needed):
 
-GPUs joined by NVLink can read each other's memory directly. PyTorch's symmetric memory
-(`torch.distributed._symmetric_memory`) allocates one buffer per rank at the same offset of a
-region every peer has mapped, so a kernel on one GPU can load its peers' buffers:
+    one-shot   copy into the own buffer, read and sum every peer's: (world - 1) x the tensor
+    two-shot   reduce-scatter then all-gather through the buffers: half the reads at 2 ranks
 
-    one-shot   each rank copies its tensor into its buffer, then reads every peer's buffer
-               and sums: one kernel, each rank reads (world - 1) x the tensor (7.5 us at 1 row)
-    two-shot   reduce-scatter then all-gather through the buffers: each rank sums one slice
-               and the others read it back; half the reads at 2 ranks (14.9 us at 256 rows)
-
-Both are captured inside CUDA graphs like any kernel. Above `MAX_BYTES` (vLLM's limit for 2
-ranks) and for anything but bf16 CUDA tensors, `GroupCoordinator.all_reduce` uses NCCL: large
-prefill tensors are bandwidth-bound, where NCCL is as fast, and the buffer stays small.
-
-One world per process: a process that already set up symmetric memory for an earlier engine
-(a notebook or test making TP engines one after another) cannot rendezvous again: measured on
-torch 2.11, the new world's rendezvous waits 60 s for a key and fails. So the ranks decide
-together, one small all-reduce per question: are all of them fresh, on one machine, and did
-every rank's set-up succeed? If not, NCCL does every all-reduce of that world (a log line says
-why): one rank in a symmetric-memory kernel and another in NCCL would wait for each other forever.
-
-A rank whose peer dies in the middle of a step waits in the kernel forever (NCCL's kernels
-wait too, but NCCL can abort them and the executor then raises `WorkerDiedError`). So with the
-custom all-reduce the `mp` executor's `DeadPeerWatchdog` (`executor/dead_peer_watchdog.py`)
-ends the engine's process within seconds, naming the dead rank, when the driver's GPU cannot
-finish the work it has queued. `disable_custom_all_reduce=True` keeps NCCL's behaviour.
-
-Only for GPUs: on a CPU (gloo) nothing here is created. Symmetric memory is marked private
-(leading underscore) in PyTorch, so any failure to set it up logs a warning and leaves NCCL
-doing every all-reduce. It needs no NVLink multicast (the `multimem` operations do).
+Both are captured in CUDA graphs like any kernel. NCCL does the rest: tensors over `MAX_BYTES`,
+anything but bf16 CUDA tensors, CPUs (gloo), and every all-reduce of a world whose ranks did
+not all set up symmetric memory, which they decide together (one rank in a symmetric-memory
+kernel and another in NCCL would wait for each other forever). One world per process: a
+second rendezvous in one process fails, so a later engine there uses NCCL. A rank whose peer
+dies mid-kernel waits forever; the `mp` executor's `DeadPeerWatchdog` then ends the process,
+naming the dead rank. `disable_custom_all_reduce=True` keeps NCCL for every all-reduce.
 """
 
 from __future__ import annotations
@@ -50,7 +29,7 @@ import torch.distributed as dist
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 8 * 1024 * 1024  # vLLM's SymmMemCommunicator limit at 2 ranks: 1,024 rows of 4,096 bf16
-# One-shot up to here, two-shot above: measured equal at 1 row and two-shot ahead from 64 rows.
+# One-shot up to here (one kernel, latency-bound), two-shot above (half the bytes read per rank).
 ONE_SHOT_MAX_BYTES = 64 * 1024
 DTYPE = torch.bfloat16  # the buffer's type: the dtype GPUs serve in
 _SET_UP_IN_THIS_PROCESS = False  # see "One world per process" above

@@ -21,8 +21,8 @@ from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransfer
                              ParallelConfig, SchedulerConfig, SpeculativeConfig)
 
 
-# Multi-step by default where it can run: on an H100, nano-vllm's workload at temperature 0.6
-# ran 7,843 output tok/s with one step per schedule and 11,338 with 8 (16: 11,590).
+# Multi-step by default where it can run: one schedule and one host round trip per 8 decode
+# steps keeps the GPU busy while the host processes the previous run (docs/benchmarks.md).
 DEFAULT_GPU_SCHEDULER_STEPS = 8
 
 

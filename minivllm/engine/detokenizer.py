@@ -1,26 +1,19 @@
 """Incremental detokenization: the text of one new token, given the tokens before it.
 
-Mirrors `vllm/transformers_utils/detokenizer.py` (v0). Decoding one token id on its own is
-wrong in two common cases:
+Mirrors `vllm/transformers_utils/detokenizer.py` (v0). Decoding one token id alone is wrong
+when a tokenizer marks a leading space on the token ("▁the", "Ġthe") or one character spans
+several byte tokens (the first pieces decode to "\ufffd" until the last one arrives).
 
-    - SentencePiece / byte-level BPE marks a leading space on the token ("▁the", "Ġthe")
-      that `decode([id])` drops or keeps depending on what precedes it;
-    - one character may span several byte tokens (UTF-8 emoji, CJK): the first pieces
-      decode to the replacement character "\ufffd" until the last one arrives.
+So each step decodes a short window twice, ending before and after the new token(s), and
+emits the difference: the window starts at `Sequence.prefix_offset`, the text already emitted
+ends at `Sequence.read_offset` (indices into prompt + output token ids); text ending in
+"\ufffd" waits for more tokens. The cost per token is constant, not in the sequence's length.
 
-So each step we decode a short window twice, ending before and after the new token(s), and
-emit the difference; the window is `Sequence.prefix_offset : ...` and the part already
-emitted ends at `Sequence.read_offset` (both indices into prompt + output token ids). When
-the text ends in "\ufffd" we wait for more tokens. Cost per token is constant, not
-proportional to the sequence length.
-
-With a fast (Rust) tokenizer the same algorithm runs inside `tokenizers`
-(`StreamingDetokenizer`, which `make_detokenizer` picks): one `DecodeStream` per sequence
-(as vLLM v1's `FastIncrementalDetokenizer`), about 1-3 µs a
-token instead of ~9 µs for two `decode` calls through transformers. At 256 sequences and 8
-tokens per engine step that is ~15 ms of host time per step the GPU no longer waits for
-(`docs/benchmarks.md`, the headline's timeline). The offsets stay up to date on both paths,
-so a stream can always be rebuilt from them (after a fork, or if the stream refuses a token).
+With a fast (Rust) tokenizer `make_detokenizer` picks `StreamingDetokenizer`: the same
+algorithm inside `tokenizers`, one `DecodeStream` per sequence (vLLM v1's
+`FastIncrementalDetokenizer`), a few times cheaper per token than two `decode` calls. The
+offsets stay up to date on both paths, so a stream can be rebuilt from them (after a fork, or
+if the stream refuses a token).
 """
 
 from __future__ import annotations

@@ -6,11 +6,10 @@ worker in another process (the `mp` executor's queues, the `ray` executor's acto
 the worker decodes on the other, so the engine, the scheduler and the in-process driver
 worker still see whole `SequenceGroupMetadata`.
 
-Why: in full, a decode step of 256 requests carries every prompt and every token generated so
-far, about 1.3 MB to pickle and unpickle per worker per step (20 ms on a laptop CPU) while
-the GPUs wait; tensor parallelism on two H200s ran at 0.4x the throughput of one GPU with it.
-A decode step appends one token per sequence, so after its first step a request travels as
-the new tokens, its block tables and its counters.
+Why: in full, every decode step carries every prompt and every token generated so far, to
+pickle and unpickle per worker while the GPUs wait. A decode step appends one token per
+sequence, so after its first step a request travels as its new tokens, block tables and
+counters.
 
     engine process                          worker process
     MetadataEncoder.encode(request)  --->   MetadataDecoder.decode(request)

@@ -1,11 +1,10 @@
 """Request outputs on the wire as deltas: only what the other side does not have yet.
 
 A `RequestOutput` is cumulative: every step repeats the prompt's token ids and all the text,
-token ids and logprobs generated so far. Pickled for 256 requests of ~560 prompt and ~300
-output tokens that is ~0.9 MB per model step, ~5 ms to pickle and ~15 ms to unpickle (measured
-on a laptop-class CPU), eight times per multi-step run: more than the GPU's step. So the
-engine process sends each request's prompt once, and then, per completion, only the new text,
-token ids and logprobs; the client appends them to the output it rebuilt last time and hands
+token ids and logprobs generated so far, so pickling it costs time in the request's length,
+for every request, every model step. So the engine process sends each request's prompt once,
+and then, per completion, only the new text, token ids and logprobs; the client appends them
+to the output it rebuilt last time and hands
 the server the same cumulative `RequestOutput` it would get from an engine in its process.
 (vLLM v1 goes further: the engine core sends new token ids only and detokenizes in the front.)
 
@@ -13,10 +12,8 @@ When a completion does not simply grow (beam search may swap a beam's tokens; a 
 trims the text), its full value is sent instead, so the rebuilt output is always exact.
 
 A request that asked for `RequestOutputKind.DELTA` outputs (the OpenAI server's streams) gets
-them as they are: the engine built only the new part, and there is nothing to diff or rebuild.
-(Comparing a cumulative output with the last one costs time proportional to its length, every
-step; measured on an H100 with 256 streams, that and building the cumulative outputs kept the
-engine process busy while the GPU waited: `docs/benchmarks.md`, eleventh session.)
+them as they are: the engine built only the new part, and there is nothing to diff or rebuild
+(comparing a cumulative output with the last one would cost time in its length, every step).
 """
 
 from __future__ import annotations

