@@ -137,7 +137,8 @@ class Sequence:
         seq_id: unique id across the engine.
         prompt: the prompt text, if the request gave text.
         prompt_token_ids: the prompt's token ids (never empty).
-        block_size: tokens per KV-cache block; used to count the blocks this sequence needs.
+        block_size: tokens per KV-cache block, for `n_blocks` only: the block manager counts
+            with its own block size (as vLLM's v2 manager).
         eos_token_id: the model's end-of-sequence id, or None.
         lora_request: the adapter it runs with (None: the base model). Its id is part of the
             prefix-cache hash: the same tokens under two adapters have different KV.
@@ -192,7 +193,8 @@ class Sequence:
 
     @property
     def n_blocks(self) -> int:
-        """Blocks needed to hold every token of this sequence."""
+        """Blocks of this sequence's own `block_size` that hold its tokens (vLLM's property;
+        `BlockSpaceManager` never reads it)."""
         return (self.get_len() + self.block_size - 1) // self.block_size
 
     def get_len(self) -> int:
@@ -324,10 +326,10 @@ class SequenceGroup:
     """One request: its sequences, its sampling parameters, arrival time and priority.
 
     Lower `priority` values are served first (vLLM's convention); ties go to earlier arrival.
-    The positional order is vLLM 0.6.3's `(request_id, seqs, arrival_time, sampling_params)`;
-    vLLM's pooling / encoder arguments are left out, so `lora_request` (the adapter, None for
-    the base model) and `priority` are keyword-only (in vLLM they come after them).
-    `arrival_time=None` means now (vLLM requires it).
+    The arguments are vLLM 0.6.3's, in its order. `lora_request`: the adapter (None: the base
+    model). `arrival_time=None` means now (vLLM requires it). vLLM's `embeddings`,
+    `pooling_params`, `encoder_seq`, `trace_headers` and `prompt_adapter_request` (embedding
+    and encoder-decoder models, tracing, prompt adapters) are not built: they must be None.
     """
 
     def __init__(
@@ -336,12 +338,27 @@ class SequenceGroup:
         seqs: list[Sequence],
         arrival_time: float | None = None,
         sampling_params: SamplingParams | None = None,
-        *,
         lora_request: LoRARequest | None = None,
+        embeddings: list[float] | None = None,
+        pooling_params: object | None = None,
+        encoder_seq: Sequence | None = None,
+        trace_headers: dict[str, str] | None = None,
+        prompt_adapter_request: object | None = None,
         priority: int = 0,
     ) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence.")
+        unsupported = {  # vLLM's argument -> (the value given, why it must be None)
+            "embeddings": (embeddings, "embedding (pooling) models are not served"),
+            "pooling_params": (pooling_params, "embedding (pooling) models are not served"),
+            "encoder_seq": (encoder_seq, "encoder-decoder models are not served"),
+            "trace_headers": (trace_headers, "there is no OpenTelemetry tracing"),
+            "prompt_adapter_request": (prompt_adapter_request, "prompt adapters are not served (LoRA is: "
+                                                              "lora_request)"),
+        }
+        for name, (value, reason) in unsupported.items():
+            if value is not None:
+                raise ValueError(f"{name} must be None in minivllm: {reason}.")
         if arrival_time is not None and (isinstance(arrival_time, bool) or not isinstance(arrival_time, (int, float))):
             raise ValueError(f"arrival_time must be a number, got {arrival_time!r} (vLLM's order: "
                              "request_id, seqs, arrival_time, sampling_params).")

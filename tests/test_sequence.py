@@ -161,3 +161,31 @@ def test_sequence_group_takes_vllms_positional_order():
     assert (group.arrival_time, group.sampling_params, group.priority) == (3.0, params, 1)
     with pytest.raises(ValueError, match="arrival_time must be a number"):
         SequenceGroup("r", [make_seq(1)], params)  # minivllm's old order
+
+
+def test_sequence_group_takes_vllms_keywords():
+    params, seq = SamplingParams(), make_seq(0)
+    # vLLM 0.6.3's whole positional order, its extras at their defaults.
+    group = SequenceGroup("r", [seq], 2.0, params, None, None, None, None, None, None, 3)
+    assert (group.arrival_time, group.lora_request, group.priority) == (2.0, None, 3)
+    group = SequenceGroup(request_id="r", seqs=[make_seq(1)], arrival_time=0.0, sampling_params=params,
+                          lora_request=None, embeddings=None, pooling_params=None, encoder_seq=None,
+                          trace_headers=None, prompt_adapter_request=None, priority=0)
+    assert group.priority == 0 and group.sampling_params is params
+
+
+@pytest.mark.parametrize("name, value, reason", [
+    ("embeddings", [0.5], "embedding"), ("pooling_params", object(), "embedding"),
+    ("encoder_seq", make_seq(9), "encoder-decoder"), ("trace_headers", {"traceparent": "x"}, "tracing"),
+    ("prompt_adapter_request", object(), "prompt adapters")])
+def test_sequence_group_refuses_what_it_cannot_serve(name, value, reason):
+    with pytest.raises(ValueError, match=f"{name} must be None in minivllm: .*{reason}"):
+        SequenceGroup("r", [make_seq(0)], 0.0, **{name: value})
+
+
+def test_lora_request_is_vllms_fifth_positional():
+    from minivllm.lora.request import LoRARequest
+
+    adapter = LoRARequest("a", 1, "/nowhere")
+    group = SequenceGroup("r", [make_seq(0)], 0.0, SamplingParams(), adapter)
+    assert group.lora_request is adapter and group.lora_int_id == 1
