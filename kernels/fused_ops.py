@@ -1,32 +1,22 @@
 """Fused elementwise ops of the decoder layer, in Triton: RMSNorm (+ residual add), SiLU-and-mul,
 rotary embedding, and the attention prologue (q/k norm + rotary + KV-cache write) as one.
 
-Why: in eager PyTorch each of these is a chain of small kernels (RMSNorm with its residual
-add: add, cast, square, mean, rsqrt, multiply, cast, scale = 8 launches; rotary: a gather,
-two casts, and six arithmetic ops plus a concatenation for each of q and k). At decode time
-the tensors are tiny (256 tokens x 1024 features), so every launch costs more than its work:
-about 60 kernels per layer, 1,700 per step for Qwen3-0.6B, some 3-5 µs each even inside a
-CUDA graph. Each function here is one kernel that reads its inputs once and writes its
-outputs once, bringing a layer to about 14 kernels.
+Mirrors vLLM's `csrc/layernorm_kernels.cu`, `activation_kernels.cu` and
+`pos_encoding_kernels.cu`. Each function is one kernel that reads its inputs once and writes
+its outputs once, where eager PyTorch launches a chain of small kernels (RMSNorm with its
+residual add: 8). At decode time the tensors are tiny (`[num_tokens, hidden_size]`), so a
+launch costs more than its work; with `qk_norm_rope_and_cache` (everything between the qkv
+projection and attention) and the split-KV decode merging its own partials, a Qwen3 layer is
+9 kernels: norm, qkv, prologue, attention, o_proj, norm, gate_up, SiLU, down.
 
-At batch 1 inside a CUDA graph the step time is then mostly the number of kernels times their
-serial latency, not their work, so `qk_norm_rope_and_cache` goes further: everything between
-the qkv projection and attention (q_norm, k_norm, rotary of q and k, reshape_and_cache) is one
-kernel, and the split-KV decode merges its own partials (`paged_attention.py`): a Qwen3 layer
-is 9 kernels (norm, qkv, prologue, attention, o_proj, norm, gate_up, SiLU, down).
+Every function matches the PyTorch layer it replaces bit for bit in fp32. In bf16 the norms
+and SiLU round to the input dtype where the PyTorch code does (after the residual add, before
+the RMSNorm weight); the rotary kernel asks for the same roundings, but Triton keeps its
+products in fp32, so its bf16 outputs may differ from PyTorch's by one bf16 step.
 
-Every function matches the PyTorch layer it replaces bit for bit in fp32. In bf16 the
-norms and SiLU round to the input dtype exactly where the PyTorch code does (after the
-residual add, before the RMSNorm weight). The rotary kernel asks for the same roundings
-(after each product), but the compiled kernel keeps the products in fp32 (measured on an
-H100: Triton folds the bf16 round trip away), so its bf16 outputs may differ from PyTorch's
-by one bf16 step; that is rounding, not a different formula, and fp32 agrees exactly.
-
-The layers (`minivllm.model_executor.layers`) call these from their `forward_triton`, bound when
-the model is built for the "triton" backend (`model_executor/custom_op.py`); their
-`forward_native` is the PyTorch code (before/after comparisons: `CustomOp.use_backend`). The
-attention prologue is called from `LlamaAttention.forward_triton` (`models/llama.py`).
-Importing this module imports triton: import it lazily, as `get_ops("triton")` does.
+Called from the layers' `forward_triton` (`model_executor/custom_op.py`; `forward_native` is
+the PyTorch code) and from `LlamaAttention.forward_triton`. Importing this module imports
+triton: import it lazily, as `get_ops("triton")` does.
 """
 
 from __future__ import annotations

@@ -1,34 +1,20 @@
 """Multi-LoRA shrink and expand in Triton: each row of a mixed batch through its own adapter,
-one launch per op. The spec, shapes and `LoRAMapping` are in `lora_reference.py`.
-
-How a launch is laid out (the segmented form of punica's SGMV, as vLLM's newer
-`lora_shrink` / `lora_expand` do it): the rows are grouped by slot (`sorted_token_ids`), and
-program (m, s) takes the m-th block of BLOCK_M rows OF SLOT s:
+one launch per op. Mirrors `vllm/lora/ops/sgmv_shrink.py` / `sgmv_expand.py` in the segmented
+form of vLLM's newer `lora_shrink` / `lora_expand`; the spec, shapes and `LoRAMapping` are in
+`lora_reference.py`. Rows are grouped by slot (`sorted_token_ids`); program (m, s) takes the
+m-th block of BLOCK_M rows OF SLOT s, returning at once past its slot's row count:
 
     grid = (cdiv(T, BLOCK_M) [x cdiv(N, BLOCK_N) for expand], L)
-    slot s:  rows sorted_token_ids[slot_start[s] + m*BLOCK_M : ... + BLOCK_M]
-             a program past its slot's row count returns at once
 
-so every program multiplies a [BLOCK_M, K] tile of rows that share ONE adapter by that
-adapter's matrix with `tl.dot`, whatever the mix in the batch, and rows of the base model
-(slot -1) are never visited.
-
-Split-K for shrink on small batches: a decode batch of 256 rows over 8 adapters leaves ONE
-16..64-row tile per adapter, so only 8 programs would walk all of K (1024-3072) alone. Below
-`_SPLIT_K_MAX_TOKENS` rows the K loop is cut into P chunks (a third grid axis); each writes
-its partial [rows, S*R] into its own plane of h `[P, T, S*R]`, and expand adds the P planes
-as it loads them: deterministic (no atomics, so a CUDA-graph replay gives the eager bits), and
-no launch zeroes or sums a buffer. The grid depends only on T and L, never on the mapping: a
-CUDA graph captured once replays for any mix of adapters.
-
-Launches per LoRA layer: two, whatever the number of slices or adapters (a decode step of a
-28-layer model with LoRA on all seven projections adds 8 launches per layer; an earlier
-version, with zeroed buffers, a separate split-K sum and one expand per slice, added 27).
-
-Products: operands in the model's dtype (bf16 on tensor cores; fp32 with
-`input_precision="ieee"`, no TF32, so fp32 matches the reference to rounding), accumulated in
-fp32. Expand rounds h to B's dtype first, as vLLM's expand does. Importing this module imports
-triton: import it lazily.
+so every program multiplies a `[BLOCK_M, K]` tile of rows sharing ONE adapter by its matrix
+with `tl.dot`, and base-model rows (slot -1) are never visited. The grid depends only on T
+and L, never on the mapping: a CUDA graph captured once replays for any mix of adapters.
+Split-K: below `_SPLIT_K_MAX_TOKENS` rows the shrink cuts K into P chunks (a third grid axis),
+each writing its own plane of h `[P, T, S*R]`; expand adds the planes as it loads them, so no
+atomics (a graph replay gives the eager bits) and no launch zeroes or sums a buffer: two
+launches per LoRA layer, whatever the number of slices or adapters. Operands in the model's
+dtype (fp32 with `input_precision="ieee"`, no TF32), accumulated in fp32; expand rounds h to
+B's dtype first, as vLLM's does. Importing this module imports triton: import it lazily.
 """
 
 from __future__ import annotations

@@ -1,35 +1,20 @@
-"""PyTorch references of the two multi-LoRA ops: the spec the Triton kernels (`lora_ops.py`)
-must match, and the "torch" backend's implementation.
-
-The idea is punica's (Chen et al., 2023, "Punica: Multi-Tenant LoRA Serving"): a batch
-mixes requests of different adapters, and each row must be multiplied by ITS adapter's
-matrices. With every adapter's A and B stacked into one tensor per layer (a "slot" each),
-one launch applies them all:
+"""PyTorch references of the two multi-LoRA ops (punica's SGMV): the spec the Triton kernels
+(`lora_ops.py`) must match, and the "torch" backend's implementation. Mirrors vLLM's
+`vllm/lora/ops/sgmv_shrink.py` / `sgmv_expand.py` and their tests' references.
 
     shrink   h[t, :] = x[t, :] @ lora_a[slot(t)].T             [T, K] -> [T, S*R]  (K -> rank)
     expand   y[t, slice s] += h[t, s*R:(s+1)*R] @ B_s[slot(t)].T  [T, S*R] -> [T, N]  (rank -> out)
 
-so W x + B (A x) costs two skinny matmuls per row instead of a second full-size weight.
-`slot(t) = -1` means no adapter (the base model): the row is left alone. The scaling
-(lora_alpha / r) is folded into B when an adapter is loaded, so neither op takes it.
-
-A fused projection has S output SLICES (q, k, v of qkv_proj: S = 3; gate, up: S = 2; one
-elsewhere). They share their input, so their A matrices are stacked along the rank (ONE
-shrink gives every slice's h), and their B matrices along the output (ONE expand fills y):
-
-    x `[T, K]` (model dtype); lora_a `[L, S*R, K]` (L slots, R the largest rank: a smaller
-    adapter is zero-padded); lora_b `[L, N, R]` with slice s in rows
-    slice_bounds[s] : slice_bounds[s + 1] (slice_bounds = (0, N_0, N_0 + N_1, ..., N));
-    y `[T, N]`.
-
-h, what shrink returns and expand takes, is `[P, T, S*R]` fp32 whose SUM over its first
-dimension is the product: the Triton shrink splits K over P programs on small batches and
-leaves the P partial planes for expand to add, so no launch zeroes or sums a buffer. The
-reference returns one plane. Rows without a slot hold anything: expand never reads them.
-The Triton expand rounds h to B's dtype before its product (as vLLM's does); the reference
-keeps h in fp32: the same in fp32, one rounding of h apart in bf16 or fp16.
-`LoRAMapping` carries `token_lora_indices` `[T]` (slot per row) and the same grouped by slot,
-which the kernels use (the reference reads only `token_lora_indices`).
+x `[T, K]` (model dtype); lora_a `[L, S*R, K]` (L slots, R the largest rank, smaller adapters
+zero-padded); lora_b `[L, N, R]`, slice s in rows slice_bounds[s] : slice_bounds[s + 1]
+(slice_bounds = (0, N_0, N_0 + N_1, ..., N)); y `[T, N]`. A fused projection's S slices (q,
+k, v: 3; gate, up: 2; else 1) share their input: one shrink gives every slice's h, one expand
+fills y. `slot(t) = -1` (`NO_LORA`) leaves the row alone; the scaling lora_alpha / r is
+folded into B at load time. h is `[P, T, S*R]` fp32 whose SUM over P is the product (the
+Triton shrink leaves P split-K planes; the reference returns one); rows without a slot hold
+anything. The reference keeps h in fp32 where the Triton expand rounds it to B's dtype: the
+same in fp32, one rounding of h apart in bf16/fp16. `LoRAMapping` carries
+`token_lora_indices` `[T]` (slot per row) and the same grouped by slot for the kernels.
 """
 
 from __future__ import annotations

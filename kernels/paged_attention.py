@@ -1,36 +1,21 @@
 """PagedAttention decode in Triton: one new query token per sequence over its paged KV cache.
 
-What you will learn here:
-  * how a kernel follows a block table: token t of a sequence lives in physical block
-    `block_table[t // block_size]`, row `t % block_size`;
-  * grouped-query attention (GQA) done right: ONE program per (sequence, KV head) handles all
-    the query heads that share that KV head, so every key and value is read from memory once;
-  * online softmax (running max `m`, running sum `l`, rescaled accumulator) in fp32;
-  * split-KV ("flash-decoding", v2): when there are too few (sequence, KV head) pairs to fill
-    the GPU, each sequence's context is cut into `num_kv_splits` pieces attended in parallel,
-    then merged with log-sum-exp weights by the LAST program of each (sequence, KV head) to
-    finish, found with an atomic counter: one launch, not two.
-
-Why no separate reduce kernel: at batch 1 inside a CUDA graph a step is ~28 layers of tiny
-kernels, and each launch costs ~3 µs of serial latency whatever its work. A second kernel
-per layer to merge 2 KB of partials was pure latency. Instead every split program bumps a
-counter for its (sequence, KV head) after writing its partials; the one that sees it was the
-last (old value = number of splits - 1) merges them, and resets the counter to 0. The
-counters live in a small zeroed workspace that every launch leaves zeroed again, so a
-replayed CUDA graph finds them ready; they are shared by all layers (launches on one stream
-run one after another), which is why one engine must not run decode kernels on two streams
-of one device at once.
-
-Decode is memory-bound: per query token we read its whole context of keys and values and do
-only ~2 flops per byte. So the goal is to stream K/V at the speed of device memory, and the
-design choices follow from that: read K/V once (GQA grouping), keep enough programs in flight
-(split-KV), and do all address arithmetic in 64 bits (a big cache is > 2**31 elements).
-
-Shapes (the kernel-API contract, see `minivllm.kernels.reference`):
+Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2). Shapes (the
+kernel-API contract, see `minivllm.kernels.reference`):
     query, out          [num_seqs, num_heads, head_dim]
     key/value_cache     [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables        [num_seqs, max_blocks] int32
+    block_tables        [num_seqs, max_blocks_per_seq] int32
     seq_lens            [num_seqs] int32
+Token t of a sequence lives in block `block_tables[seq, t // block_size]`, row
+`t % block_size`. One program per (sequence, KV head) serves all the query heads sharing that
+KV head (GQA), so each key and value is read once; softmax is online (running max, running
+sum, rescaled accumulator) in fp32; addresses are 64-bit (a cache may exceed 2**31 elements).
+v2 (split-KV, "flash-decoding") cuts a context into `num_kv_splits` pieces when there are too
+few (sequence, KV head) pairs to fill the GPU; the LAST split program of each pair to finish,
+found with an atomic counter, merges the partials with log-sum-exp weights: one launch, not
+two. The counters live in a zeroed workspace that each launch leaves zeroed, so a replayed
+CUDA graph finds them ready; all layers share it, so one engine must not run decode kernels
+on two streams of one device at once.
 """
 
 from __future__ import annotations
@@ -47,9 +32,9 @@ LOG2E = 1.4426950408889634
 # Every tl.dot passes input_precision="ieee": with fp32 operands Triton's default is TF32 (a
 # 10-bit mantissa, ~1e-3 relative error), and fp32 engines exist for exact parity with the
 # PyTorch reference and transformers. bf16 and fp16 operands still run on tensor cores (checked
-# in the compiled PTX on an H200: the bf16 kernels keep their mma instructions).
+# in the compiled PTX: the bf16 kernels keep their mma instructions).
 MIN_DOT_SIZE = 16
-# Launch configs, (tile tokens, num_warps, num_stages), measured on an H100 with
+# Launch configs, (tile tokens, num_warps, num_stages), the fastest of
 # benchmarks/kernels.py --sweep (docs/benchmarks.md). Tile tokens = keys/values per loop
 # iteration: 64 tokens x 128 dims x 2 bytes = one 16 KiB tile of K (and V); the loop looks up
 # the block of every token, so a tile may span several cache blocks. num_stages = software
@@ -134,7 +119,7 @@ def _load_query_group(
 # --------------------------------------------------------------------------------------------
 # Triton compiles a kernel again for each new value class of an int argument (== 1, a
 # multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
-# run compiles mid-way (~0.2-0.5 s each; 7 such compiles measured in one benchmark run).
+# run would stop to compile mid-way whenever a batch brings a new value class.
 @triton.jit(do_not_specialize=["stride_bts"])
 def _paged_attention_v1_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,

@@ -1,25 +1,18 @@
 """Paged prefill attention in Triton: new tokens attend to the cached context and to themselves.
 
-What you will learn here:
-  * FlashAttention-style tiling: a program owns a tile of query rows, streams the keys and
-    values tile by tile, and keeps an online softmax (running max, running sum) in fp32, so the
-    `[query_len, seq_len]` score matrix never exists in memory;
-  * the mask of chunked prefill / prefix caching: a sequence has `context = seq_len - query_len`
-    tokens already in the cache and `query_len` new ones. New token i sees keys 0 .. context + i:
-    all of the context, and causally the new tokens up to itself;
-  * paged keys: every key and value is read from the paged cache through the block table
-    (reshape_and_cache wrote the new tokens there first), so a prefix-cache hit or an earlier
-    chunk costs no recomputation;
-  * GQA: one program per (sequence, query tile, KV head) takes the tile's tokens for ALL query
-    heads of that KV head as its rows (row = token * GROUP_PAD + head), so each K/V tile is
-    loaded once and used by the whole group.
-
-Shapes (the kernel-API contract):
+Mirrors `vllm/attention/ops/prefix_prefill.py`. Shapes (the kernel-API contract):
     query, out          [num_tokens, num_heads, head_dim]  (new tokens of all sequences, back to back)
     key/value_cache     [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables        [num_seqs, max_blocks] int32
+    block_tables        [num_seqs, max_blocks_per_seq] int32
     query_start_loc     [num_seqs + 1] int32, sequence i owns query[start[i]:start[i+1]]
     seq_lens            [num_seqs] int32, context + new tokens
+A sequence has `context = seq_len - query_len` tokens in the cache; new token i sees keys
+0 .. context + i (chunked prefill and prefix caching share this mask). Every key and value is
+read through the block table (reshape_and_cache wrote the new tokens first), so a prefix hit
+or an earlier chunk is never recomputed. FlashAttention-style tiling: a program owns a tile of
+query rows and streams K/V tiles with an online softmax in fp32, so the `[query_len, seq_len]`
+scores never exist in memory. One program per (sequence, query tile, KV head) takes all query
+heads of that KV head as its rows (row = token * GROUP_PAD + head): each K/V tile loads once.
 """
 
 from __future__ import annotations
