@@ -10,10 +10,8 @@ vLLM's disaggregated-prefill examples put the same small proxy in front of two i
                                                            computes only the last partial block,
                                                            decodes; its answer goes to the client
 
-Both servers name the same store in `--kv-transfer-config`. Why: a prefill is one large
-compute-bound batch, a decode step a small memory-bound one; on one instance a long prefill
-stalls every running decode (inter-token latency spikes). Split, each instance runs one kind of
-work and can be sized for it (vLLM's docs; DistServe, Splitwise, Mooncake).
+Both servers name the same store in `--kv-transfer-config`; a long prefill then never stalls
+the decode server's running requests.
 
     minivllm serve --port 8100 --kv-transfer-config '{"kv_connector": "SharedStorageConnector", "kv_role": "kv_producer", "kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}'
     minivllm serve --port 8200 --kv-transfer-config '{... "kv_role": "kv_consumer" ...}'

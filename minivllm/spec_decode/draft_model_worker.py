@@ -4,24 +4,17 @@ Plays the part of `vllm/spec_decode/multi_step_worker.py` (vLLM's draft proposer
 confused with minivllm's multi-step scheduling worker): a `Worker` for a small model with
 the target's tokenizer, which proposes k tokens per sequence by running k forward passes.
 
-Its KV cache: tensors of its own (its layers, heads and head size), sized to the SAME number
-of blocks as the target's, indexed by the SAME block tables. The scheduler's block manager
-then serves both models at once: a block number means the same tokens in both caches, every
-swap, copy-on-write copy and prefix-cache hit applies to both (`apply_block_moves` runs on
-each cache), a preempted sequence is recomputed in both, and freeing a block frees it for
-both. The price: a block costs the sum of both models' bytes (`SpecDecodeWorker` profiles
-with that sum). vLLM 0.6 shares the block tables the same way.
+Its KV cache: tensors of its own (its layers, heads and head size) with the SAME number of
+blocks as the target's, indexed by the SAME block tables (as vLLM 0.6), so one block manager
+serves both: swaps, copy-on-write copies and prefix hits apply to both caches
+(`apply_block_moves` runs on each), and a block costs both models' bytes.
 
-What the draft's cache holds. Before a decode step of a sequence of length L, the target's
-cache holds positions 0..L-2 (the last token is the step's input). The draft's holds at
-least 0..L-3: each step the draft first recomputes positions L-2 and L-1 (one 2-token
-"prefill" per sequence) and then feeds its own proposals, writing positions L .. L+k-2. If
-the target accepts all k proposals the draft never wrote the k-th (it was only sampled), so
-the next step's two-token start covers it. Rewriting position L-2 is idempotent (same token,
-same context). The draft runs this start for every decoding sequence, speculating or not,
-so its cache keeps up with the target's; a prefill runs on both models. Where the draft's
-cache could still be stale (a prefix-cache block registered from a sequence that finished
-right after a step), only its proposals suffer: acceptance decides what is emitted.
+Invariant: before a decode step of a sequence of length L, the target's cache holds
+positions 0..L-2 and the draft's at least 0..L-3. Each step the draft first recomputes
+positions L-2 and L-1 (a 2-token "prefill", idempotent at L-2), then feeds its own proposals,
+writing L .. L+k-2; the k-th proposal is only sampled, so the next step's start covers it.
+It runs that start for every decoding sequence, speculating or not. A stale draft cache can
+only cost acceptance, never change what is emitted.
 """
 
 from __future__ import annotations

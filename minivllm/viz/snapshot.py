@@ -12,15 +12,10 @@ compared and drawn long after the run.
         engine.step()
     recorder.snapshots[3].running                # queue view at step 3
 
-`snapshot_block_manager(block_manager, seqs)` copies the paged KV cache for the block
-pictures (`minivllm.viz.blocks`). Its cost is proportional to the blocks in use (those of the
-given sequences and the cached ones), not to the pool: a GPU pool has millions of blocks.
-
-Which groups a step preempted or swapped in is not part of `SchedulerOutputs` (the runtime
-keeps nothing only for pictures): the recorder compares each group's queue with the one it
-saw at the end of the previous step. running -> waiting is a preemption by recompute,
-running -> swapped one by swap, swapped -> running a swap-in; a group seen then and now in no
-queue (and not ignored) was aborted in between.
+`snapshot_block_manager(block_manager, seqs)` copies the blocks in use (not the whole pool)
+for the block pictures (`minivllm.viz.blocks`). Preemptions and swap-ins are found by
+comparing each group's queue with the previous step's (running -> waiting: recompute;
+running -> swapped: swap; swapped -> running: swap-in; gone from every queue: aborted).
 """
 
 from __future__ import annotations

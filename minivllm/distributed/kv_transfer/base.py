@@ -10,19 +10,10 @@ class, built twice, once per side (`KVConnectorRole`), with the same seven metho
     request_finished(request, block_ids)                 save_kv_layer(name, kv, metadata) } in the forward
                                                          wait_for_save()
 
-The only thing that crosses from one side to the other is the `KVConnectorMetadata` built
-each step, carried in the step's `ExecuteModelRequest` (vLLM: in `SchedulerOutput`).
-
-Where minivllm differs from vLLM:
-- A request is minivllm's `SequenceGroup` (its `request_id`, the tokens of `first_seq`).
-- Metadata names blocks by their *logical* index in the request's block table; the worker
-  turns them into physical block ids with the step's block tables (`with_block_tables`), so
-  a block table that changed since admission (swap-out, swap-in) can never be misread.
-- A load can fail (a file damaged or evicted by another engine, a store gone):
-  `get_block_ids_with_load_errors` (vLLM's later name) says which blocks, and the model runner
-  recomputes them in the same step, so the scheduler's count of computed tokens stays true.
-- Saving is synchronous at the end of the step (`wait_for_save` before the step returns),
-  so `request_finished` never asks to delay freeing blocks: it returns (False, None).
+Only the `KVConnectorMetadata` built each step crosses from one side to the other, in the
+step's `ExecuteModelRequest`. It names blocks by their *logical* index in the request's block
+table; the worker maps them to physical ids with the step's block tables (`with_block_tables`).
+A failed load is reported by `get_block_ids_with_load_errors` and recomputed in the same step.
 """
 
 from __future__ import annotations

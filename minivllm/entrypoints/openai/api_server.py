@@ -12,21 +12,10 @@ Any OpenAI client works against it:
     client = openai.OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="unused")
     client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=16)
 
-Errors always come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`:
-400 for a bad request (malformed JSON, a missing field, a wrong type, a value out of range;
-`param` names the field, as in vLLM), 401 without the API key, 404 for an unknown model or
-route, 413 for a body over the size limit, 500 with only a request id for a failure on our
-side (the details go to the log). A request never brings the server down.
-
-Safe to share (`build_app`'s keyword arguments, `minivllm serve`'s flags):
-    * `api_key`: every route but /health needs `Authorization: Bearer <key>` (vLLM checks
-      the /v1 routes; here /tokenize, /metrics and /docs too).
-    * `allowed_hosts`: the `Host` header must name the server (Starlette's
-      TrustedHostMiddleware), so a web page cannot reach a loopback server through DNS
-      rebinding. Default: the loopback names.
-    * `allowed_origins`: no CORS headers unless given, so browsers keep other sites' pages
-      from reading the answers.
-    * `max_body_bytes`, `max_prompts_per_request`: one request cannot hold everybody up.
+Errors come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`
+(400 bad request, 401, 404, 413, 500 with only a request id); a request never brings the
+server down. `build_app`'s keywords (`minivllm serve`'s flags) `api_key`, `allowed_hosts`,
+`allowed_origins`, `max_body_bytes` and `max_prompts_per_request` make it safe to share.
 """
 
 from __future__ import annotations
