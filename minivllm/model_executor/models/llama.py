@@ -50,8 +50,8 @@ class LlamaAttention(CustomOp):
 
     Written twice (a `CustomOp`): `forward_native` runs the steps one module at a time, the
     readable spec; `forward_triton` does the q/k norms, rotary and the cache write in one
-    kernel. At batch 1 inside a CUDA graph a step costs about as many ~3 µs launches as it
-    has kernels, and these five (three without q/k norms) were a third of a layer's."""
+    kernel: at batch 1 inside a CUDA graph a step's time is mostly its number of launches,
+    and these five (three without q/k norms) are a third of a layer's."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: str,
                  qkv_bias: bool, qk_norm: bool) -> None:
@@ -250,7 +250,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
         """`[n, vocab]` logits, in fp32 for the sampler (a softmax over 150k bf16 logits loses
         the small probabilities). `upcast=False` keeps the model's dtype, for readers that
-        accumulate in fp32 themselves (the greedy kernel: the copy costs ~0.1 ms a step)."""
+        accumulate in fp32 themselves (the greedy kernel: it spares a `[n, vocab]` fp32 copy)."""
         logits = self.lm_head(hidden_states)
         if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
             return None
