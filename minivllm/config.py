@@ -184,19 +184,23 @@ class CacheConfig:
     `num_gpu_blocks` and `num_cpu_blocks` are filled in by the worker's profile run
     (or by the user, for a model-free simulation).
 
-    The first four positionals are vLLM 0.6.3's (`block_size, gpu_memory_utilization,
-    swap_space, cache_dtype`). `cache_dtype` takes only "auto" (the cache has the model's
-    dtype: no fp8 cache). vLLM's fifth, `is_attention_free`, is left out.
+    The arguments are vLLM 0.6.3's, in its order; `num_gpu_blocks` and `num_cpu_blocks`
+    (attributes set later in vLLM) are keyword-only. What minivllm does not build must keep
+    vLLM's default: `cache_dtype` "auto" (the model's dtype, no fp8 cache),
+    `is_attention_free` False, `sliding_window` None, `cpu_offload_gb` 0.
     """
 
     block_size: int = 16
     gpu_memory_utilization: float = 0.9
     swap_space: float = 4.0  # GiB of CPU memory for swapped-out blocks
     cache_dtype: str = "auto"
+    is_attention_free: bool = False
     num_gpu_blocks_override: int | None = None
+    sliding_window: int | None = None
     enable_prefix_caching: bool = False
-    num_gpu_blocks: int | None = None
-    num_cpu_blocks: int | None = None
+    cpu_offload_gb: float = 0
+    num_gpu_blocks: int | None = field(default=None, kw_only=True)
+    num_cpu_blocks: int | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -209,6 +213,15 @@ class CacheConfig:
             raise ValueError(f"swap_space must be non-negative, got {self.swap_space}.")
         if self.cache_dtype != "auto":
             raise ValueError(f"cache_dtype must be 'auto' (the model's dtype), got {self.cache_dtype!r}.")
+        if self.is_attention_free is not False:
+            raise ValueError(f"is_attention_free must be False: every model minivllm serves has attention, "
+                             f"got {self.is_attention_free!r}.")
+        if self.sliding_window is not None:
+            raise ValueError(f"sliding_window must be None: minivllm has no sliding-window attention, "
+                             f"got {self.sliding_window!r}.")
+        if self.cpu_offload_gb != 0:
+            raise ValueError(f"cpu_offload_gb must be 0: minivllm keeps every weight on the device, "
+                             f"got {self.cpu_offload_gb!r}.")
         if self.num_gpu_blocks_override is not None and self.num_gpu_blocks_override < 1:
             raise ValueError(
                 f"num_gpu_blocks_override must be at least 1, got {self.num_gpu_blocks_override}."
@@ -544,23 +557,46 @@ class KVTransferConfig:
         return cls(**fields)
 
 
+_LORA_EXTRA_VOCAB_SIZES = (0, 256, 512)
+
+
 @dataclass
 class LoRAConfig:
-    """Multi-LoRA serving (vLLM's `LoRAConfig`; `minivllm/lora/`).
+    """Multi-LoRA serving (vLLM's `LoRAConfig`; `minivllm/lora/`), vLLM 0.6.3's fields in its order.
 
     Args:
+        max_lora_rank: the largest rank an adapter may have (every GPU slot is this wide).
         max_loras: adapters on the GPU at once, so at most this many distinct adapters in
             one batch (the scheduler keeps to it).
-        max_lora_rank: the largest rank an adapter may have (every GPU slot is this wide).
+        fully_sharded_loras: must be False: column-parallel layers keep A whole on every
+            TP rank (vLLM's default split; the fully sharded one is not built).
         max_cpu_loras: adapters kept loaded in CPU memory behind the GPU slots, least
             recently used out first (default: max_loras).
+        lora_dtype: None or "auto": adapters run in the model's dtype.
+        lora_extra_vocab_size: vLLM's room for tokens an adapter adds (0, 256 or 512); no
+            minivllm adapter adds tokens (embedding adapters are refused), so it goes unused.
+        long_lora_scaling_factors: must be None (no long-context LoRA).
     """
 
-    max_loras: int = 1
     max_lora_rank: int = 16
+    max_loras: int = 1
+    fully_sharded_loras: bool = False
     max_cpu_loras: int | None = None
+    lora_dtype: str | None = None
+    lora_extra_vocab_size: int = 256
+    long_lora_scaling_factors: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.fully_sharded_loras is not False:
+            raise ValueError(f"fully_sharded_loras must be False: minivllm keeps A whole on every TP rank of a "
+                             f"column-parallel layer, got {self.fully_sharded_loras!r}.")
+        if self.lora_dtype not in (None, "auto"):
+            raise ValueError(f"lora_dtype must be None or 'auto' (the model's dtype), got {self.lora_dtype!r}.")
+        if self.lora_extra_vocab_size not in _LORA_EXTRA_VOCAB_SIZES:
+            raise ValueError(f"lora_extra_vocab_size must be one of {_LORA_EXTRA_VOCAB_SIZES} (vLLM's values), "
+                             f"got {self.lora_extra_vocab_size!r}.")
+        if self.long_lora_scaling_factors is not None:
+            raise ValueError("long_lora_scaling_factors must be None: minivllm has no long-context LoRA.")
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from minivllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from minivllm.config import (CacheConfig, DeviceConfig, KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig)
 
 
 @pytest.fixture(scope="module")
@@ -58,10 +59,48 @@ def test_cache_config_rejects_invalid_values(kwargs):
 
 
 def test_cache_config_takes_vllms_positional_order():
-    # vLLM 0.6.3: CacheConfig(block_size, gpu_memory_utilization, swap_space, cache_dtype, ...)
-    config = CacheConfig(8, 0.5, 1.0, "auto", 12)
+    # vLLM 0.6.3: CacheConfig(block_size, gpu_memory_utilization, swap_space, cache_dtype,
+    # is_attention_free, num_gpu_blocks_override, sliding_window, enable_prefix_caching, cpu_offload_gb)
+    config = CacheConfig(8, 0.5, 1.0, "auto", False, 12)
     assert (config.block_size, config.gpu_memory_utilization, config.swap_space) == (8, 0.5, 1.0)
     assert (config.cache_dtype, config.num_gpu_blocks_override) == ("auto", 12)
+    config = CacheConfig(8, 0.5, 1.0, "auto", False, None, None, True, 0)
+    assert config.enable_prefix_caching and config.num_gpu_blocks_override is None
+    with pytest.raises(ValueError, match="is_attention_free"):
+        CacheConfig(8, 0.5, 1.0, "auto", 12)  # a fifth positional means is_attention_free, as in vLLM
+    with pytest.raises(TypeError):
+        CacheConfig(8, 0.5, 1.0, "auto", False, None, None, True, 0, 64)  # num_gpu_blocks: keyword only
+    assert CacheConfig(num_gpu_blocks=64, num_cpu_blocks=0).num_gpu_blocks == 64
+
+
+@pytest.mark.parametrize("kwargs, reason", [(dict(is_attention_free=True), "is_attention_free"),
+                                            (dict(sliding_window=4096), "sliding_window"),
+                                            (dict(cpu_offload_gb=2), "cpu_offload_gb")])
+def test_cache_config_refuses_vllm_settings_it_does_not_build(kwargs, reason):
+    with pytest.raises(ValueError, match=reason):
+        CacheConfig(**kwargs)
+
+
+# ---------------------------------------------------------------------- LoRA
+def test_lora_config_takes_vllms_positional_order():
+    # vLLM 0.6.3: LoRAConfig(max_lora_rank, max_loras, fully_sharded_loras, max_cpu_loras,
+    # lora_dtype, lora_extra_vocab_size, long_lora_scaling_factors)
+    config = LoRAConfig(16, 2)
+    assert (config.max_lora_rank, config.max_loras, config.max_cpu_loras) == (16, 2, 2)
+    config = LoRAConfig(8, 2, False, 4, None, 256, None)
+    assert (config.max_lora_rank, config.max_loras, config.max_cpu_loras) == (8, 2, 4)
+    assert (config.fully_sharded_loras, config.lora_dtype, config.lora_extra_vocab_size) == (False, None, 256)
+    assert LoRAConfig(lora_dtype="auto").lora_dtype == "auto"
+
+
+@pytest.mark.parametrize("kwargs, reason", [
+    (dict(max_loras=0), "max_loras"), (dict(max_lora_rank=0), "max_lora_rank"),
+    (dict(max_loras=2, max_cpu_loras=1), "max_cpu_loras"), (dict(fully_sharded_loras=True), "fully_sharded_loras"),
+    (dict(lora_dtype="float16"), "lora_dtype"), (dict(lora_extra_vocab_size=100), "lora_extra_vocab_size"),
+    (dict(long_lora_scaling_factors=(4.0,)), "long_lora_scaling_factors")])
+def test_lora_config_rejects_what_it_cannot_serve(kwargs, reason):
+    with pytest.raises(ValueError, match=reason):
+        LoRAConfig(**kwargs)
 
 
 # ----------------------------------------------------------------- scheduler

@@ -173,7 +173,7 @@ class EngineArgs:
             if (self.max_loras, self.max_lora_rank, self.max_cpu_loras) != (1, 16, None):
                 raise ValueError("max_loras, max_lora_rank and max_cpu_loras need enable_lora.")
             return None
-        return LoRAConfig(self.max_loras, self.max_lora_rank, self.max_cpu_loras)
+        return LoRAConfig(max_lora_rank=self.max_lora_rank, max_loras=self.max_loras, max_cpu_loras=self.max_cpu_loras)
 
     # ------------------------------------------------------------------ command line
     @staticmethod
