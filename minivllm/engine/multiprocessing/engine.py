@@ -191,7 +191,7 @@ def run_mp_engine(engine_args: EngineArgs, ipc_path: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     engine = MQLLMEngine(LLMEngine.from_engine_args(engine_args), ipc_path)
     gc.collect()
-    gc.freeze()  # the engine lives as long as this process: keep its objects out of every GC scan (see LLM)
+    gc.freeze()  # the engine lives as long as this process: keep its objects out of every GC scan
     try:
         engine.run_engine_loop()
     except KeyboardInterrupt:
