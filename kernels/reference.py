@@ -1,5 +1,5 @@
-"""PyTorch references of the five PagedAttention ops (and the greedy pick and token sampling): the
-spec every Triton kernel must match.
+"""PyTorch references of the PagedAttention ops and of sampling: the spec every Triton kernel
+must match.
 
 Plain, readable PyTorch (no triton import), so this module runs anywhere, macOS included, and
 is the `"torch"` attention backend on CPU. Each function has exactly the signature of its
@@ -254,19 +254,13 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row and its logprob: the spec of `sampling.sample_tokens` (same contract).
 
-    z = logits / T (T = 1 where temperature is 0: greedy). The kept set is top-k (ties at the
-    k-th value kept), then top-p (the smallest most-likely set with mass >= p, computed over
-    the top-k survivors; the most likely token always kept), then min-p (prob >= min_p x max
-    prob), as the host sampler's `apply_top_k_top_p` and `apply_min_p`. Greedy rows take the
-    arg-max of z (first index among ties); the others draw from softmax(z) on the kept set by
-    the exponential race. logprob = z[token] - logsumexp(z over the kept set).
-
-    The race's noise is a deterministic function of (seed, offset, token id), from a torch
-    generator seeded with a mix of (seed, offset): a row's token does not depend on its batch.
-    It is a different random stream from the Triton kernel's Philox noise, so random rows draw
-    from the same distribution but not the same tokens; greedy tokens and all logprobs (given
-    the token) agree. This is plain PyTorch with a full sort and a Python loop over rows
-    (reading seeds and offsets on the host): the CPU backend and the tests' spec, not fast.
+    z = logits / T (T = 1 where temperature is 0: greedy); kept = `kept_mask(z, ...)`. Greedy
+    rows take the arg-max of z (first index among ties); the others the arg-max of kept z +
+    noise, noise = -log(E), E ~ Exp(1) a function of (seed, offset, token id) alone (the
+    exponential race: a draw from softmax(z) over the kept set, whatever the row's batch).
+    logprob = z[token] - logsumexp(z over the kept set). The noise here comes from a torch
+    generator seeded by (seed, offset), the Triton kernel's from Philox: the same distribution,
+    not the same tokens; greedy tokens and logprobs agree.
 
     Args:
         logits: `[rows, vocab]` float, unit stride on the vocabulary.
@@ -316,8 +310,9 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
 
 
 def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`[rows, vocab]` bool: the tokens that survive top-k, then top-p, then min-p (see
-    `sample_tokens`), by a full descending sort."""
+    """`[rows, vocab]` bool: the tokens of z `[rows, vocab]` that survive top-k (ties at the
+    k-th value kept), then top-p (the smallest most-likely set with mass >= p over the top-k
+    survivors; the most likely token always kept), then min-p (prob >= min_p x max prob)."""
     vocab_size = z.shape[1]
     values, order = z.sort(dim=-1, descending=True)
     k = torch.where((top_k <= 0) | (top_k >= vocab_size), vocab_size, top_k).long()

@@ -1,27 +1,19 @@
 """Sampling on the device in one pass over the logits: `sample_tokens` (and `apply_penalties`).
 
-Why: even a greedy step needs, per row of `[num_rows, vocab]` logits, the arg-max token and
-its logprob `max - logsumexp(row)` (the engine keeps cumulative logprobs). In PyTorch that is
-an arg-max, a gather and a logsumexp (itself a max, a subtraction, an exp, a sum and a log),
-each a full pass over the logits and some writing `[num_rows, vocab]` temporaries: at 256
-rows x 151,936 tokens (Qwen3) about 1 ms of GPU time per decode step, as much as a tenth of
-the whole forward pass. The kernel here reads each logit once and keeps a few numbers per
-row (running max, running sum of exponentials, the best score and its index), the
-online-softmax trick of the attention kernels applied to the vocabulary.
+The contracts are `kernels/reference.py`'s (`reference.sample_tokens`, `reference.apply_penalties`),
+checked against it by tests/kernels/test_sample_tokens.py and test_penalties.py.
 
-It handles temperature, top-k, top-p, min-p and per-request seeds with no host sync: a
-random row is the arg-max of z + noise (the exponential race, or Gumbel-max) in the same
-single pass, the noise a Philox function of (seed, offset, token id). Rows with top-k /
-top-p / min-p draw among their largest logits (torch.topk, no full sort) in a small second
-kernel; a row whose kept set is bigger than those candidates finds its exact cut by
+    logits [rows, vocab] --one pass per row slice--> (max, sum of exp, best score, its token)
+                         --merge--> token, logprob = z[token] - logsumexp(kept z)
+
+Even a greedy row needs its logsumexp; in PyTorch the arg-max, gather and logsumexp are each
+a pass over the logits. The kernel reads each logit once and keeps a few numbers per row (the
+online softmax of the attention kernels, over the vocabulary). A random row is the arg-max of
+z + noise in the same pass, the noise a Philox function of (seed, offset, token id). Rows with
+top-k / top-p / min-p draw among their largest logits (torch.topk, no full sort) in a second
+small kernel; a row whose kept set is bigger than those candidates finds its exact cut by
 bisection over the row instead (FlashInfer samples by pivots in the same spirit).
-
-`apply_penalties` does the repetition, frequency and presence penalties in one more pass
-(each penalty in PyTorch is several passes over `[rows, vocab]` fp32 tensors: ~1.5 ms a
-step at 256 rows of Qwen3's vocabulary).
-
-The PyTorch versions (`reference.sample_tokens`, `reference.apply_penalties`) are the spec;
-the sampler uses them on the CPU.
+`apply_penalties` does the three penalties in one more pass, where PyTorch makes several.
 """
 
 from __future__ import annotations
@@ -43,8 +35,8 @@ _NUM_CANDIDATES_CAP = 1024
 # Candidates taken past the largest top-k: bf16 logits tie often, and tokens tied with the
 # k-th value are kept, so the candidates must reach past the k-th to see where the tie ends.
 _TIE_SLACK = 32
-_CANDIDATE_BLOCK = 1024
-_MIN_SPLIT_LEN = 4096  # tokens per row slice at least: below, a slice's fixed cost dominates  # sorted candidates read per loop iteration of the candidate kernel
+_CANDIDATE_BLOCK = 1024  # sorted candidates read per loop iteration of the candidate kernel
+_MIN_SPLIT_LEN = 4096  # tokens per row slice at least: below, a slice's fixed cost dominates
 # What the one-pass kernel does with a row (its `mode`).
 _SKIP = tl.constexpr(0)  # nothing: zero loop iterations (its outputs are not used)
 _ARGMAX = tl.constexpr(1)  # arg-max of z: greedy rows, and the logsumexp for candidate rows
@@ -360,20 +352,12 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
                   min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
                   needs_truncation: bool | None = None,
                   num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob, on the device: the contract of `reference.sample_tokens`
-    (read its docstring for the semantics), drawn with Philox noise instead of torch's.
-
-    Rows with no truncation (temperature only, or greedy) cost one kernel and one pass over
-    the logits. If any row has top-k, top-p or min-p, the candidates are its `num_candidates`
-    largest z (torch.topk, no full sort) and a second small kernel masks and draws among them;
-    the other rows keep their one-pass result. A row whose kept set may reach past its
-    candidates (a nucleus bigger than the cap, or a tie at the k-th value running past the
-    slack) is redone exactly, still without a sort or a host sync: a kernel finds its kept
-    set's threshold by bisection (about 70 passes over that row), and the one-pass kernel
-    draws from z >= threshold. Both are launched every time; rows that did not overflow
-    loop zero times in them. With both hints given, nothing here waits for the device.
-    (Top-p ties: a token tied with the last one the nucleus needs is kept here, where the
-    host sampler's sort keeps some of them; no other difference.)
+    """One token per row and its logprob, on the device: the contract of `reference.sample_tokens`,
+    drawn with Philox noise. Truncating rows draw among their `num_candidates` largest z; a row
+    whose kept set may reach past them is redone exactly (its threshold by bisection, then the
+    one-pass kernel over z >= threshold); those kernels always launch, other rows loop zero
+    times in them, so with both hints given nothing here waits for the device. (Top-p ties: a
+    token tied with the last one the nucleus needs is kept here, where a sort keeps some.)
 
     Args:
         logits: `[rows, vocab]` float (bf16/fp16/fp32), unit stride on the vocabulary.
@@ -453,10 +437,9 @@ def _sample_rows(logits, temperature, threshold, mode, seeds, offsets, tokens, l
 
 
 def _num_row_splits(num_rows: int, vocab_size: int, device: torch.device) -> int:
-    """Slices per row: one when the rows alone fill the GPU (a large batch); at batch 1 one
-    program would read a 151,936-token row alone (74 µs measured on an H100, 6 % of a
-    decode step), so a small batch cuts its rows into slices of at least `_MIN_SPLIT_LEN`
-    tokens until there are about two programs per SM."""
+    """Slices per row: one when the rows alone fill the GPU (a large batch); else one program
+    would read a whole 151,936-token row alone, so a small batch cuts its rows into slices of
+    at least `_MIN_SPLIT_LEN` tokens until there are about two programs per SM."""
     if device.type != "cuda":
         return 1
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count

@@ -37,7 +37,6 @@ class SequenceGroupToSample:
         prompt_logprob_indices: rows (of the selected logits) for prompt logprobs, in order.
         prompt_logprob_token_ids: the prompt token each of those rows predicts.
         sample_indices: rows to sample from: one per sequence, or one for a prompt.
-        generator: the request's seeded random generator (None: the global one).
     """
 
     request_id: str
@@ -49,7 +48,6 @@ class SequenceGroupToSample:
     prompt_logprob_indices: list[int]
     prompt_logprob_token_ids: list[int]
     sample_indices: list[int]
-    generator: torch.Generator | None = None
 
     @property
     def is_first_sample(self) -> bool:
@@ -74,7 +72,6 @@ class SamplingMetadata:
         seq_group_metadata_list: list[SequenceGroupMetadata],
         query_lens: list[int],
         device: torch.device | str,
-        generators: dict[str, torch.Generator] | None = None,
     ) -> "SamplingMetadata":
         """Build the row selection for a flattened batch.
 
@@ -82,16 +79,12 @@ class SamplingMetadata:
             seq_group_metadata_list: the scheduled groups, in batch order.
             query_lens: new tokens per group (each of its sequences computes that many).
             device: where `selected_token_indices` lives.
-            generators: request_id -> seeded generator, created here on first sight.
         """
-        generators = {} if generators is None else generators
         seq_groups: list[SequenceGroupToSample] = []
         selected: list[int] = []
         token_offset = 0  # where the current sequence's tokens start in the flat batch
         for metadata, query_len in zip(seq_group_metadata_list, query_lens):
-            group = _group_to_sample(metadata, query_len, token_offset, selected)
-            group.generator = _get_generator(metadata, generators, device)
-            seq_groups.append(group)
+            seq_groups.append(_group_to_sample(metadata, query_len, token_offset, selected))
             token_offset += query_len * len(metadata.seq_data)
         indices = torch.tensor(selected, dtype=torch.long, device=device)
         return SamplingMetadata(seq_groups, indices)
@@ -133,21 +126,6 @@ def _group_to_sample(
         prompt_logprob_token_ids=prompt_targets,
         sample_indices=sample_rows,
     )
-
-
-def _get_generator(
-    metadata: SequenceGroupMetadata,
-    generators: dict[str, torch.Generator],
-    device: torch.device | str,
-) -> torch.Generator | None:
-    params = metadata.sampling_params
-    if params.sampling_type != SamplingType.RANDOM_SEED:
-        return None
-    if metadata.request_id not in generators:
-        # One generator per request, kept across steps (and preemptions): the same seed
-        # gives the same tokens whatever else shares the batch.
-        generators[metadata.request_id] = torch.Generator(device=device).manual_seed(params.seed)
-    return generators[metadata.request_id]
 
 
 @dataclass
@@ -235,8 +213,8 @@ def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
     """`[fields, rows]` padded to a multiple of 4 rows, so that every field's row (a view into
     one copy) starts 16 bytes aligned whatever the batch size: Triton specializes a kernel on
-    its pointers' 16-byte alignment, and a field starting unaligned for an odd batch compiled
-    the sampling kernels again in the middle of a run (0.2-0.7 s each, measured on an H100)."""
+    its pointers' 16-byte alignment, so an unaligned field would compile the sampling kernels
+    again in the middle of a run."""
     return torch.nn.functional.pad(tensor, (0, -tensor.shape[1] % 4))
 
 

@@ -27,7 +27,7 @@ import torch
 from minivllm.attention import build_attn_metadata
 from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
-from minivllm.model_executor.layers.rejection_sampler import sample_from
+from minivllm.model_executor.layers.sampling_ops import fresh_seeds
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals, sampling_probs
 from minivllm.worker.worker import Worker
@@ -57,9 +57,6 @@ class DraftModelWorker(Worker):
         runner = self.model_runner
         model_input = runner.prepare_model_input(seq_group_metadata_list)
         runner.run_model(model_input.input_ids, model_input.positions, model_input.attn_metadata, self.kv_caches)
-        # The batch builder made seeded generators for seeded requests; the draft never samples
-        # for them (they do not speculate), so it keeps none.
-        runner.generators.clear()
 
     @torch.inference_mode()
     def propose(self, seq_group_metadata_list: list[SequenceGroupMetadata], num_proposals: list[int]) -> Proposals:
@@ -83,7 +80,8 @@ class DraftModelWorker(Worker):
             q, _ = sampling_probs(self.model_runner.model.compute_logits(hidden),
                                   [spec[r].metadata.sampling_params for r in active])
             rows = torch.tensor(active, device=self.device)
-            token_ids[rows, step] = sample_from(q)  # drawn from the draft's own (processed) distribution
+            # Drawn from the draft's own (processed) distribution, by the sampler's `SampleTokens`.
+            token_ids[rows, step] = self.model_runner.sampler.device_sampler.sample_tokens.draw(q, fresh_seeds(len(active)))
             probs[rows, step] = q
         return Proposals(token_ids, [seq.wanted for seq in spec], probs)
 

@@ -2,9 +2,10 @@
 
 `sampling_probs` is the plain `Sampler`'s distribution for the requests that speculate
 (greedy, or random without a seed, with no penalties, logprobs or pending min_tokens:
-`DeviceSampler.depends_on_logits_alone`): temperature, top-k / top-p and min-p, in the sampler's own
-order and with its own helpers. Greedy rows become one-hot at the arg-max, so the rejection
-sampler treats greedy decoding as sampling from a distribution with one certain token.
+`DeviceSampler.depends_on_logits_alone`): temperature, then the kept set of
+`kernels/reference.py`'s `kept_mask` (top-k, top-p, min-p), the spec `SampleTokens` draws from.
+Greedy rows become one-hot at the arg-max, so the rejection sampler treats greedy decoding as
+sampling from a distribution with one certain token.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
+from minivllm.kernels.reference import kept_mask
 from minivllm.sampling_params import SamplingParams, SamplingType
 
 
@@ -44,12 +45,10 @@ def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[
     temperatures = logits.new_tensor([1.0 if p.sampling_type == SamplingType.GREEDY else p.temperature
                                       for p in params])
     logits = logits / temperatures.unsqueeze(1)
-    top_ks, top_ps = [p.top_k for p in params], [p.top_p for p in params]
-    if any(k != -1 for k in top_ks) or any(p < 1.0 for p in top_ps):
-        logits = apply_top_k_top_p(logits, torch.tensor(top_ks), logits.new_tensor(top_ps))
-    min_ps = [p.min_p for p in params]
-    if any(m > 0.0 for m in min_ps):
-        logits = apply_min_p(logits, logits.new_tensor(min_ps))
+    if any(p.top_k != -1 or p.top_p < 1.0 or p.min_p > 0.0 for p in params):
+        truncation = torch.tensor([[p.top_k, p.top_p, p.min_p] for p in params], dtype=torch.float64)
+        top_k, top_p, min_p = truncation.to(logits.device).T
+        logits = logits.masked_fill(~kept_mask(logits, top_k.long(), top_p.float(), min_p.float()), -float("inf"))
     logprobs = torch.log_softmax(logits, dim=-1)
     one_hot = torch.zeros_like(logprobs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     probs = torch.where(greedy.unsqueeze(1), one_hot, logprobs.exp())

@@ -1,7 +1,7 @@
-"""`sample_tokens` (Triton, and its PyTorch reference) against the host sampler's definitions.
+"""`sample_tokens` (Triton, and its PyTorch reference) against definitions written here.
 
-The independent spec is the host sampler: `apply_top_k_top_p` and `apply_min_p` give each
-row's kept set, and a token's logprob must be z[token] - logsumexp(z over that set). The
+The independent spec is an ascending sort, as transformers' warpers do it: `apply_top_k_top_p`
+and `apply_min_p` below give each row's kept set, and a token's logprob must be z[token] - logsumexp(z over that set). The
 random draws are checked for their distribution (chi-square over many offsets), for
 reproducibility and for independence from the rest of the batch. On the CPU the kernels run
 in Triton's interpreter (tests/conftest.py), about 10 ms a row, so shapes here are tiny.
@@ -15,7 +15,6 @@ import pytest
 import torch
 
 from minivllm.kernels import reference, sampling
-from minivllm.model_executor.layers.sampler import apply_min_p, apply_top_k_top_p
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 IMPLEMENTATIONS = [pytest.param(sampling.sample_tokens, id="triton"),
@@ -32,8 +31,35 @@ def make_params(num_rows, temperature=1.0, top_k=-1, top_p=1.0, min_p=0.0, seed=
             column(min_p, torch.float32), column(seed, torch.int64), column(offsets, torch.int64))
 
 
+def apply_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k, then outside its top-p nucleus.
+
+    top_ks: `[rows]` int (-1 = off); top_ps: `[rows]` float (1.0 = off). Ties at the k-th
+    value are kept, and the most likely token always survives top-p (as in transformers).
+    """
+    vocab_size = logits.shape[-1]
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=False)
+    k = torch.where(top_ks < 0, vocab_size, top_ks).clamp(max=vocab_size).to(logits.device)
+    # In ascending order the k-th largest value sits at index vocab_size - k.
+    kth_value = sorted_logits.gather(1, (vocab_size - k).unsqueeze(1))
+    sorted_logits = sorted_logits.masked_fill(sorted_logits < kth_value, -float("inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    # Drop the low tail whose total mass is at most 1 - p; never the last (largest) token.
+    drop = cumulative <= (1.0 - top_ps.to(logits.device)).unsqueeze(1)
+    drop[:, -1] = False
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
+
+
+def apply_min_p(logits: torch.Tensor, min_ps: torch.Tensor) -> torch.Tensor:
+    """Mask tokens whose probability is below `min_p` times the row's highest probability."""
+    probs = logits.softmax(dim=-1)
+    threshold = min_ps.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+    return logits.masked_fill(probs < threshold, -float("inf"))
+
+
 def spec_kept(logits, temperature, top_k, top_p, min_p):
-    """`[rows, vocab]` kept set by the host sampler's own functions (its -1 means top-k off)."""
+    """`[rows, vocab]` kept set by the functions above (their -1 means top-k off)."""
     z = logits.float() / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
     host_k = torch.where((top_k <= 0) | (top_k >= z.shape[1]), -1, top_k)
     masked = apply_min_p(apply_top_k_top_p(z, host_k, top_p), min_p)
@@ -44,7 +70,7 @@ def check_against_spec(logits, params, tokens, logprobs, atol=1e-5, ties=False):
     """Every token in its row's kept set, with logprob z[token] - logsumexp(z over the set).
 
     ties: the logits tie (bf16) and top-p's last needed value may be shared by several
-    tokens, of which the host sampler keeps those its sort puts first: then the kept set
+    tokens, of which the sort above keeps those it puts first: then the kept set
     may hold any of them (the token must be >= the set's smallest z) and the logprob lies
     between those of the sets with none and with all of them.
     """
@@ -296,7 +322,7 @@ def test_bf16_nucleus_past_the_candidate_cap_falls_back():
     tokens, logprobs = sampling.sample_tokens(logits, *params)
     check_against_spec(logits, params, tokens, logprobs, atol=1e-4, ties=True)
     untied = logits.float() + 1e-3 * torch.randn(logits.shape, generator=generator).to(DEVICE)
-    tokens, logprobs = sampling.sample_tokens(untied, *params)  # exactly the host sampler's kept set
+    tokens, logprobs = sampling.sample_tokens(untied, *params)  # exactly the sort-based kept set
     check_against_spec(untied, params, tokens, logprobs, atol=1e-4)
 
 

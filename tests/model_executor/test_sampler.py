@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from minivllm.model_executor.layers import sampler as sampler_module
 from minivllm.model_executor.layers.sampler import Sampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sampling_params import SamplingParams
@@ -37,11 +38,11 @@ def prompt_metadata(request_id, params, prompt, seq_id=0):
     return SequenceGroupMetadata(request_id, True, seq_data, params, {seq_id: [0]}, len(prompt))
 
 
-def run_sampler(metadata_list, logits_per_token, generators=None, backend="torch"):
+def run_sampler(metadata_list, logits_per_token, backend="torch"):
     """Run the sampler where every token of the flat batch has the row `logits_per_token[i]`
     (backend "triton": the device sampler's kernels, in Triton's interpreter on a CPU)."""
     query_lens = [m.token_chunk_size for m in metadata_list]
-    sampling = SamplingMetadata.prepare(metadata_list, query_lens, "cpu", generators)
+    sampling = SamplingMetadata.prepare(metadata_list, query_lens, "cpu")
     hidden_logits = logits_per_token[sampling.selected_token_indices]
     return Sampler(backend)(hidden_logits, sampling)
 
@@ -121,13 +122,12 @@ def test_seeded_sampling_is_reproducible_and_independent_of_the_batch():
     seeded = SamplingParams(temperature=1.0, seed=1234)
 
     def draw(with_neighbour: bool) -> list[int]:
-        generators = {}
         tokens = []
         for step in range(8):  # each draw one position further on, as in a real decode
             batch = [decode_metadata("seeded", seeded, [[1, 2, 3, 4] + [5] * step])]
             if with_neighbour:
                 batch.insert(0, decode_metadata("other", SamplingParams(temperature=1.0), [[1, 2, 3, 4]], first_seq_id=9))
-            outs = run_sampler(batch, logits, generators)
+            outs = run_sampler(batch, logits)
             tokens.append(outs[-1].samples[0].output_token)
         return tokens
 
@@ -248,10 +248,10 @@ def test_a_zero_noise_draw_never_samples_a_token_of_probability_zero(monkeypatch
 
 def test_parallel_sampling_steps_are_sampled_on_the_device_row_by_row(monkeypatch):
     """After its fan-out, an unseeded n > 1 request's sequences are rows of the device path,
-    each with its own penalties; a seeded one stays on the host path."""
+    each with its own penalties; a seeded one takes the parallel-sampling path (a seed per sibling)."""
     host_calls = []
-    original = Sampler._sample_on_host
-    monkeypatch.setattr(Sampler, "_sample_on_host", lambda self, *args: host_calls.append(1) or original(self, *args))
+    original = sampler_module.sample_parallel
+    monkeypatch.setattr(sampler_module, "sample_parallel", lambda *args: host_calls.append(1) or original(*args))
     logits = torch.zeros(3, VOCAB)
     logits[:, 7] = 5.0  # token 7 is far ahead...
     logits[:, 9] = 4.0

@@ -1,26 +1,17 @@
-"""Sampling with the tokens left on the device: `DeviceSampler`.
+"""The plain sampling path, the tokens left on the device: `DeviceSampler`.
 
-The plain `Sampler` used to process logits row by row on the host (Python lists of
-temperatures, a per-request generator for each seeded row, a `[rows, vocab]` count tensor
-rebuilt from token lists for penalties) and to copy every chosen token back before the next
-step could start. This module does all of it for a whole batch with a few tensor operations
-and one sampling kernel (`kernels/sampling.py`, or its PyTorch reference on the CPU):
+One batch, `[rows, vocab]` logits (one row per sequence), `SamplingTensors` built once:
 
-    penalties      from each request's token counts, kept on the device between steps
-                   (`TokenStatsCache`: a step adds only its new tokens), one kernel
-    min_tokens     stop tokens masked while `min_tokens` is not reached
-    temperature, top-k, top-p, min-p, the draw and its logprob     `sample_tokens`, one kernel
+    min_tokens     stop tokens masked while a row is short of `min_tokens`
+    penalties      `ApplyPenalties` over the rows' token statistics (`TokenStatsCache`)
+    temperature, top-k, top-p, min-p, the draw and its logprob     `SampleTokens`, one call
     top-N logprobs and the chosen token's rank    only for rows that asked
 
-Seeds need no generator objects: the draw's noise is a function of (seed, position, token id),
-so a seeded request gets the same tokens whatever shares its batch and whichever path
-(single step or multi-step) runs it. Unseeded rows get a fresh seed per batch from torch's
-global generator (so `torch.manual_seed` still makes a run reproducible).
-
-It serves every request with one sequence and no beams or logits processors (`can_sample`);
-the `Sampler` keeps its host code for the others (beam search, parallel sampling (`n > 1`),
-Python logits processors). The multi-step runner uses it to feed each step's tokens straight
-into the next forward pass (`step` advances positions, counts and min_tokens on the device).
+Both ops are `sampling_ops`' CustomOps (the spec in `kernels/reference.py`, Triton on a GPU).
+A seeded row's noise is a function of (seed, position, token id), so its tokens do not depend
+on its batch or on single- vs multi-step; unseeded rows get a fresh seed per batch from
+torch's generator. `step` lets the multi-step runner feed each step's tokens straight into the
+next forward pass (positions, counts and min_tokens advance on the device).
 """
 
 from __future__ import annotations
@@ -29,43 +20,10 @@ from dataclasses import dataclass
 
 import torch
 
-from minivllm.model_executor.custom_op import CustomOp
-from minivllm.model_executor.sampling_metadata import (SamplingTensors, SequenceGroupToSample, TokenStatsCache,
-                                                      sampled_seq_ids)
+from minivllm.model_executor.layers.sampling_ops import ApplyPenalties, SampleTokens
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache, sampled_seq_ids
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceOutput
-
-
-class SampleTokens(CustomOp):
-    """`kernels.sample_tokens`: one token per row and its logprob (see its docstring)."""
-
-    def forward_native(self, logits: torch.Tensor, t: SamplingTensors, offsets: torch.Tensor):
-        from minivllm.kernels import reference
-
-        return reference.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, offsets)
-
-    def forward_triton(self, logits: torch.Tensor, t: SamplingTensors, offsets: torch.Tensor):
-        from minivllm.kernels import sampling  # imports triton: only when this backend is chosen
-
-        return sampling.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds, offsets,
-                                      needs_truncation=t.needs_truncation, num_candidates=t.num_candidates)
-
-
-class ApplyPenalties(CustomOp):
-    """`kernels.apply_penalties`: repetition, frequency and presence penalties, `[rows, vocab]`
-    fp32 logits out (see its docstring)."""
-
-    def forward_native(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        from minivllm.kernels import reference
-
-        return reference.apply_penalties(logits, t.prompt_mask, t.output_counts, t.repetition_penalty,
-                                         t.frequency_penalty, t.presence_penalty)
-
-    def forward_triton(self, logits: torch.Tensor, t: SamplingTensors) -> torch.Tensor:
-        from minivllm.kernels import sampling
-
-        return sampling.apply_penalties(logits, t.prompt_mask, t.output_counts, t.repetition_penalty,
-                                        t.frequency_penalty, t.presence_penalty)
 
 
 @dataclass
@@ -115,7 +73,7 @@ class DeviceSample:
 
 
 class DeviceSampler:
-    """Samples the rows of `can_sample` requests on the logits' device.
+    """Samples one row per sequence on the logits' device (module docstring).
 
     Args:
         backend: "torch" (the PyTorch reference) or "triton" (the kernel), as the model's.
@@ -145,19 +103,6 @@ class DeviceSampler:
                 and not params.logits_processors)
 
     @staticmethod
-    def can_sample_group(group: SequenceGroupToSample) -> bool:
-        """`can_sample`, or a step of parallel sampling (`n > 1`) after its fan-out, unseeded:
-        each of its sequences is a row. (The fan-out itself draws `best_of` tokens from one
-        row, and seeded siblings would need a seed each that is stable across runs: both stay
-        on the host.)"""
-        params = group.sampling_params
-        if params.sampling_type == SamplingType.BEAM or params.logits_processors:
-            return False
-        if DeviceSampler.can_sample(params, [group.seq_data[i] for i in group.seq_ids]):
-            return True
-        return params.seed is None and not group.is_first_sample
-
-    @staticmethod
     def depends_on_logits_alone(params: SamplingParams, seq_datas: list[SequenceData]) -> bool:
         """Whether the next token is a function of the logits alone: greedy or unseeded random,
         no logprobs, no penalties, no pending min_tokens (what speculative decoding's rejection
@@ -176,8 +121,10 @@ class DeviceSampler:
             step: decode steps already taken since `t` was built (multi-step): positions,
                 pending min_tokens and, through `record`, the token counts follow it.
         """
-        logits = self._process(logits, t, step)
-        tokens, logprobs = self.sample_tokens(logits, t, t.offsets + step)
+        logits = self.process(logits, t, step)
+        tokens, logprobs = self.sample_tokens(logits, t.temperature, t.top_k, t.top_p, t.min_p, t.seeds,
+                                              t.offsets + step, needs_truncation=t.needs_truncation,
+                                              num_candidates=t.num_candidates)
         if all(n is None for n in t.num_logprobs):
             return DeviceSample(tokens, logprobs)
         return DeviceSample(tokens, logprobs, *_top_logprobs(logits, t, tokens, logprobs))
@@ -188,13 +135,14 @@ class DeviceSampler:
         if t.output_counts is not None:
             t.output_counts.scatter_add_(1, tokens.unsqueeze(1), torch.ones_like(tokens, dtype=t.output_counts.dtype).unsqueeze(1))
 
-    def _process(self, logits: torch.Tensor, t: SamplingTensors, step: int) -> torch.Tensor:
+    def process(self, logits: torch.Tensor, t: SamplingTensors, step: int = 0) -> torch.Tensor:
         """Penalties and min_tokens, in fp32 (only where some row needs them: else untouched)."""
         if t.stop_mask is not None:
             pending = (t.min_tokens_left > step).unsqueeze(1)
             logits = logits.float().masked_fill(t.stop_mask & pending, -float("inf"))
         if t.output_counts is not None:
-            logits = self.apply_penalties(logits, t)
+            logits = self.apply_penalties(logits, t.prompt_mask, t.output_counts, t.repetition_penalty,
+                                          t.frequency_penalty, t.presence_penalty)
         return logits
 
 

@@ -25,14 +25,16 @@ Special cases used by minivllm:
   arg-max, and the emitted token is always the arg-max, so greedy output is token-identical
   to decoding without speculation.
 
-Differences from vLLM: the number of proposed tokens may differ per sequence (`num_proposed`:
-the scheduler's lookahead, the n-gram proposer's match); rejected positions are -1 in the
-output, as in vLLM. Typical acceptance (vLLM's lossy alternative) is left out.
+Every random choice is a draw of `SampleTokens` (the one random-number scheme, a fresh seed
+per row and call): the acceptance of d_i is a draw between weights min(p, q) (accept) and
+(q - p)+ (reject), whose sum is q.
 """
 
 from __future__ import annotations
 
 import torch
+
+from minivllm.model_executor.layers.sampling_ops import SampleTokens, fresh_seeds
 
 # Output id of a position after the first rejection (vLLM uses -1 too).
 NO_TOKEN = -1
@@ -42,7 +44,13 @@ class RejectionSampler:
     """Accept a prefix of each sequence's draft tokens and emit one more token after it.
 
     Stateless: the counts for metrics are computed from the output (`num_emitted`).
+
+    Args:
+        backend: "torch" or "triton", the sampling ops' backend (the model's).
     """
+
+    def __init__(self, backend: str = "torch") -> None:
+        self.sample_tokens = SampleTokens(backend)
 
     def __call__(
         self,
@@ -61,7 +69,7 @@ class RejectionSampler:
             num_proposed: `[batch]` int64, how many of the k proposals are real (0..k).
             draft_probs: `[batch, k, vocab]` fp32, the proposer's distributions q_i, or None for
                 a deterministic proposer (q_i = one-hot of the proposal).
-            generator: for the uniform draws and the resampling (tests fix it).
+            generator: where the draws' fresh seeds come from (None: torch's; tests fix it).
         Returns:
             `[batch, k + 1]` int64: accepted drafts, then the recovered or bonus token, then
             `NO_TOKEN`. Sequence b emits `num_emitted(output)[b]` = accepted + 1 tokens.
@@ -73,23 +81,25 @@ class RejectionSampler:
         drafts = torch.where(is_real, draft_token_ids, 0)
         p_draft = target_probs[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
-        uniform = torch.rand(batch, k, device=device, generator=generator)
-        # u < p / q, written without the division (q = 0 would be a proposal the proposer
-        # could not make; then the draft is accepted iff p > 0).
-        accepted = (uniform * q_draft < p_draft) & is_real
+        # Accept with probability min(p, q) / q = min(1, p / q). (q = 0 would be a proposal the
+        # proposer could not make; then the draft is accepted iff p > 0.)
+        q_draft = torch.where(q_draft > 0, q_draft, p_draft)
+        weights = torch.stack([torch.minimum(p_draft, q_draft), (q_draft - p_draft).clamp(min=0.0)], dim=2)
+        accept_draw = self.sample_tokens.draw(weights.view(batch * k, 2), fresh_seeds(batch * k, generator))
+        accepted = (accept_draw.view(batch, k) == 0) & (p_draft > 0) & is_real
         # The first rejected (or missing) position: accepted tokens form a prefix.
         num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [batch]
-        last = self._recover(target_probs, drafts, draft_probs, num_accepted, num_proposed, generator)
+        last = self._recover(target_probs, drafts, draft_probs, num_accepted, num_proposed)
+        last = self.sample_tokens.draw(last, fresh_seeds(batch, generator))
         output = torch.where(positions.unsqueeze(0) < num_accepted.unsqueeze(1), drafts, NO_TOKEN)
         output = torch.cat([output, torch.full((batch, 1), NO_TOKEN, dtype=torch.long, device=device)], dim=1)
         return output.scatter_(1, num_accepted.unsqueeze(1), last.unsqueeze(1))
 
     @staticmethod
     def _recover(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
-                 num_accepted: torch.Tensor, num_proposed: torch.Tensor,
-                 generator: torch.Generator | None) -> torch.Tensor:
-        """`[batch]` the token after the accepted prefix: from norm((p - q)+) where a draft was
-        rejected, from p itself (the bonus token) where every proposal was accepted."""
+                 num_accepted: torch.Tensor, num_proposed: torch.Tensor) -> torch.Tensor:
+        """`[batch, vocab]` weights of the token after the accepted prefix: (p - q)+ where a
+        draft was rejected, p itself (the bonus token) where every proposal was accepted."""
         rows = torch.arange(drafts.shape[0], device=drafts.device)
         p = target_probs[rows, num_accepted]  # [batch, vocab]
         rejected = num_accepted < num_proposed
@@ -103,16 +113,7 @@ class RejectionSampler:
         residual = torch.where(rejected.unsqueeze(1), (p - q).clamp_(min=0.0), p)
         # Rounding can leave a residual of all zeros (p == q in fp32): then p itself is right.
         empty = residual.sum(dim=1, keepdim=True) <= 0
-        residual = torch.where(empty, p, residual)
-        return sample_from(residual, generator)
-
-
-def sample_from(weights: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`[rows, vocab]` non-negative weights (not necessarily normalised) -> `[rows]` token ids,
-    token x with probability weights[x] / sum(weights): the exponential race argmax(w / E),
-    E ~ Exp(1), as the plain sampler draws (a zero weight is never drawn)."""
-    noise = torch.empty_like(weights).exponential_(generator=generator)
-    return (weights / noise.clamp_(min=torch.finfo(noise.dtype).tiny)).argmax(dim=1)
+        return torch.where(empty, p, residual)
 
 
 def num_emitted(output_token_ids: torch.Tensor) -> torch.Tensor:
