@@ -11,7 +11,7 @@ in newer releases). Measured here, each inside a CUDA graph as the engine runs t
                 can address over NVLink, then reads all peers' buffers and sums (one kernel)
     two_shot    symmetric memory, reduce-scatter then all-gather (half the reads per GPU)
 
-    python benchmarks/all_reduce.py --out benchmarks/results/     # needs 2 GPUs
+    python benchmarks/all_reduce.py --out benchmarks/results/     # needs 2 GPUs; -> all_reduce_<gpu>x2.json
 
 Time per all-reduce: REPS of them captured in one graph, the graph replayed and timed with
 CUDA events (median of ROUNDS). Multicast stays off (NCCL_NVLS_ENABLE=0 and friends).
@@ -32,6 +32,7 @@ for _name, _value in {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from common import gpu_tag  # noqa: E402
 
 HIDDEN = 4096
 ROWS = (1, 8, 64, 256, 1024)
@@ -150,7 +151,7 @@ def main() -> int:
         raise SystemExit(f"needs 2 GPUs, found {torch.cuda.device_count()}.")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    out_file = out / "all_reduce.json"
+    out_file = out / f"all_reduce_{gpu_tag(torch.cuda.get_device_name(), 2)}.json"
     mp.spawn(_worker, args=(2, 29517, str(out_file)), nprocs=2, join=True)
     report = json.loads(out_file.read_text())
     print(json.dumps(report, indent=1))

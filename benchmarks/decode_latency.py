@@ -21,9 +21,12 @@ decode), for CUDA graphs, eager, and CUDA graphs without the fused Triton elemen
 --profile-dir writes torch.profiler tables (GPU kernels) and a cProfile of engine.step()
 (the Python side) at batch 256.
 
---batch1 (issue 15) measures batch 1 with `LLM()` defaults instead: the median decode step,
+--batch1 measures batch 1 with `LLM()` defaults instead: the median decode step,
 time per output token through LLM.generate (128-token prompt, 512 greedy tokens) and a
 torch.profiler table of one decode step (profile_batch1_decode_step.txt in --profile-dir).
+--full-batch steps the headline's 256 requests (temperature 0.6, `LLM()` defaults) until all
+decode, then times and profiles full-batch engine steps. benchmarks/nano_vllm_workload.py runs
+both as rows of its table.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ import time
 from pathlib import Path
 
 import torch
+from common import (HOST_PROFILE_STEPS, IDLE_PROFILE_STEPS, NANO_MAX_MODEL_LEN, cuda_median_ms, engine_args_used,
+                    make_workload, profile_every_rank, profile_gpu_idle, profile_host, profile_one_step,
+                    resolved_engine_settings)
 
 CONTEXT = int(os.environ.get("DECODE_CONTEXT", "1024"))
 BATCH_SIZES = tuple(int(b) for b in os.environ.get("DECODE_BATCH_SIZES", "1,256").split(","))
@@ -148,29 +154,6 @@ def _eager_forward(llm, batch: int):
                                 model_input.attn_metadata)
 
 
-def cuda_median_ms(fn, reps: int) -> float:
-    if not torch.cuda.is_available():  # CPU smoke tests
-        return _median_wall_ms(fn, reps)
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return sorted(times)[len(times) // 2]
-
-
-def _median_wall_ms(fn, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * sorted(times)[len(times) // 2]
-
-
 def profile_steps(llm, label: str, profile_dir: Path) -> None:
     """torch.profiler kernel table and a cProfile of the Python side, over a few steps."""
     from torch.profiler import ProfilerActivity, profile
@@ -251,10 +234,9 @@ def measure(ckpt: str, device: str, mode: str, bandwidth: float, profile_dir: Pa
     return results
 
 
-# ----------------------------------------------------------------- batch 1, LLM() defaults (issue 15)
+# ----------------------------------------------------------------- batch 1 and the full batch, LLM() defaults
 B1_PROMPT_LEN, B1_STEPS, B1_WARMUP_STEPS, B1_GEN_TOKENS, B1_REPS = 128, 64, 8, 512, 3
-B1_MAX_MODEL_LEN = 4096  # as nano-vllm's bench.py
-B1_TOP_KERNELS = 25
+B1_MAX_MODEL_LEN = NANO_MAX_MODEL_LEN  # as nano-vllm's bench.py
 FULL_STEPS = 6  # engine steps timed at the full batch (each several tokens with multi-step)
 
 
@@ -277,11 +259,6 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     prompt = {"prompt_token_ids": [random.Random(1).randrange(10000) for _ in range(B1_PROMPT_LEN)]}
     greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([prompt], SamplingParams(**greedy, max_tokens=gen_tokens), use_tqdm=False)  # warm-up
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import engine_args_used, resolved_engine_settings
-
     result = {"engine_args": engine_args_used(given), "engine_resolved": resolved_engine_settings(engine),
               "prompt_len": B1_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
     engine.add_request("b1", prompt, SamplingParams(**greedy, max_tokens=B1_MAX_MODEL_LEN - B1_PROMPT_LEN - 64))
@@ -330,14 +307,9 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
     attribute the gap between the headline and its target), a cProfile of the host and, on a
     GPU, when the GPU idles and what the host does then (`profile_gpu_idle`).
     engine_kwargs: more `LLM` arguments (`tensor_parallel_size`: benchmarks/tensor_parallel.py)."""
-    import sys
-
     from minivllm import LLM, SamplingParams
     from minivllm.engine.llm_engine import TORCH_PROFILER_DIR_ENV
     from minivllm.sampling_params import RequestOutputKind
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import NANO_MAX_MODEL_LEN, engine_args_used, make_workload
 
     prompts, max_tokens = make_workload(4 if smoke else 256)
     if smoke:
@@ -387,271 +359,6 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
     return result
 
 
-HOST_PROFILE_STEPS = 4
-IDLE_PROFILE_STEPS = 3  # engine steps in the GPU-idle profile (the gaps between them count)
-IDLE_GAP_US = 20.0  # a gap between kernels shorter than this is launch spacing, not idleness
-
-# Host phases labelled in the GPU-idle profile: (label, owner attribute path, method).
-_HOST_PHASES = (("schedule", "scheduler", "schedule"),
-                ("process outputs", "", "_process_model_outputs"),
-                ("report", "", "_report"),
-                ("free finished", "scheduler", "free_finished_seq_groups"))
-
-
-def profile_gpu_idle(engine, steps: int, path: Path) -> dict:
-    """`GpuIdleProfile` over the next `steps` engine steps, its summary written to `path`."""
-    profiler = GpuIdleProfile(engine)
-    profiler.start()
-    for _ in range(steps):
-        engine.step()
-    return profiler.stop(steps, path)
-
-
-class GpuIdleProfile:
-    """When is the GPU idle, and what is the host doing then? torch.profiler over some
-    consecutive engine steps with the host's phases labelled (`record_function`): every gap
-    of at least IDLE_GAP_US between kernels on the GPU is charged to the labelled host
-    phases it overlaps ("other" for the rest: stepping the generator, Python between
-    phases). The sum of the gaps is what an overlap of host and GPU could win at most.
-
-    Also an engine stat logger (`log`): added with `at_step`, it profiles engine steps
-    at_step .. at_step + steps - 1 of whatever drives the engine (`LLM.generate`)."""
-
-    def __init__(self, engine, at_step: int | None = None, steps: int = IDLE_PROFILE_STEPS,
-                 path: Path | None = None) -> None:
-        self.engine, self.at_step, self.steps, self.path = engine, at_step, steps, path
-        self.num_logged, self.prof, self.summary = 0, None, None
-
-    def log(self, stats) -> None:
-        self.num_logged += 1
-        if self.num_logged == self.at_step:
-            self.start()
-        elif self.prof is not None and self.num_logged == self.at_step + self.steps:
-            self.stop(self.steps, self.path)
-
-    def start(self) -> None:
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        runner = self.engine.model_executor.driver_worker.model_runner
-        patched = [(self.engine if not owner else getattr(self.engine, owner), method) for _, owner, method in _HOST_PHASES]
-        patched += [(getattr(runner, "base", runner), "prepare_model_input")]
-        self.labels = [label for label, _, _ in _HOST_PHASES] + ["prepare inputs"]
-        self.patched = [(obj, method, getattr(obj, method)) for obj, method in patched]
-        for (obj, method, original), label in zip(self.patched, self.labels):
-            setattr(obj, method, _labelled(original, label, record_function))
-        self.prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-        self.prof.start()
-        self.started = time.perf_counter()
-
-    def stop(self, steps: int, path: Path | None) -> dict:
-        from torch.autograd import DeviceType
-
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - self.started)
-        self.prof.stop()
-        for obj, method, original in self.patched:
-            if method in vars(obj):
-                delattr(obj, method)  # back to the class's method
-            else:
-                setattr(obj, method, original)
-        events = self.prof.events()
-        self.prof = None
-        kernels = sorted((e.time_range.start, e.time_range.end) for e in events if e.device_type == DeviceType.CUDA)
-        phases = [(e.name, e.time_range.start, e.time_range.end) for e in events
-                  if e.device_type == DeviceType.CPU and e.name in self.labels]
-        busy_us, gaps, idle_by_phase = gpu_idle_gaps(kernels, phases, IDLE_GAP_US)
-        span_us = (kernels[-1][1] - kernels[0][0]) if kernels else 0.0
-        first = kernels[0][0] if kernels else 0.0
-        self.summary = {
-            "steps": steps, "wall_ms": round(wall_ms, 2), "kernel_span_ms": round(span_us / 1e3, 2),
-            "gpu_busy_ms": round(busy_us / 1e3, 2), "gpu_idle_ms": round(sum(e - b for b, e in gaps) / 1e3, 2),
-            "idle_ms_by_host_phase": {k: round(v / 1e3, 2) for k, v in sorted(idle_by_phase.items(), key=lambda kv: -kv[1])},
-            "largest_gaps": [{"at_ms": round((b - first) / 1e3, 2), "ms": round((e - b) / 1e3, 3)}
-                             for b, e in sorted(gaps, key=lambda g: g[0] - g[1])[:10]]}
-        if path is not None:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(self.summary, indent=1) + "\n")
-        return self.summary
-
-
-def gpu_idle_gaps(kernels: list[tuple[float, float]], phases: list[tuple[str, float, float]],
-                  min_gap: float) -> tuple[float, list[tuple[float, float]], dict[str, float]]:
-    """(busy time, idle gaps, idle time by host phase) from kernel intervals (start, end),
-    sorted by start, and labelled host intervals (name, start, end), all in one clock. A gap
-    is a hole of at least `min_gap` in the union of the kernels; the part of it that no
-    labelled phase overlaps is charged to "other"."""
-    gaps, busy, reach = [], 0.0, None
-    for begin, end in kernels:
-        if reach is not None and begin - reach >= min_gap:
-            gaps.append((reach, begin))
-        busy += max(0.0, end - max(begin, reach if reach is not None else begin))
-        reach = end if reach is None else max(reach, end)
-    idle_by_phase: dict[str, float] = {}
-    for begin, end in gaps:
-        covered = 0.0
-        for name, p_begin, p_end in phases:
-            overlap = min(end, p_end) - max(begin, p_begin)
-            if overlap > 0:
-                idle_by_phase[name] = idle_by_phase.get(name, 0.0) + overlap
-                covered += overlap
-        idle_by_phase["other"] = idle_by_phase.get("other", 0.0) + max(0.0, end - begin - covered)
-    return busy, gaps, idle_by_phase
-
-
-def _labelled(fn, label: str, record_function):
-    def call(*args, **kwargs):
-        with record_function(label):
-            return fn(*args, **kwargs)
-    return call
-
-
-
-
-def profile_host(engine, steps: int, path: Path) -> dict:
-    """cProfile over `steps` engine steps: the host's Python, by own time (what the GPU waits
-    for between multi-step runs is in here: scheduling, batch building, output processing)."""
-    import cProfile
-    import io
-    import pstats
-
-    profiler = cProfile.Profile()
-    start = time.perf_counter()
-    profiler.enable()
-    for _ in range(steps):
-        engine.step()
-    profiler.disable()
-    wall_ms = 1e3 * (time.perf_counter() - start)
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(30)
-    stats.sort_stats("cumulative").print_stats(40)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"cProfile over {steps} engine steps, {wall_ms:.1f} ms wall (profiler overhead included)\n"
-                    + text.getvalue())
-    return {"file": str(path), "steps": steps, "wall_ms": round(wall_ms, 1)}
-
-
-def profile_one_step(engine, seq, path: Path, label: str = "at batch 1") -> dict:
-    """torch.profiler over one decode step(): a table of the top kernels by GPU time and the
-    kernel count, written to `path`; a summary returned. `seq` counts the step's tokens."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-
-    cuda = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    before = seq.get_output_len()
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-        wall_ms = 1e3 * (time.perf_counter() - start)
-    step_tokens = seq.get_output_len() - before
-    kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    by_name: dict[str, list[float]] = {}
-    for e in kernels:
-        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())  # a kernel's own duration
-    total_us = sum(sum(v) for v in by_name.values())
-    ranked = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:B1_TOP_KERNELS]
-    lines = [f"One decode step() {label} ({step_tokens} token(s) per sequence): wall {wall_ms:.3f} ms, {len(kernels)} GPU "
-             f"kernels, {total_us:.1f} us of kernel time", "",
-             f"{'GPU us':>10} {'share':>6} {'calls':>6}  kernel"]
-    lines += [f"{sum(v):10.1f} {sum(v) / total_us:6.1%} {len(v):6d}  {name[:120]}" for name, v in ranked] if total_us else []
-    sort_key = "device_time_total" if cuda else "cpu_time_total"
-    lines += ["", "torch.profiler key_averages:", prof.key_averages().table(sort_by=sort_key, row_limit=30,
-                                                                           max_name_column_width=70)]
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text("\n".join(lines) + "\n")
-    return {"file": str(path), "step_wall_ms": round(wall_ms, 3), "step_tokens": step_tokens,
-            "kernel_count": len(kernels), "kernel_time_us": round(total_us, 1),
-            "top_kernels": [{"name": n[:120], "us": round(sum(v), 1), "calls": len(v)} for n, v in ranked[:10]]}
-
-
-def profile_every_rank(engine, path: Path) -> dict:
-    """One engine step profiled on every tensor-parallel rank at once (`LLMEngine.start_profile`),
-    to tell an all-reduce's own time from a rank's wait for its peer. Both ranks leave a
-    collective together, so a pair of the same all-reduce on two ranks ends at about the same
-    moment: the rank that started later spent only the op's own time in it (the shorter
-    duration), the other waited the rest at the entry. Pairs are found by overlap in time
-    (the traces share the host's clock); the ends' spread is reported as the clock's check.
-    The summary is written to `path` (JSON)."""
-    engine.start_profile()
-    engine.step()
-    traces = engine.stop_profile()
-    kernels = [_trace_kernels(trace) for trace in traces]
-    reduces = [[k for k in rank if _is_all_reduce(k[0])] for rank in kernels]
-    summary = {
-        "traces": traces,
-        "ranks": [{"kernels": len(k), "kernel_ms": round(sum(d for _, _, d in k) / 1e3, 2),
-                   "all_reduces": len(r), "all_reduce_ms": round(sum(d for _, _, d in r) / 1e3, 2),
-                   "all_reduce_median_us": round(_median([d for _, _, d in r]), 1), **_idle_between_kernels(k)}
-                  for k, r in zip(kernels, reduces)],
-        **all_reduce_waits(reduces[0], reduces[1])}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(summary, indent=1) + "\n")
-    return summary
-
-
-def all_reduce_waits(rank0: list[tuple[str, float, float]], rank1: list[tuple[str, float, float]]) -> dict:
-    """Two ranks' all-reduce kernels (name, start us, duration us), each sorted by start:
-    those that overlap in time are one collective; the shorter duration of a pair is the op's
-    own time, the rest of the longer one a wait for the peer."""
-    pairs = _overlapping_pairs(rank0, rank1)
-    own = [min(a[2], b[2]) for a, b in pairs]
-    waits = [(a[2] - o, b[2] - o) for (a, b), o in zip(pairs, own)]
-    end_spread = [abs((a[1] + a[2]) - (b[1] + b[2])) for a, b in pairs]
-    return {"paired_all_reduces": len(pairs),
-            "own_time_ms": round(sum(own) / 1e3, 3), "own_time_median_us": round(_median(own), 1),
-            "rank0_waited_ms": round(sum(w0 for w0, _ in waits) / 1e3, 3),
-            "rank1_waited_ms": round(sum(w1 for _, w1 in waits) / 1e3, 3),
-            "rank0_waited_in": sum(w0 > w1 for w0, w1 in waits),
-            "end_spread_median_us": round(_median(end_spread), 2)}
-
-
-def _idle_between_kernels(kernels: list[tuple[str, float, float]], top: int = 8) -> dict:
-    """A rank's GPU idle time (`gpu_idle_gaps` over its kernels) and its largest holes, each
-    with the kernels before and after it (where the rank waits)."""
-    _, gaps, _ = gpu_idle_gaps([(start, start + dur) for _, start, dur in kernels], [], IDLE_GAP_US)
-    ending_at = {start + dur: name for name, start, dur in kernels}
-    starting_at = {start: name for name, start, _ in kernels}
-    largest = sorted(gaps, key=lambda gap: gap[0] - gap[1])[:top]
-    return {"idle_ms": round(sum(end - begin for begin, end in gaps) / 1e3, 2), "idle_holes": len(gaps),
-            "largest_holes": [{"us": round(end - begin, 1), "after": ending_at[begin][:60], "before": starting_at[end][:60]}
-                              for begin, end in largest]}
-
-
-def _trace_kernels(trace: str) -> list[tuple[str, float, float]]:
-    """(name, start us, duration us) of every GPU kernel in a Chrome trace, by start."""
-    events = json.loads(Path(trace).read_text())["traceEvents"]
-    return sorted(((e["name"], float(e["ts"]), float(e["dur"])) for e in events if e.get("cat") == "kernel"),
-                  key=lambda k: k[1])
-
-
-def _is_all_reduce(name: str) -> bool:
-    """Symmetric memory's `two_shot_all_reduce_kernel`, NCCL's `ncclDevKernel_AllReduce...`."""
-    return "allreduce" in name.lower().replace("_", "")
-
-
-def _overlapping_pairs(a: list, b: list) -> list[tuple]:
-    """Kernels of two ranks, each sorted by start, paired when their intervals overlap."""
-    pairs, i, j = [], 0, 0
-    while i < len(a) and j < len(b):
-        (_, a_start, a_dur), (_, b_start, b_dur) = a[i], b[j]
-        if max(a_start, b_start) < min(a_start + a_dur, b_start + b_dur):
-            pairs.append((a[i], b[j]))
-            i, j = i + 1, j + 1
-        elif a_start + a_dur <= b_start:
-            i += 1
-        else:
-            j += 1
-    return pairs
-
-
-def _median(values: list[float]) -> float:
-    return sorted(values)[len(values) // 2] if values else 0.0
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--ckpt", required=True)
@@ -660,10 +367,10 @@ def main() -> int:
     parser.add_argument("--profile-dir", default=None)
     parser.add_argument("--modes", nargs="+", default=MODES, choices=MODES)
     parser.add_argument("--batch1", action="store_true",
-                        help="issue 15: batch-1 decode step, TPOT through LLM.generate and a one-step profile, "
+                        help="batch-1 decode step, TPOT through LLM.generate and a one-step profile, "
                              "with LLM() defaults")
     parser.add_argument("--full-batch", action="store_true",
-                        help="issue 15: the headline's 256-request batch at temperature 0.6, LLM() defaults: "
+                        help="the headline's 256-request batch at temperature 0.6, LLM() defaults: "
                              "decode step time and a one-step profile")
     parser.add_argument("--smoke", action="store_true", help="with --batch1 / --full-batch: tiny, fp32 (CPU)")
     args = parser.parse_args()

@@ -12,12 +12,12 @@ speed is a bandwidth: KV bytes read / time. We compare, on the Qwen3-0.6B layer 
   flex paged         FlexAttention with torch's experimental PagedAttention page table
   copy roofline      a large device-to-device copy, (bytes read + written) / time
 
-Run on a GPU:  python benchmarks/kernels.py --out results/   (--sweep to tune, --profile)
-It prints a markdown table, and writes kernels.json and kernels.png into --out.
-`python benchmarks/kernels.py --plot-only results/kernels.json --png docs/benchmarks.png`
+Run on a GPU:  python benchmarks/kernels.py --out benchmarks/results/   (--sweep to tune, --profile)
+It prints a markdown table, and writes kernels_<gpu>.json and kernels_<gpu>.png into --out.
+`python benchmarks/kernels.py --plot-only benchmarks/results/kernels_h100.json --png docs/img/kernels_bandwidth_h100.png`
 redraws the figure from saved numbers (no GPU needed).
 
-`--prefill` times prefill attention instead (issue 15): minivllm's paged prefill Triton kernel
+`--prefill` times prefill attention instead: minivllm's paged prefill Triton kernel
 (`get_ops("triton").paged_prefill_attention`, K/V read through a block table) against torch
 SDPA with the flash backend on contiguous K/V, causal, at 1 x 8192 and 16 x 1024 tokens, same
 head shape, bf16; CUDA events, median of PREFILL_REPS after warm-up. It writes
@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 
 import torch
+from common import RESULTS_DIR, cuda_median_ms, gpu_tag
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B attention layer
 DTYPE = torch.bfloat16
@@ -409,7 +410,6 @@ def _sdpa_flash(device: str, inputs: dict):
 
 def _median_ms(fn, device: str, warmup: int, reps: int) -> float:
     """Median ms of `fn` after `warmup` calls (CUDA events on a GPU, wall time on a CPU)."""
-    from decode_latency import cuda_median_ms  # a sibling script: benchmarks/ is on sys.path
 
     for _ in range(warmup):
         fn()
@@ -467,12 +467,12 @@ def run_prefill(out: Path, smoke: bool = False) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmark_results"))
+    parser.add_argument("--out", type=Path, default=RESULTS_DIR)
     parser.add_argument("--sweep", action="store_true", help="also sweep kernel configs and split counts")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (slow to compile)")
     parser.add_argument("--profile", action="store_true", help="also list per-kernel device times")
     parser.add_argument("--plot-only", type=Path, help="redraw the figure from a saved kernels.json")
-    parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels.png)")
+    parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels_<gpu>.png)")
     parser.add_argument("--prefill", action="store_true", help="prefill attention vs SDPA flash only")
     parser.add_argument("--smoke", action="store_true", help="with --prefill: tiny shapes, CPU is fine")
     args = parser.parse_args()
@@ -491,7 +491,8 @@ def main() -> None:
     import triton
 
     args.out.mkdir(parents=True, exist_ok=True)
-    png = args.png or args.out / "kernels.png"
+    stem = args.out / f"kernels_{gpu_tag(torch.cuda.get_device_name())}"
+    png = args.png or stem.with_suffix(".png")
     results = dict(
         device=torch.cuda.get_device_name(), num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
         torch=torch.__version__, triton=triton.__version__, python=platform.python_version(),
@@ -500,7 +501,7 @@ def main() -> None:
     print(f"copy roofline {results['copy_tbps']:.2f} TB/s on {results['device']}", flush=True)
 
     def save():  # after every phase, so a run cut short still leaves its numbers
-        (args.out / "kernels.json").write_text(json.dumps(results, indent=1))
+        stem.with_suffix(".json").write_text(json.dumps(results, indent=1))
         plot(results, png)
 
     # FlexAttention compiles for minutes: it goes last, after the numbers that matter most.
@@ -522,6 +523,7 @@ def main() -> None:
                    key=lambda r: r["tbps"])
         print(f"best {batch}x{context}: {best['tbps']:.2f} TB/s  tile={best['tile']} warps={best['warps']} "
               f"stages={best['stages']} splits={best['splits']}")
+
 
 if __name__ == "__main__":
     main()

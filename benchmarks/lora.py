@@ -17,10 +17,10 @@ slice of the workload) fill Triton's cache: on a fresh machine the first row oth
 the kernels' compilation (one run measured its base row below its 0-adapter row that way).
 Target: 8 adapters at >= 0.8x the base model's tokens/s.
 
-    python benchmarks/lora.py --out results/                    # on a GPU, Qwen3-0.6B shapes
+    python benchmarks/lora.py --out benchmarks/results/         # on a GPU, Qwen3-0.6B shapes
     python benchmarks/lora.py --out /tmp/lora --smoke           # CPU: tiny model, 8 requests
 
-Writes lora.json and prints a markdown table.
+Writes lora_<gpu>.json and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from throughput import (GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
-                        _environment, _result, build_checkpoint, make_workload)
+from common import (GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS,
+                    build_checkpoint, checked_result, environment, make_workload, result_path)
 
 ROWS = {"base": None, "0 adapters": 0, "1 adapter": 1, "4 adapters": 4, "8 adapters": 8, "base again": None}
 RANK, ALPHA = 16, 32
@@ -101,7 +101,7 @@ def run_row(args: argparse.Namespace) -> int:
     outputs = llm.generate(inputs, params, lora_request=loras, use_tqdm=False)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    result = _result([o.outputs[0].token_ids for o in outputs], max_tokens, time.perf_counter() - start)
+    result = checked_result([o.outputs[0].token_ids for o in outputs], max_tokens, time.perf_counter() - start)
     Path(args.result).write_text(json.dumps(result))
     return 0
 
@@ -135,9 +135,9 @@ def run_all(args: argparse.Namespace) -> int:
     base = max(rows["base"]["output_tokens_per_s"], rows["base again"]["output_tokens_per_s"])
     for row in rows.values():
         row["vs_base"] = round(row["output_tokens_per_s"] / base, 3)
-    report = {"environment": _environment(args.device), "model": args.model, "smoke": args.smoke, "rank": RANK,
+    report = {"environment": environment(args.device), "model": args.model, "smoke": args.smoke, "rank": RANK,
               "rows": rows, "target_8_adapters_vs_base": 0.8, "met": rows["8 adapters"]["vs_base"] >= 0.8}
-    (out / "lora.json").write_text(json.dumps(report, indent=1))
+    result_path("lora", report["environment"], out).write_text(json.dumps(report, indent=1))
     print(f"| {args.model} | output tokens/s | vs base |\n|---|---:|---:|")
     for name, row in rows.items():
         print(f"| {name} | {row['output_tokens_per_s']:.0f} | {row['vs_base']:.2f}x |")

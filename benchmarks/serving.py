@@ -15,18 +15,18 @@ from ids the server's own tokenizer produces) and every request generates exactl
 
     minivllm serve --port 8000 &
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rates 2 8 \\
-        --num-prompts 32 --json serving.json --plot serving.png
+        --num-prompts 32 --json benchmarks/results/serving_rates_cpu.json --plot serving.png
 
 The benchmark talks only to a server on this machine (loopback) and is bounded: at most
 `--num-prompts` requests and `--max-duration` seconds of arrivals per rate.
 
-`--workload` (issue 15) starts `minivllm serve` itself on a random-weight checkpoint
-(benchmarks/throughput.py builds one) with nano-vllm's engine arguments (model, dtype,
+`--workload` starts `minivllm serve` itself on a random-weight checkpoint
+(`nano_vllm_workload.py build` makes one) with nano-vllm's engine arguments (model, dtype,
 max_model_len 4096, every other argument at its default) and sends nano-vllm's whole
 workload at once: 256 concurrent streaming clients, each its request's prompt token ids,
 max_tokens, temperature 0.6, ignore_eos, after bench.py's one-line warm-up. It checks each
 request's completion_tokens against its max_tokens and reports output tokens/s; the offline
-figure to compare with is throughput.py's headline row of the same run (same engine arguments,
+figure to compare with is nano_vllm_workload.py's headline row of the same run (same engine arguments,
 same workload, same sampling).
 
     python benchmarks/serving.py --workload --ckpt /tmp/ckpt/qwen3-0.6b --json serving_workload.json
@@ -195,7 +195,7 @@ def plot(runs: list[dict], path: str, title: str) -> None:
 
 
 # ----------------------------------------------------------------------- main
-# ---------------------------------------------------- nano-vllm's workload (issue 15)
+# ---------------------------------------------------- nano-vllm's workload
 SERVER_START_TIMEOUT_S = 180.0
 WORKLOAD_TEMPERATURE = 0.6
 
@@ -350,11 +350,9 @@ class ServerProfile:
 
 
 def run_workload(args: argparse.Namespace) -> dict:
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from throughput import NANO_MAX_MODEL_LEN, engine_args_used, row_workload
+    from common import NANO_MAX_MODEL_LEN, engine_args_used, row_workload
 
     spec = {"num_seqs": args.num_prompts_workload or 256}
     if args.smoke:
@@ -406,7 +404,7 @@ def run_workload(args: argparse.Namespace) -> dict:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workload", action="store_true",
-                        help="issue 15: start a server on --ckpt and send nano-vllm's workload, all clients at once")
+                        help="start a server on --ckpt and send nano-vllm's workload, all clients at once")
     parser.add_argument("--ckpt", default=None, help="with --workload: the checkpoint to serve")
     parser.add_argument("--num-prompts-workload", type=int, default=None,
                         help="with --workload: clients (default 256; 4 with --smoke)")

@@ -1,4 +1,4 @@
-"""Where the OpenAI server's throughput goes: the same workload through fewer layers (issue 15).
+"""Where the OpenAI server's throughput goes: the same workload through fewer layers.
 
 nano-vllm's workload (256 requests, temperature 0.6, ignore_eos, its warm-up), default engine
 arguments, on one GPU, through:
@@ -13,9 +13,10 @@ arguments, on one GPU, through:
                       runs), 256 concurrent streams in one asyncio loop, no HTTP. KIND: delta or
                       cumulative.
 
-Compare each figure with `final` (or `benchmarks/throughput.py`'s headline) of the same run; the
+Compare each figure with `final` (or benchmarks/nano_vllm_workload.py's headline) of the same run; the
 gap between `mq delta` and `benchmarks/serving.py --workload` is the HTTP server and its clients.
 
+    python benchmarks/nano_vllm_workload.py build --dir /tmp/ck --models qwen3-0.6b   # the checkpoint
     python benchmarks/serving_split.py /tmp/ck/qwen3-0.6b offline final delta-wire delta-wire:1.0
     python benchmarks/serving_split.py /tmp/ck/qwen3-0.6b mq delta cumulative
 
@@ -30,16 +31,14 @@ import json
 import pickle
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
-from throughput import NANO_MAX_MODEL_LEN, NANO_WARMUP_PROMPT, row_workload  # noqa: E402
+from common import NANO_MAX_MODEL_LEN, NANO_WARMUP_PROMPT, row_workload
 
-from minivllm.engine.arg_utils import EngineArgs  # noqa: E402
-from minivllm.engine.llm_engine import LLMEngine  # noqa: E402
-from minivllm.engine.multiprocessing.client import MQLLMEngineClient  # noqa: E402
-from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder  # noqa: E402
-from minivllm.sampling_params import RequestOutputKind, SamplingParams  # noqa: E402
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.multiprocessing.client import MQLLMEngineClient
+from minivllm.engine.multiprocessing.deltas import OutputDeltaEncoder
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 KINDS = {"final": RequestOutputKind.FINAL_ONLY, "delta": RequestOutputKind.DELTA,
          "cumulative": RequestOutputKind.CUMULATIVE}

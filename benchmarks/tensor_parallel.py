@@ -4,10 +4,10 @@ Two measurements, each system in its own process (so one's GPU memory never limi
 
     full-batch     the same engine once all 256 requests decode: engine step time, and with
                    --profile-dir where a step's time goes (kernels, host, GPU idle on rank 0)
-    throughput     nano-vllm's offline workload (the one benchmarks/throughput.py builds: 256
+    throughput     nano-vllm's offline workload (the one benchmarks/common.py builds: 256
                    requests, prompts of 100-1024 random token ids, 100-1024 new tokens each,
                    EOS ignored, temperature 0.6 as nano-vllm's bench.py samples;
-                   `--temperature 0` for the greedy rows of earlier runs), output tokens per
+                   `--temperature 0`: greedy), output tokens per
                    second, every request checked to get exactly its max_tokens
     batch-1 decode one request with a 1024-token prompt; wall time per output token over
                    32 LLMEngine.step() calls after a warm-up (CUDA graphs on: at TP=2 the
@@ -15,18 +15,17 @@ Two measurements, each system in its own process (so one's GPU memory never limi
 
 Systems (`--systems`): tp1, tp2 (the defaults: on GPUs the small all-reduces go through
 symmetric memory, `minivllm/distributed/symm_mem.py`) and tp2-nccl (TP=2 with
-`disable_custom_all_reduce=True`: NCCL does every all-reduce, as before the tenth session).
+`disable_custom_all_reduce=True`: NCCL does every all-reduce, to see what the custom one buys).
 
 The model: benchmarks/configs/llama-3-8b (random weights, transformers `from_config`, seed 0,
-bf16), saved once to a temporary directory. Targets (issue 16): batch-1 decode step at TP=2
+bf16), saved once to a temporary directory. Targets: batch-1 decode step at TP=2
 <= 0.6x TP=1, throughput at TP=2 >= 1.5x TP=1.
 
 Both TP sizes run with the engine's defaults (8 decode steps per schedule on a GPU, TP or
 not) unless `--num-scheduler-steps` says otherwise; the decode time is per token, since one
-`step()` may produce several (a "median step" of 17 us was once measured per call, not per
-token).
+`step()` may produce several.
 
-    python benchmarks/tensor_parallel.py --out benchmarks/results/        # needs 2 GPUs
+    python benchmarks/tensor_parallel.py --out benchmarks/results/   # needs 2 GPUs; -> tensor_parallel_<gpu>x2.json
 
 NCCL on these machines needs NVLink multicast off; the script sets NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before anything starts.
@@ -48,9 +47,8 @@ NCCL_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "N
 for _name, _value in NCCL_ENV.items():
     os.environ.setdefault(_name, _value)
 
-sys.path.insert(0, str(Path(__file__).parent))
-import issue15  # noqa: E402  (Triton's cache: which kernels a run compiled)
-import throughput  # noqa: E402  (the workload and the checkpoint builder, shared)
+import common  # noqa: E402  (the workload, the checkpoint builder, Triton's cache, profiles)
+import decode_latency  # noqa: E402  (the full-batch measurement, with this script's engine arguments)
 
 MODEL = "llama-3-8b"
 SYSTEMS = {"tp1": (1, False), "tp2": (2, False), "tp2-nccl": (2, True)}  # name -> (TP size, NCCL only)
@@ -62,26 +60,26 @@ def run_throughput(ckpt: Path, tp: int, num_seqs: int, enforce_eager: bool,
                    steps: int, temperature: float, nccl_only: bool) -> tuple[dict, Callable[[], None]]:
     from minivllm import LLM, SamplingParams
 
-    prompts, max_tokens = throughput.make_workload(num_seqs)
+    prompts, max_tokens = common.make_workload(num_seqs)
     start = time.perf_counter()
     llm = LLM(model=str(ckpt), dtype="bfloat16", device="cuda", tensor_parallel_size=tp,
-              max_model_len=throughput.MAX_MODEL_LEN, max_num_seqs=throughput.MAX_NUM_SEQS,
-              max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
-              gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
+              max_model_len=common.MAX_MODEL_LEN, max_num_seqs=common.MAX_NUM_SEQS,
+              max_num_batched_tokens=common.MAX_NUM_BATCHED_TOKENS,
+              gpu_memory_utilization=common.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
               num_scheduler_steps=steps, disable_custom_all_reduce=nccl_only)
     startup_s = time.perf_counter() - start
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    warmup = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=throughput.WARMUP_TOKENS,
+    warmup = SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=common.WARMUP_TOKENS,
                             detokenize=False)
-    llm.generate(inputs[: throughput.WARMUP_REQUESTS], warmup, use_tqdm=False)
+    llm.generate(inputs[: common.WARMUP_REQUESTS], warmup, use_tqdm=False)
     params = [SamplingParams(temperature=temperature, ignore_eos=True, max_tokens=m, detokenize=False)
               for m in max_tokens]
-    timeline = throughput.StepTimeline()  # where each TP size's time goes: full batch, ramp-down, prefills
+    timeline = common.StepTimeline()  # where each TP size's time goes: full batch, ramp-down, prefills
     llm.llm_engine.add_logger("timeline", timeline)
     start = time.perf_counter()
     outputs = llm.generate(inputs, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
-    result = throughput._result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result = common.checked_result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
     result.update(startup_s=round(startup_s, 1), num_gpu_blocks=llm.llm_engine.cache_config.num_gpu_blocks,
                   temperature=temperature, timeline=timeline.summary(), stalls=timeline.stalls)
     return result, llm.llm_engine.shutdown
@@ -112,8 +110,7 @@ def run_decode(ckpt: Path, tp: int, enforce_eager: bool, steps: int, nccl_only: 
     if profile_path is not None:
         # TP rank 0's kernels only (the other ranks run in their own processes): enough to
         # see the all-reduces' share of a step next to the GEMMs they follow.
-        import decode_latency
-        result["profile"] = decode_latency.profile_one_step(engine, request.first_seq, profile_path,
+        result["profile"] = common.profile_one_step(engine, request.first_seq, profile_path,
                                                             label=f"at batch 1, TP={tp} (rank 0)")
     engine.abort_request("0")
     return result, engine.shutdown
@@ -124,13 +121,11 @@ def run_full_batch(ckpt: Path, tp: int, enforce_eager: bool, steps: int, nccl_on
     """The throughput run's engine once all 256 requests decode: engine step time, and with
     --profile-dir the kernels of one step, the host's cProfile and when TP rank 0's GPU idles
     (decode_latency.full_batch with this script's engine arguments)."""
-    import decode_latency
-
     profile = profile_dir / f"profile_full_batch_{name}.txt" if profile_dir else None
     result = decode_latency.full_batch(
-        str(ckpt), profile, tensor_parallel_size=tp, max_model_len=throughput.MAX_MODEL_LEN,
-        max_num_seqs=throughput.MAX_NUM_SEQS, max_num_batched_tokens=throughput.MAX_NUM_BATCHED_TOKENS,
-        gpu_memory_utilization=throughput.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
+        str(ckpt), profile, tensor_parallel_size=tp, max_model_len=common.MAX_MODEL_LEN,
+        max_num_seqs=common.MAX_NUM_SEQS, max_num_batched_tokens=common.MAX_NUM_BATCHED_TOKENS,
+        gpu_memory_utilization=common.GPU_MEMORY_UTILIZATION, enforce_eager=enforce_eager,
         num_scheduler_steps=steps, disable_custom_all_reduce=nccl_only)
     return result, lambda: None  # full_batch's engine is gone with its LLM
 
@@ -163,8 +158,8 @@ def run_all(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="minivllm-tp-"))
     print("== building the checkpoint", flush=True)
-    ckpt = throughput.build_checkpoint(MODEL, tmp, "cuda")
-    report = {"environment": throughput._environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
+    ckpt = common.build_checkpoint(MODEL, tmp, "cuda")
+    report = {"environment": common.environment("cuda"), "model": MODEL, "num_seqs": args.num_seqs,
               "cuda_graphs": not args.enforce_eager, "num_scheduler_steps": args.num_scheduler_steps,
               "temperature": args.temperature,
               "nccl_env": NCCL_ENV, "results": {}}
@@ -178,19 +173,19 @@ def run_all(args) -> int:
                    *(["--enforce-eager"] if args.enforce_eager else []),
                    *(["--profile-dir", args.profile_dir] if args.profile_dir else [])]
             print(f"== {kind}, {system}", flush=True)
-            cached_before = set(issue15.triton_cache_entries())
+            cached_before = set(common.triton_cache_entries())
             try:
                 subprocess.run(cmd, timeout=args.timeout, check=False)
             except subprocess.TimeoutExpired:
                 pass
             result = json.loads(result_file.read_text()) if result_file.exists() else {"error": "failed or timed out"}
             # Kernels this run compiled (the first run of a shape pays them; a stall may be one).
-            compiled = sorted(set(issue15.triton_cache_entries()) - cached_before)
-            result["triton_kernels_compiled_names"] = [issue15.kernel_name(entry) for entry in compiled]
+            compiled = sorted(set(common.triton_cache_entries()) - cached_before)
+            result["triton_kernels_compiled_names"] = [common.kernel_name(entry) for entry in compiled]
             report["results"][f"{kind}-{system}"] = result
-            (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
+            common.result_path("tensor_parallel", report["environment"], out).write_text(json.dumps(report, indent=1))
     report["summary"] = summary(report["results"])
-    (out / "tensor_parallel.json").write_text(json.dumps(report, indent=1))
+    common.result_path("tensor_parallel", report["environment"], out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report["summary"], indent=1))
     return 0
 
@@ -218,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("command", nargs="?", default="all", choices=("all", "one"))
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--num-seqs", type=int, default=throughput.NUM_SEQS)
+    parser.add_argument("--num-seqs", type=int, default=common.NUM_SEQS)
     parser.add_argument("--timeout", type=int, default=900, help="seconds per measurement")
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs (for both TP sizes)")
     parser.add_argument("--num-scheduler-steps", type=int, default=None,

@@ -28,35 +28,32 @@ labelled "subset" in every table).
 Models: local configs in benchmarks/configs (Qwen3-0.6B and Llama-3.2-1B shapes), random
 weights (transformers `from_config`, seed 0), bf16, saved once to a temporary directory.
 
-    python benchmarks/throughput.py all --out results/             # on a GPU: everything
-    python benchmarks/throughput.py plot results/throughput.json --png docs/img/throughput_h100.png
+    python benchmarks/throughput.py all --out benchmarks/results/   # on a GPU: everything
+    python benchmarks/throughput.py plot benchmarks/results/throughput_h100.json --png docs/img/throughput_h100.png
+    python benchmarks/throughput.py kv-waste                         # KV-cache waste, no GPU needed
 
-`all` writes throughput.json (every number), prints a markdown table, and draws the bar chart.
-
-Issue 15's honest benchmark is a separate command (benchmarks/issue15.py has the rows): its
-headline is nano-vllm's bench.py run exactly (temperature 0.6, its warm-up, `LLM()` defaults),
-and greedy and tuned settings are extra, labelled rows:
-
-    python benchmarks/throughput.py issue15 --out results/          # one GPU, about 8 minutes
-    python benchmarks/throughput.py issue15 --out /tmp/s --smoke    # tiny model on the CPU
+`all` writes throughput_<gpu>.json (every number), prints a markdown table, and draws the bar
+chart beside it. nano-vllm's bench.py run exactly as bench.py runs it (temperature 0.6, its
+warm-up, `LLM()` defaults) is benchmarks/nano_vllm_workload.py.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import os
-import platform
-import random
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-CONFIG_DIR = Path(__file__).parent / "configs"
+import torch
+from common import (GPU_MEMORY_UTILIZATION, MAX_MODEL_LEN, MAX_NUM_BATCHED_TOKENS, MAX_NUM_SEQS, NUM_SEQS,
+                    PAD_TOKEN_ID, SEED, WARMUP_REQUESTS, WARMUP_TOKENS, build_checkpoint, checked_result,
+                    environment, load_hf, make_workload, result_path, run_hf_cb, sync)
+
 MODELS = ["qwen3-0.6b", "llama-3.2-1b"]
 SYSTEMS = ["minivllm-ms16", "minivllm-ms8", "minivllm-graphs", "minivllm-eager", "hf-static", "hf-cb"]
 SYSTEM_LABELS = {
@@ -67,64 +64,8 @@ SYSTEM_LABELS = {
     "hf-static": "transformers generate, static batches",
     "hf-cb": "transformers continuous batching",
 }
-# nano-vllm's workload (bench.py).
-NUM_SEQS, MIN_LEN, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_TOKEN_ID, SEED = 256, 100, 1024, 1024, 10000, 0
-MAX_MODEL_LEN = MAX_INPUT_LEN + MAX_OUTPUT_LEN  # the longest prompt plus the longest output
-# minivllm engine settings (nano-vllm uses the same token budget per step).
-MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, GPU_MEMORY_UTILIZATION = 256, 16384, 0.9
 MULTI_STEP = {"minivllm-ms16": 16, "minivllm-ms8": 8}  # num_scheduler_steps of the multi-step systems
 HF_BATCH_SIZE, HF_SUBSET = 64, NUM_SEQS  # static batches of 64; the whole workload by default
-PAD_TOKEN_ID = 0  # any id: padded positions are masked out
-WARMUP_TOKENS, WARMUP_REQUESTS = 24, 32
-
-
-# --------------------------------------------------------------------------- workload
-def make_workload(num_seqs: int = NUM_SEQS, seed: int = SEED) -> tuple[list[list[int]], list[int]]:
-    """(prompt_token_ids, max_tokens) exactly as nano-vllm's bench.py draws them."""
-    rng = random.Random(seed)
-    prompts = [[rng.randint(0, MAX_TOKEN_ID) for _ in range(rng.randint(MIN_LEN, MAX_INPUT_LEN))]
-               for _ in range(num_seqs)]
-    max_tokens = [rng.randint(MIN_LEN, MAX_OUTPUT_LEN) for _ in range(num_seqs)]
-    return prompts, max_tokens
-
-
-def build_checkpoint(name: str, out_dir: Path, device: str, overrides: dict | None = None) -> Path:
-    """Random-weight bf16 checkpoint of benchmarks/configs/<name>, plus a stand-in tokenizer.
-
-    The tokenizer only exists because the engine loads one; the benchmark sends token ids
-    and never detokenizes. `overrides` shrinks the config (CPU smoke tests).
-    """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(CONFIG_DIR / name, **(overrides or {}))
-    if getattr(config, "layer_types", None) is not None:  # Qwen3: one entry per layer
-        config.layer_types = config.layer_types[:1] * config.num_hidden_layers
-    torch.manual_seed(SEED)
-    with torch.device(device):  # initialising 600M parameters is much faster on the GPU
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
-    path = out_dir / name
-    model.save_pretrained(path)
-    _save_stand_in_tokenizer(path, config.vocab_size, config.eos_token_id)
-    del model
-    return path
-
-
-def _save_stand_in_tokenizer(path: Path, vocab_size: int, eos_token_id) -> None:
-    """One word per token id ("t0" .. "t<vocab_size - 1>"), the model's EOS id as EOS.
-
-    Every id decodes to a word, so a server that detokenizes (benchmarks/serving.py) streams
-    a non-empty text per token, as it would with a real tokenizer.
-    """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    eos_id = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
-    eos_id = eos_id if eos_id is not None and eos_id < vocab_size else 1
-    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0",
-                            eos_token=f"t{eos_id}").save_pretrained(path)
 
 
 # --------------------------------------------------------------------------- minivllm
@@ -168,8 +109,6 @@ class KVWasteLogger:
 
 def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: str,
                  num_scheduler_steps: int = 1) -> dict:
-    import torch
-
     from minivllm import LLM, SamplingParams
 
     start = time.perf_counter()
@@ -188,14 +127,14 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
                                                           detokenize=False), use_tqdm=False)
     waste = KVWasteLogger(engine.scheduler, engine.cache_config.num_gpu_blocks, engine.cache_config.block_size)
     engine.add_logger("kv_waste", waste)
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     waste.last_now = time.monotonic()
     outputs = llm.generate(inputs, params, use_tqdm=False)
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - start
     token_ids = [list(o.outputs[0].token_ids) for o in outputs]
-    result = _result(token_ids, max_tokens, elapsed)
+    result = checked_result(token_ids, max_tokens, elapsed)
     result.update(waste.result(), startup_s=round(startup_s, 2), num_gpu_blocks=engine.cache_config.num_gpu_blocks,
                   block_size=engine.cache_config.block_size)
     result["first_outputs"] = [t[:16] for t in token_ids[:8]]
@@ -204,221 +143,6 @@ def run_minivllm(ckpt: Path, prompts, max_tokens, enforce_eager: bool, device: s
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result
-
-
-# nano-vllm's bench.py, exactly: LLM(path, enforce_eager=False, max_model_len=4096), then
-# `llm.generate(["Benchmark: "], SamplingParams())` as warm-up. nano-vllm's SamplingParams()
-# is temperature 1.0, max_tokens 64; minivllm's (vLLM's) default max_tokens is 16, so we pass 64.
-NANO_MAX_MODEL_LEN = 4096
-NANO_WARMUP_PROMPT, NANO_WARMUP_PARAMS = "Benchmark: ", {"temperature": 1.0, "max_tokens": 64}
-
-
-def row_workload(spec: dict) -> tuple[list[list[int]], list[int]]:
-    """The workload of one row: nano-vllm's, or its first `num_seqs` requests; the CPU smoke test
-    cuts prompts to `prompt_cap` and outputs to `max_tokens_cap` tokens."""
-    prompts, max_tokens = make_workload(NUM_SEQS)
-    n = spec.get("num_seqs", NUM_SEQS)
-    prompts, max_tokens = prompts[:n], max_tokens[:n]
-    if spec.get("prompt_cap"):
-        prompts = [p[:spec["prompt_cap"]] for p in prompts]
-    if spec.get("max_tokens_cap"):
-        max_tokens = [min(m, spec["max_tokens_cap"]) for m in max_tokens]
-    return prompts, max_tokens
-
-
-def engine_args_used(given: dict) -> dict:
-    """Every EngineArgs field (the given ones and the defaults), as JSON scalars."""
-    import dataclasses
-
-    from minivllm.engine.arg_utils import EngineArgs
-
-    args = dataclasses.asdict(EngineArgs(**given))
-    return {k: v for k, v in args.items() if v is None or isinstance(v, (bool, int, float, str))}
-
-
-def resolved_engine_settings(engine) -> dict:
-    """What the engine made of its arguments (defaults filled in, KV blocks counted)."""
-    sc, cc = engine.scheduler_config, engine.cache_config
-    return {"max_num_batched_tokens": sc.max_num_batched_tokens, "max_num_seqs": sc.max_num_seqs,
-            "max_model_len": sc.max_model_len, "num_scheduler_steps": sc.num_scheduler_steps,
-            "enable_chunked_prefill": sc.enable_chunked_prefill, "block_size": cc.block_size,
-            "num_gpu_blocks": cc.num_gpu_blocks, "enable_prefix_caching": cc.enable_prefix_caching,
-            "dtype": str(engine.model_config.dtype).removeprefix("torch.")}
-
-
-class ProgressLogger:
-    """Engine stat logger: output tokens so far, written to `path` every PROGRESS_EVERY_S
-    seconds, so a row that runs out of time still says how far it got (one int per step)."""
-
-    def __init__(self, path: Path) -> None:
-        self.path, self.tokens = path, 0
-        self.start = self.last_write = time.monotonic()
-
-    def log(self, stats) -> None:
-        self.tokens += stats.num_generation_tokens_iter  # (as the engine counts them; indicative only)
-        if stats.now - self.last_write >= PROGRESS_EVERY_S:
-            self.last_write = stats.now
-            self.path.write_text(json.dumps({"output_tokens_so_far": self.tokens,
-                                             "seconds_so_far": round(stats.now - self.start, 2)}))
-
-
-PROGRESS_EVERY_S = 2.0
-
-
-class StepTimeline:
-    """Engine stat logger: where a whole run's wall time goes, step by step.
-
-    Each `step()` is one record: its wall time (from the previous step's end), the prompt
-    and output tokens it produced, and how many requests were running when it began. The
-    summary splits the run into prefill steps and decode steps bucketed by batch size, so
-    the full batch's rate, the ramp-down as requests finish, and the prefills each get
-    their seconds and tokens: the profile of a whole benchmark run, not of one step.
-    """
-
-    BUCKETS = ((224, "decode, 224-256 running"), (128, "decode, 128-223 running"), (32, "decode, 32-127 running"),
-               (8, "decode, 8-31 running"), (1, "decode, 1-7 running"))
-
-    def __init__(self) -> None:
-        self.last, self.running, self.steps = time.monotonic(), 0, []
-        self.stalls: list[dict] = []  # steps that took over STALL_FACTOR x the previous one
-        self.allocator_events = _allocator_events()
-        self.gc_s = self.gc_started = self.gc_at_last_step = 0.0  # time in Python's garbage collector
-        self.gc_full = self.gc_full_at_last_step = 0  # full collections
-        gc.callbacks.append(self._on_gc)
-
-    def _on_gc(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self.gc_started = time.perf_counter()
-        else:
-            self.gc_s += time.perf_counter() - self.gc_started
-            self.gc_full += info["generation"] == 2
-
-    def log(self, stats) -> None:
-        seconds = stats.now - self.last
-        events = _allocator_events()
-        if self.steps and seconds > self.STALL_FACTOR * self.steps[-1][0] and seconds > self.STALL_MIN_S:
-            # What the CUDA caching allocator did in the step: a retry frees every cached
-            # block and synchronizes the device (a memory-pressure stall, not the engine).
-            self.stalls.append({"step": len(self.steps), "ms": round(1e3 * seconds, 1), "running": self.running,
-                                "gc_ms": round(1e3 * (self.gc_s - self.gc_at_last_step), 1),
-                                "gc_full_collections": self.gc_full - self.gc_full_at_last_step,
-                                **{k: events[k] - self.allocator_events[k] for k in events}})
-        self.allocator_events, self.gc_at_last_step, self.gc_full_at_last_step = events, self.gc_s, self.gc_full
-        self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running))
-        self.last, self.running = stats.now, stats.num_running_sys
-
-    STALL_FACTOR, STALL_MIN_S = 2.0, 0.1
-
-    def phase(self, prompt_tokens: int, running_before: int) -> str:
-        if prompt_tokens:
-            return "prefill steps"
-        return next(label for floor, label in self.BUCKETS if running_before >= floor)
-
-    def summary(self) -> dict:
-        """{phase: {"steps", "seconds", "share_of_time", "output_tokens", "share_of_tokens", "output_tok_s"}}."""
-        phases: dict[str, list] = {}
-        for seconds, prompt_tokens, output_tokens, running in self.steps:
-            totals = phases.setdefault(self.phase(prompt_tokens, running), [0, 0.0, 0, 0])
-            totals[0] += 1
-            totals[1] += seconds
-            totals[2] += output_tokens
-            totals[3] += prompt_tokens
-        all_s = sum(t[1] for t in phases.values()) or 1.0
-        all_tokens = sum(t[2] for t in phases.values()) or 1
-        order = ["prefill steps"] + [label for _, label in self.BUCKETS]
-        summary = {name: {"steps": t[0], "seconds": round(t[1], 3), "share_of_time": round(t[1] / all_s, 3),
-                          "output_tokens": t[2], "share_of_tokens": round(t[2] / all_tokens, 3),
-                          "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None}
-                   for name, t in sorted(phases.items(), key=lambda kv: order.index(kv[0]))}
-        for phase in summary.values():  # the first steps one by one: a compile or a stall stands out
-            phase["first_steps_ms"] = []
-        for seconds, prompt_tokens, _, running in self.steps:
-            listed = summary[self.phase(prompt_tokens, running)]["first_steps_ms"]
-            if len(listed) < self.FIRST_STEPS_LISTED:
-                listed.append(round(1e3 * seconds, 1))
-        return summary
-
-    FIRST_STEPS_LISTED = 40
-
-
-def _allocator_events() -> dict:
-    """The CUDA caching allocator's cumulative retries, cudaMalloc and cudaFree calls ({} off a GPU)."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return {}
-    stats = torch.cuda.memory_stats()
-    return {"alloc_retries": stats.get("num_alloc_retries", 0), "cuda_mallocs": stats.get("num_device_alloc", 0),
-            "cuda_frees": stats.get("num_device_free", 0)}
-
-
-def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:
-    """One issue-15 row as nano-vllm's bench.py runs it: its engine arguments (model, dtype,
-    max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
-    from minivllm import LLM, SamplingParams
-
-    prompts, max_tokens = row_workload(spec)
-    given = {"model": str(ckpt), "dtype": spec.get("dtype", "bfloat16"), "max_model_len": NANO_MAX_MODEL_LEN,
-             **spec.get("engine_args", {})}
-    start = time.perf_counter()
-    llm = LLM(**given)
-    startup_s = time.perf_counter() - start
-    sampling = dict(spec.get("sampling", {}), ignore_eos=True)
-    params = [SamplingParams(**sampling, max_tokens=m) for m in max_tokens]
-    llm.generate([NANO_WARMUP_PROMPT], SamplingParams(**NANO_WARMUP_PARAMS), use_tqdm=False)
-    device = str(llm.llm_engine.device_config.device)
-    _sync(device)
-    if progress is not None:
-        llm.llm_engine.add_logger("progress", ProgressLogger(progress))
-    timeline = StepTimeline()
-    llm.llm_engine.add_logger("timeline", timeline)
-    idle = None
-    if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
-        from decode_latency import GpuIdleProfile
-
-        idle = GpuIdleProfile(llm.llm_engine, at_step=spec["idle_profile_at"])
-        llm.llm_engine.add_logger("gpu_idle", idle)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    _sync(device)
-    elapsed = time.perf_counter() - start
-    result = _result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
-    result["timeline"] = timeline.summary()
-    result["stalls"] = timeline.stalls
-    if idle is not None:
-        result["gpu_idle"] = idle.summary
-    result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
-                  sampling_params=sampling, sampling_params_repr=repr(params[0]),
-                  warmup=f"generate([{NANO_WARMUP_PROMPT!r}], SamplingParams({NANO_WARMUP_PARAMS}))",
-                  startup_s=round(startup_s, 2), prompt_tokens=sum(map(len, prompts)))
-    return result
-
-
-def run_hf_cb_row(spec: dict, ckpt: Path, device: str, progress: Path | None = None) -> dict:
-    """transformers' continuous batching on the row's workload, sampling as the row says
-    (top_k 0 / top_p 1: only the temperature, as nano-vllm samples)."""
-    prompts, max_tokens = row_workload(spec)
-    sampling = spec.get("sampling", {})
-    temperature = sampling.get("temperature", 1.0)
-    result = run_hf_cb(ckpt, prompts, max_tokens, device, temperature=temperature, progress=progress)
-    result.update(sampling_params={"temperature": temperature, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
-                  engine_args={"attn_implementation": result.get("attn_implementation"), "dtype": "bfloat16"})
-    return result
-
-
-def run_row(args: argparse.Namespace) -> int:
-    """`row`: one issue-15 measurement in this process; writes its JSON to --result."""
-    spec = json.loads(args.spec)
-    ckpt = Path(args.ckpt)
-    progress = Path(args.result).with_suffix(".progress.json")
-    if spec.get("system", "minivllm") == "hf-cb":
-        result = run_hf_cb_row(spec, ckpt, args.device, progress)
-    else:
-        result = run_minivllm_row(spec, ckpt, progress)
-    result.update(spec=spec)
-    Path(args.result).write_text(json.dumps(result, indent=1))
-    print(json.dumps({k: v for k, v in result.items() if k not in ("engine_args", "first_outputs")}), flush=True)
-    return 0
 
 
 def simulate_kv_waste(num_seqs: int = NUM_SEQS, num_gpu_blocks: int = 40_000, block_size: int = 16) -> dict:
@@ -464,23 +188,10 @@ def simulate_kv_waste(num_seqs: int = NUM_SEQS, num_gpu_blocks: int = 40_000, bl
 
 
 # --------------------------------------------------------------------------- transformers
-def load_hf(ckpt: Path, device: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.bfloat16).to(device).eval()
-    # EOS ignored, as in the workload: generation stops only at max_new_tokens.
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD_TOKEN_ID
-    return model
-
-
 def run_hf_static(ckpt: Path, prompts, max_tokens, device: str, batch_size: int) -> dict:
-    import torch
-
     model = load_hf(ckpt, device)
     _hf_static_batch(model, prompts[:2], [WARMUP_TOKENS] * 2, device)  # warm-up
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     token_ids, padded_tokens = [], 0
     with torch.inference_mode():
@@ -488,9 +199,9 @@ def run_hf_static(ckpt: Path, prompts, max_tokens, device: str, batch_size: int)
             batch_ids, batch_len = _hf_static_batch(model, prompts[i : i + batch_size], max_tokens[i : i + batch_size], device)
             token_ids += batch_ids
             padded_tokens += batch_len * len(batch_ids)
-    _sync(device)
+    sync(device)
     elapsed = time.perf_counter() - start
-    result = _result(token_ids, max_tokens, elapsed)
+    result = checked_result(token_ids, max_tokens, elapsed)
     result.update(batch_size=batch_size, order="request order (unsorted)", generated_incl_padding=padded_tokens)
     result["first_outputs"] = [t[:16] for t in token_ids[:8]]
     return result
@@ -498,8 +209,6 @@ def run_hf_static(ckpt: Path, prompts, max_tokens, device: str, batch_size: int)
 
 def _hf_static_batch(model, prompts, max_tokens, device: str):
     """One left-padded batch, run to its longest request; each output cut to its max_tokens."""
-    import torch
-
     width = max(len(p) for p in prompts)
     input_ids = torch.full((len(prompts), width), PAD_TOKEN_ID, dtype=torch.long)
     attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
@@ -514,84 +223,6 @@ def _hf_static_batch(model, prompts, max_tokens, device: str):
         raise RuntimeError("transformers stopped a static batch early.")
     return [g[:m] for g, m in zip(generated, max_tokens)], new_tokens
 
-
-def run_hf_cb(ckpt: Path, prompts, max_tokens, device: str, temperature: float = 0.0,
-              progress: Path | None = None) -> dict:
-    """transformers' continuous batching: a manager thread that schedules requests itself.
-    temperature 0 is greedy; above, sampling at that temperature alone (top_k 0, top_p 1)."""
-    import torch
-    from transformers import GenerationConfig
-
-    model = load_hf(ckpt, device)
-    if not hasattr(model, "init_continuous_batching"):
-        return {"error": "this transformers has no init_continuous_batching"}
-    sampling = {"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0} if temperature > 0 \
-        else {"do_sample": False}
-    config = GenerationConfig(**sampling, max_new_tokens=max(max_tokens), eos_token_id=-1,
-                              pad_token_id=PAD_TOKEN_ID)
-    manager = model.init_continuous_batching(generation_config=config)
-    per_request = "max_new_tokens" in inspect.signature(manager.add_request).parameters
-    manager.start()
-    try:
-        _hf_cb_collect(manager, prompts[:2], [WARMUP_TOKENS] * 2, per_request, "warmup")
-        _sync(device)
-        start = time.perf_counter()
-        with torch.inference_mode():
-            token_ids = _hf_cb_collect(manager, prompts, max_tokens, per_request, "req", progress)
-        _sync(device)
-        elapsed = time.perf_counter() - start
-    finally:
-        manager.stop(block=True)
-    if not per_request:  # every request ran to the longest max_tokens; count only what was asked
-        token_ids = [t[:m] for t, m in zip(token_ids, max_tokens)]
-    result = _result(token_ids, max_tokens, elapsed)
-    result.update(per_request_max_new_tokens=per_request,
-                  attn_implementation=getattr(model.config, "_attn_implementation", None))
-    result["first_outputs"] = [t[:16] for t in token_ids[:8]]
-    return result
-
-
-def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str,
-                   progress: Path | None = None) -> list[list[int]]:
-    """Add every request, wait for all; `progress` gets the finished requests' tokens so far."""
-    ids, start, finished_tokens = [], time.monotonic(), 0
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        kwargs = {"max_new_tokens": m} if per_request else {}
-        ids.append(manager.add_request(input_ids=prompt, request_id=f"{prefix}{i}", **kwargs))
-    results = {}
-    while len(results) < len(ids):
-        out = manager.get_result(timeout=1)
-        if out is None:
-            if not manager.is_running():
-                raise RuntimeError("transformers' continuous batching thread stopped early.")
-            continue
-        if out.request_id in ids:
-            results[out.request_id] = list(out.generated_tokens)
-            finished_tokens += min(len(out.generated_tokens), max_tokens[ids.index(out.request_id)])
-            if progress is not None:
-                progress.write_text(json.dumps({"output_tokens_so_far": finished_tokens, "finished_requests_only": True,
-                                                "seconds_so_far": round(time.monotonic() - start, 2)}))
-    return [results[i] for i in ids]
-
-
-# --------------------------------------------------------------------------- shared helpers
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def _result(token_ids: list[list[int]], max_tokens: list[int], elapsed: float) -> dict:
-    """Throughput, after checking that each request got exactly its max_tokens tokens."""
-    counts = [len(t) for t in token_ids]
-    wrong = [i for i, (c, m) in enumerate(zip(counts, max_tokens)) if c != m]
-    if wrong:
-        raise RuntimeError(f"{len(wrong)} requests got the wrong number of tokens, e.g. #{wrong[0]}: "
-                           f"{counts[wrong[0]]} instead of {max_tokens[wrong[0]]}.")
-    output_tokens = sum(counts)
-    return {"num_requests": len(token_ids), "output_tokens": output_tokens, "tokens_checked": True,
-            "elapsed_s": round(elapsed, 3), "output_tokens_per_s": round(output_tokens / elapsed, 1)}
 
 
 def run_one(args: argparse.Namespace) -> int:
@@ -621,7 +252,8 @@ def run_one(args: argparse.Namespace) -> int:
 def run_all(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    report = {"environment": _environment(args.device), "workload": _workload_summary(args.num_seqs),
+    env = environment(args.device)
+    report = {"environment": env, "workload": _workload_summary(args.num_seqs),
               "settings": {"max_model_len": MAX_MODEL_LEN, "max_num_seqs": MAX_NUM_SEQS,
                            "max_num_batched_tokens": MAX_NUM_BATCHED_TOKENS,
                            "gpu_memory_utilization": GPU_MEMORY_UTILIZATION, "hf_subset": args.hf_subset,
@@ -640,7 +272,7 @@ def run_all(args: argparse.Namespace) -> int:
         results["agreement"] = output_agreement(results)
         _save(out, report)
     print(markdown_table(report))
-    plot(report, out / "throughput.png")
+    plot(report, result_path("throughput", env, out, ".png"))
     return 0
 
 
@@ -703,23 +335,7 @@ def _run_decode_latency(args, ckpt: Path, tmp: Path) -> dict:
 
 
 def _save(out: Path, report: dict) -> None:
-    (out / "throughput.json").write_text(json.dumps(report, indent=1))
-
-
-def _environment(device: str) -> dict:
-    import torch
-    import transformers
-
-    env = {"torch": torch.__version__, "transformers": transformers.__version__, "python": platform.python_version()}
-    if device.startswith("cuda") and torch.cuda.is_available():
-        env["gpu"] = torch.cuda.get_device_name()
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except ImportError:
-        pass
-    return env
+    result_path("throughput", report["environment"], out).write_text(json.dumps(report, indent=1))
 
 
 def _workload_summary(num_seqs: int) -> dict:
@@ -822,18 +438,6 @@ def main(argv: list[str] | None = None) -> int:
     one.add_argument("--ckpt", required=True)
     one.add_argument("--result", required=True)
     one.set_defaults(func=run_one)
-    row = sub.add_parser("row", help="one issue-15 measurement (used by `issue15`)")
-    row.add_argument("--spec", required=True, help="JSON: system, engine_args, sampling, num_seqs, ...")
-    row.add_argument("--ckpt", required=True)
-    row.add_argument("--result", required=True)
-    row.add_argument("--device", default="cuda", help="transformers' device (minivllm picks its own)")
-    row.set_defaults(func=run_row)
-    issue = sub.add_parser("issue15", help="issue 15's honest benchmark: every row, each in its own process")
-    issue.add_argument("--out", required=True)
-    issue.add_argument("--smoke", action="store_true", help="tiny config and workload on the CPU, seconds")
-    issue.add_argument("--budget-s", type=float, default=None, help="stop starting rows after this (default 500)")
-    issue.add_argument("--only", nargs="+", default=None, help="run only these row names")
-    issue.set_defaults(func=lambda a: __import__("issue15").main(a))
     waste = sub.add_parser("kv-waste", help="KV-cache waste of the workload (real block manager, no GPU)")
     waste.add_argument("--num-seqs", type=int, default=NUM_SEQS)
     waste.set_defaults(func=lambda a: print(json.dumps(simulate_kv_waste(a.num_seqs))) or 0)

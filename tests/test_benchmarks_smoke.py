@@ -1,13 +1,15 @@
-"""The issue-15 benchmark scripts run end to end on the CPU (tiny model), and measure what they say.
+"""The benchmark scripts run end to end on the CPU (tiny model), and measure what they say.
 
-The GPU numbers come from `python benchmarks/throughput.py issue15 --out DIR` on the GPU
-machine; here we check the same code paths in seconds: the workload is nano-vllm's bench.py
-draw, every row records the engine arguments and sampling it used and checks each request's
-token count, and the budget skips rows rather than overrunning.
+The GPU numbers come from `python benchmarks/nano_vllm_workload.py run --out DIR` (and the
+other scripts) on the GPU machine; here we check the same code paths in seconds: the workload
+is nano-vllm's bench.py draw, every row records the engine arguments and sampling it used and
+checks each request's token count, the budget skips rows rather than overrunning, and the
+scripts import one shared module without a cycle.
 """
 
 from __future__ import annotations
 
+import ast
 import json
 import subprocess
 import sys
@@ -16,14 +18,13 @@ from pathlib import Path
 import pytest
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
-# The scripts import each other by name; their folder is on sys.path only while they are
-# imported, since it also holds `kernels.py`, which must never shadow the `kernels` name in
+# The scripts import their shared module by name; their folder is on sys.path only while they
+# are imported, since it also holds `kernels.py`, which must never shadow the `kernels` name in
 # this process (tests/test_architecture.py checks it).
 sys.path.insert(0, str(BENCHMARKS))
 try:
-    import decode_latency  # noqa: E402
-    import issue15  # noqa: E402
-    import throughput  # noqa: E402
+    import common  # noqa: E402
+    import nano_vllm_workload  # noqa: E402
 finally:
     sys.path.remove(str(BENCHMARKS))
 
@@ -35,46 +36,46 @@ def test_workload_is_nano_vllm_bench_draw():
     random.seed(0)
     prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, 1024))] for _ in range(256)]
     max_tokens = [random.randint(100, 1024) for _ in range(256)]
-    assert throughput.make_workload() == (prompts, max_tokens)
+    assert common.make_workload() == (prompts, max_tokens)
     assert sum(max_tokens) == 133_966  # the output-token count nano-vllm's bench.py reports
 
 
 def test_row_workload_caps_only_when_asked():
-    prompts, max_tokens = throughput.row_workload({"num_seqs": 3, "prompt_cap": 5, "max_tokens_cap": 7})
-    full_prompts, full_max = throughput.make_workload()
+    prompts, max_tokens = common.row_workload({"num_seqs": 3, "prompt_cap": 5, "max_tokens_cap": 7})
+    full_prompts, full_max = common.make_workload()
     assert prompts == [p[:5] for p in full_prompts[:3]]
     assert max_tokens == [min(m, 7) for m in full_max[:3]]
-    assert throughput.row_workload({}) == (full_prompts, full_max)
+    assert common.row_workload({}) == (full_prompts, full_max)
 
 
 def test_headline_row_changes_no_engine_argument():
     """The headline is `LLM()` defaults at temperature 0.6: no engine_args in its spec."""
-    headline = next(row for row in issue15.ROWS if row.name == "headline")
+    headline = next(row for row in nano_vllm_workload.ROWS if row.name == "headline")
     assert "engine_args" not in headline.spec and "system" not in headline.spec
     assert headline.spec["sampling"] == {"temperature": 0.6}
-    assert headline is issue15.ROWS[0]
+    assert headline is nano_vllm_workload.ROWS[0]
 
 
 def test_budget_skips_a_row_instead_of_starting_it(tmp_path):
-    runner = issue15.Runner(tmp_path, budget_s=issue15.MIN_ROW_S - 1)
+    runner = nano_vllm_workload.Runner(tmp_path, budget_s=nano_vllm_workload.MIN_ROW_S - 1)
     marker = tmp_path / "ran"
     status = runner.run("x", [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], timeout_s=60)
     assert status["error"].startswith("skipped") and not marker.exists()
 
 
 def test_a_row_past_its_timeout_is_killed(tmp_path):
-    runner = issue15.Runner(tmp_path, budget_s=60, min_row_s=0.5)
+    runner = nano_vllm_workload.Runner(tmp_path, budget_s=60, min_row_s=0.5)
     status = runner.run("slow", [sys.executable, "-c", "import time; time.sleep(60)"], timeout_s=2)
     assert status["error"].startswith("timed out") and status["wall_s"] < 10
 
 
-def test_issue15_smoke_end_to_end(tmp_path):
+def test_nano_vllm_workload_smoke_end_to_end(tmp_path):
     """One row of each kind through the real entry point (each its own process), on the CPU."""
-    cmd = [sys.executable, str(BENCHMARKS / "throughput.py"), "issue15", "--smoke", "--out", str(tmp_path),
+    cmd = [sys.executable, str(BENCHMARKS / "nano_vllm_workload.py"), "run", "--smoke", "--out", str(tmp_path),
            "--only", "headline", "prefill-attn", "batch1", "full-batch", "serving", "serving-inproc"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    report = json.loads((tmp_path / "issue15.json").read_text())
+    report = json.loads((tmp_path / "nano_vllm_workload_cpu.json").read_text())  # named for the benchmark and machine
     rows = report["rows"]
     assert set(rows) == {"headline", "prefill-attn", "batch1", "full-batch", "serving", "serving-inproc"}
     assert not [name for name, r in rows.items() if "error" in r], rows
@@ -82,7 +83,7 @@ def test_issue15_smoke_end_to_end(tmp_path):
     headline = rows["headline"]
     assert headline["tokens_checked"] and headline["output_tokens"] == headline["num_requests"] * 8
     assert headline["sampling_params"] == {"temperature": 0.6, "ignore_eos": True}
-    defaults = throughput.engine_args_used({})
+    defaults = common.engine_args_used({})
     changed = {k for k, v in headline["engine_args"].items() if v != defaults[k]}
     assert changed == {"model", "dtype", "max_model_len"}  # only what nano-vllm's bench.py gives
     assert headline["engine_args"]["max_model_len"] == 4096
@@ -107,37 +108,37 @@ def test_issue15_smoke_end_to_end(tmp_path):
         assert serving["output_tokens_per_s"] > 0
     assert "--disable-frontend-multiprocessing" in rows["serving-inproc"]["server_cmd"]
     assert "--disable-frontend-multiprocessing" not in rows["serving"]["server_cmd"]
-    assert rows["serving"]["client_processes"] == issue15.SERVING_CLIENT_PROCESSES > 1
+    assert rows["serving"]["client_processes"] == nano_vllm_workload.SERVING_CLIENT_PROCESSES > 1
 
-    table = (tmp_path / "issue15.md").read_text()
+    table = (tmp_path / "nano_vllm_workload_cpu.md").read_text()
     assert "nano-vllm bench.py" in table and "serving / offline" in table and "full batch (4 sequences" in table
 
 
 @pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb", "serving-inproc", "serving-1client"])
 def test_every_extra_row_is_labelled(name):
-    row = next(row for row in issue15.ROWS if row.name == name)
-    assert row.label and row.label != issue15.ROWS[0].label
+    row = next(row for row in nano_vllm_workload.ROWS if row.name == name)
+    assert row.label and row.label != nano_vllm_workload.ROWS[0].label
 
 
 def test_progress_logger_says_how_far_an_unfinished_row_got(tmp_path):
     from types import SimpleNamespace
 
     path = tmp_path / "row.progress.json"
-    logger = throughput.ProgressLogger(path)
+    logger = common.ProgressLogger(path)
     logger.log(SimpleNamespace(num_generation_tokens_iter=5, now=logger.start + 0.1))
     assert not path.exists()  # written every PROGRESS_EVERY_S only
-    logger.log(SimpleNamespace(num_generation_tokens_iter=7, now=logger.start + throughput.PROGRESS_EVERY_S + 1))
+    logger.log(SimpleNamespace(num_generation_tokens_iter=7, now=logger.start + common.PROGRESS_EVERY_S + 1))
     progress = json.loads(path.read_text())
-    assert progress["output_tokens_so_far"] == 12 and progress["seconds_so_far"] > throughput.PROGRESS_EVERY_S
+    assert progress["output_tokens_so_far"] == 12 and progress["seconds_so_far"] > common.PROGRESS_EVERY_S
     report = {"labels": {"penalties": "penalties row"},
               "rows": {"penalties": {"error": "timed out after 80 s", "partial": progress}}}
-    assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in issue15.markdown_table(report)
+    assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in nano_vllm_workload.markdown_table(report)
 
 
 def test_serving_split_runs_each_layer(tmp_path):
     """benchmarks/serving_split.py on the CPU: the offline modes (a ramp included) and the engine
     process each deliver the whole workload (the script checks every stream's token count)."""
-    ckpt = throughput.build_checkpoint("qwen3-0.6b", tmp_path, "cpu", issue15.SMOKE_CONFIG)
+    ckpt = common.build_checkpoint("qwen3-0.6b", tmp_path, "cpu", nano_vllm_workload.SMOKE_CONFIG)
     reports = []
     for layer, modes in (("offline", ["final", "delta-wire", "cumulative-wire:0.05"]), ("mq", ["delta", "cumulative"])):
         run = subprocess.run([sys.executable, str(BENCHMARKS / "serving_split.py"), "--smoke", str(ckpt), layer, *modes],
@@ -165,7 +166,7 @@ def test_gpu_idle_gaps_charges_each_hole_to_the_host_phase_it_overlaps():
     hole of at least min_gap is idle, split between the labelled host phases over it."""
     kernels = [(0, 10), (5, 12), (12.5, 20), (40, 50), (50, 52), (70, 80)]
     phases = [("schedule", 15, 30), ("process outputs", 60, 65)]
-    busy, gaps, by_phase = decode_latency.gpu_idle_gaps(kernels, phases, min_gap=1.0)
+    busy, gaps, by_phase = common.gpu_idle_gaps(kernels, phases, min_gap=1.0)
     assert busy == 12 + 7.5 + 10 + 2 + 10  # [0, 12] once, the 0.5 hole is launch spacing
     assert gaps == [(20, 40), (52, 70)]
     assert by_phase == {"schedule": 10, "process outputs": 5, "other": 10 + 13}
@@ -177,8 +178,50 @@ def test_all_reduce_waits_splits_each_collective_into_its_own_time_and_a_wait():
     time and the earlier one waited the difference. A kernel with no partner is left out."""
     rank0 = [("ar", 0, 30), ("ar", 100, 10), ("ar", 200, 12)]
     rank1 = [("ar", 20, 10), ("ar", 95, 15), ("ar", 150, 5), ("ar", 201, 11)]
-    waits = decode_latency.all_reduce_waits(rank0, rank1)
+    waits = common.all_reduce_waits(rank0, rank1)
     assert waits["paired_all_reduces"] == 3
     assert waits["own_time_ms"] == (10 + 10 + 11) / 1e3
     assert waits["rank0_waited_ms"] == (20 + 0 + 1) / 1e3 and waits["rank1_waited_ms"] == 5 / 1e3
     assert waits["rank0_waited_in"] == 2 and waits["end_spread_median_us"] == 0
+
+
+def _sibling_imports(path: Path, siblings: set[str]) -> set[str]:
+    """The benchmarks/ modules that `path` imports, at the top or inside a function."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names & siblings - {path.stem}
+
+
+def test_benchmark_scripts_import_no_cycle_and_share_one_helper_module():
+    """Every script reaches its shared code through common.py; no two scripts import each other
+    in a circle (an import graph with a cycle has no order in which to load its modules)."""
+    scripts = {path.stem: path for path in BENCHMARKS.glob("*.py")}
+    graph = {name: _sibling_imports(path, set(scripts)) for name, path in scripts.items()}
+    assert graph["common"] == set()  # the shared module imports no script
+    done, visiting = set(), []
+
+    def visit(name: str) -> None:
+        assert name not in visiting, f"import cycle: {' -> '.join(visiting[visiting.index(name):] + [name])}"
+        if name in done:
+            return
+        visiting.append(name)
+        for imported in sorted(graph[name]):
+            visit(imported)
+        visiting.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+    assert {"common"} <= set().union(*graph.values())
+
+
+def test_gpu_tag_names_a_result_for_its_machine():
+    assert common.gpu_tag("NVIDIA H100 80GB HBM3") == "h100"
+    assert common.gpu_tag("NVIDIA H200", 2) == "h200x2"
+    assert common.gpu_tag(None) == "cpu"
+    env = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1}
+    assert common.result_path("throughput", env, Path("out")) == Path("out/throughput_h100.json")

@@ -1,7 +1,8 @@
-"""Issue 15's honest benchmark: every measurement in one command, each in its own process.
+"""nano-vllm's bench.py workload as bench.py runs it, and labelled variations: one command, each row its own process.
 
-    python benchmarks/throughput.py issue15 --out results/      # on one GPU, about 8.5 minutes
-    python benchmarks/throughput.py issue15 --out /tmp/s --smoke  # tiny model on the CPU, seconds
+    python benchmarks/nano_vllm_workload.py run --out DIR             # on one GPU, about 8.5 minutes
+    python benchmarks/nano_vllm_workload.py run --out DIR --only headline hf-cb
+    python benchmarks/nano_vllm_workload.py run --out /tmp/s --smoke  # tiny model on the CPU, seconds
 
 The headline is nano-vllm's offline benchmark exactly as its bench.py runs it (256 requests,
 random prompt ids of 100-1024 tokens, 100-1024 new tokens, temperature 0.6, ignore_eos, its
@@ -15,10 +16,10 @@ that matter most first, so a run cut short still has them):
     greedy        defaults, temperature 0
     top-p-k       defaults, temperature 0.6, top_p 0.95, top_k 50
     penalties     defaults, temperature 0.6, repetition 1.1, frequency 0.5, presence 0.5
-    prefill-attn  paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (benchmarks/kernels.py)
-    batch1        decode step and TPOT at batch 1, one-step profile (benchmarks/decode_latency.py)
-    full-batch    the headline's 256 requests once all decode: step time and a one-step profile
-    serving       256 streaming clients through the OpenAI server (benchmarks/serving.py)
+    prefill-attn  paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (kernels.py --prefill)
+    batch1        decode step and TPOT at batch 1, one-step profile (decode_latency.py --batch1)
+    full-batch    the headline's 256 requests once all decode: step time and profiles (decode_latency.py)
+    serving       256 streaming clients through the OpenAI server (serving.py --workload)
     llama-1b      Llama-3.2-1B shape, defaults, temperature 0.6
     ms16          tuned: num_scheduler_steps=16, temperature 0.6
     eager         enforce_eager=True, temperature 0.6
@@ -26,8 +27,9 @@ that matter most first, so a run cut short still has them):
 Before a model's first minivllm row, one untimed process ("prime") runs the engine on a slice
 of the workload with each of that model's sampling modes, so Triton's on-disk cache holds the
 kernels (a user's second run of bench.py on a machine sees the same). Each row has a timeout; no row starts once the budget is spent,
-and a row never runs past it. Results go to OUT/issue15.json after every row, the markdown
-table to OUT/issue15.md, subprocess logs to OUT/logs/.
+and a row never runs past it. Results go to OUT/nano_vllm_workload_<gpu>.json after every row
+(the name of the latest result in benchmarks/results/), the markdown table to the same name with
+.md, subprocess logs to OUT/logs/.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from common import (NANO_MAX_MODEL_LEN, NANO_WARMUP_PARAMS, NANO_WARMUP_PROMPT, GpuIdleProfile, ProgressLogger,
+                    StepTimeline, build_checkpoint, checked_result, engine_args_used, environment, kernel_name,
+                    make_workload, resolved_engine_settings, result_path, row_workload, run_hf_cb, sync,
+                    triton_cache_entries)
 
 HERE = Path(__file__).parent
 BUDGET_S = 480.0  # the whole run, checkpoints included: fits a 9-minute device call with margin
@@ -112,7 +119,7 @@ ROWS = [
         spec={"sampling": TEMPERATURE, "engine_args": {"enforce_eager": True}}),
 ]
 ROW_NAMES = [row.name for row in ROWS]
-TARGETS = {"headline": 16_000, "greedy": 20_000, "llama-1b": 24_000}  # output tok/s on one H100 (issue 15)
+TARGETS = {"headline": 16_000, "greedy": 20_000, "llama-1b": 24_000}  # the project's output tok/s targets, one H100
 
 
 # --------------------------------------------------------------------------- running
@@ -155,7 +162,7 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
         spec = {**row.spec, **(SMOKE_WORKLOAD if smoke else {})}
         if smoke and row.spec.get("num_seqs"):
             spec["num_seqs"] = min(row.spec["num_seqs"], SMOKE_WORKLOAD["num_seqs"])
-        return [py, str(HERE / "throughput.py"), "row", "--spec", json.dumps(spec), "--ckpt", str(ckpt),
+        return [py, __file__, "row", "--spec", json.dumps(spec), "--ckpt", str(ckpt),
                 "--result", str(result), "--device", "cpu" if smoke else "cuda"]
     if row.kind == "prefill":
         return [py, str(HERE / "kernels.py"), "--prefill", "--out", str(result.parent / "prefill")] + \
@@ -189,15 +196,16 @@ def main(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown rows {sorted(unknown)}; choose from {ROW_NAMES}")
     rows = [row for row in ROWS if not args.only or row.name in args.only]
-    tmp = Path(tempfile.mkdtemp(prefix="minivllm-issue15-"))
+    tmp = Path(tempfile.mkdtemp(prefix="minivllm-workload-"))
     report = {"command": " ".join(sys.argv), "smoke": args.smoke, "budget_s": budget, "rows": {},
               "labels": {row.name: row.label for row in rows}, "targets_tok_s": TARGETS}
-    save = lambda: (out / "issue15.json").write_text(json.dumps(report, indent=1))  # noqa: E731
 
     models = sorted({row.model for row in rows if row.kind != "prefill"}, key=["qwen3-0.6b", "llama-3.2-1b"].index)
     build = [sys.executable, __file__, "build", "--dir", str(tmp), "--models", *models] + (["--smoke"] if args.smoke else [])
     report["build"] = runner.run("build", build, 120) if models else {}
     report["environment"] = json.loads((tmp / "environment.json").read_text()) if (tmp / "environment.json").exists() else {}
+    result_json = result_path("nano_vllm_workload", report["environment"], out)
+    save = lambda: result_json.write_text(json.dumps(report, indent=1))  # noqa: E731
     save()
     report["prime"] = {}
     for row in rows:
@@ -225,46 +233,28 @@ def main(args: argparse.Namespace) -> int:
         save()
     report["total_s"] = round(time.perf_counter() - runner.start, 1)
     save()
-    shutil.rmtree(tmp, ignore_errors=True)  # the checkpoints (GBs); every number is in issue15.json
+    shutil.rmtree(tmp, ignore_errors=True)  # the checkpoints (GBs); every number is in the JSON
     table = markdown_table(report)
-    (out / "issue15.md").write_text(table + "\n")
+    result_json.with_suffix(".md").write_text(table + "\n")
     print(table)
     # Skipped for the budget is not a failure; a row that broke or ran out of its own time is.
     return int(any(not r["error"].startswith("skipped") for r in report["rows"].values() if "error" in r))
 
 
-def triton_cache_entries() -> list[Path]:
-    """Compiled kernels in Triton's on-disk cache (one folder each)."""
-    cache = Path(os.environ.get("TRITON_CACHE_DIR", Path.home() / ".triton" / "cache"))
-    return [entry for entry in cache.iterdir() if entry.is_dir()] if cache.is_dir() else []
-
-
-def kernel_name(entry: Path) -> str:
-    """The kernel a cache folder holds (its files are named after it)."""
-    names = sorted({f.name.split(".")[0] for f in entry.iterdir() if f.suffix == ".json"} - {"__grp__"})
-    return ",".join(name.removeprefix("__grp__") for name in names) or entry.name
-
-
 # --------------------------------------------------------------------------- the steps before the rows
 def build(args: argparse.Namespace) -> int:
     """Random-weight checkpoints of the models, and the environment, into --dir."""
-    sys.path.insert(0, str(HERE))
-    import throughput
-
     device = "cpu" if args.smoke else "cuda"
     directory = Path(args.dir)
     for model in args.models:
-        throughput.build_checkpoint(model, directory, device, SMOKE_CONFIG if args.smoke else None)
-    (directory / "environment.json").write_text(json.dumps(throughput._environment(device)))
+        build_checkpoint(model, directory, device, SMOKE_CONFIG if args.smoke else None)
+    (directory / "environment.json").write_text(json.dumps(environment(device)))
     return 0
 
 
 def prime(args: argparse.Namespace) -> int:
     """Untimed: every sampling mode of the model's rows once, on workload-length prompts, so
     Triton's cache holds the kernels before the first timed row (a first run on a machine compiles)."""
-    sys.path.insert(0, str(HERE))
-    from throughput import NANO_MAX_MODEL_LEN, make_workload
-
     from minivllm import LLM, SamplingParams
 
     prompts, _ = make_workload()
@@ -277,6 +267,73 @@ def prime(args: argparse.Namespace) -> int:
                      use_tqdm=False)
     return 0
 
+
+# --------------------------------------------------------------------------- one throughput row
+def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> dict:
+    """One throughput row as nano-vllm's bench.py runs it: its engine arguments (model, dtype,
+    max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
+    from minivllm import LLM, SamplingParams
+
+    prompts, max_tokens = row_workload(spec)
+    given = {"model": str(ckpt), "dtype": spec.get("dtype", "bfloat16"), "max_model_len": NANO_MAX_MODEL_LEN,
+             **spec.get("engine_args", {})}
+    start = time.perf_counter()
+    llm = LLM(**given)
+    startup_s = time.perf_counter() - start
+    sampling = dict(spec.get("sampling", {}), ignore_eos=True)
+    params = [SamplingParams(**sampling, max_tokens=m) for m in max_tokens]
+    llm.generate([NANO_WARMUP_PROMPT], SamplingParams(**NANO_WARMUP_PARAMS), use_tqdm=False)
+    device = str(llm.llm_engine.device_config.device)
+    sync(device)
+    if progress is not None:
+        llm.llm_engine.add_logger("progress", ProgressLogger(progress))
+    timeline = StepTimeline()
+    llm.llm_engine.add_logger("timeline", timeline)
+    idle = None
+    if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
+        idle = GpuIdleProfile(llm.llm_engine, at_step=spec["idle_profile_at"])
+        llm.llm_engine.add_logger("gpu_idle", idle)
+    start = time.perf_counter()
+    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+    sync(device)
+    elapsed = time.perf_counter() - start
+    result = checked_result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result["timeline"] = timeline.summary()
+    result["stalls"] = timeline.stalls
+    if idle is not None:
+        result["gpu_idle"] = idle.summary
+    result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),
+                  sampling_params=sampling, sampling_params_repr=repr(params[0]),
+                  warmup=f"generate([{NANO_WARMUP_PROMPT!r}], SamplingParams({NANO_WARMUP_PARAMS}))",
+                  startup_s=round(startup_s, 2), prompt_tokens=sum(map(len, prompts)))
+    return result
+
+
+def run_hf_cb_row(spec: dict, ckpt: Path, device: str, progress: Path | None = None) -> dict:
+    """transformers' continuous batching on the row's workload, sampling as the row says
+    (top_k 0 / top_p 1: only the temperature, as nano-vllm samples)."""
+    prompts, max_tokens = row_workload(spec)
+    sampling = spec.get("sampling", {})
+    temperature = sampling.get("temperature", 1.0)
+    result = run_hf_cb(ckpt, prompts, max_tokens, device, temperature=temperature, progress=progress)
+    result.update(sampling_params={"temperature": temperature, "top_k": 0, "top_p": 1.0, "ignore_eos": True},
+                  engine_args={"attn_implementation": result.get("attn_implementation"), "dtype": "bfloat16"})
+    return result
+
+
+def run_row(args: argparse.Namespace) -> int:
+    """`row`: one throughput row in this process; writes its JSON to --result."""
+    spec = json.loads(args.spec)
+    ckpt = Path(args.ckpt)
+    progress = Path(args.result).with_suffix(".progress.json")
+    if spec.get("system", "minivllm") == "hf-cb":
+        result = run_hf_cb_row(spec, ckpt, args.device, progress)
+    else:
+        result = run_minivllm_row(spec, ckpt, progress)
+    result.update(spec=spec)
+    Path(args.result).write_text(json.dumps(result, indent=1))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("engine_args", "first_outputs")}), flush=True)
+    return 0
 
 # --------------------------------------------------------------------------- reporting
 def markdown_table(report: dict) -> str:
@@ -358,7 +415,7 @@ def timeline_table(timeline: dict) -> list[str]:
 def cli(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run = sub.add_parser("run", help="every row (the same as `throughput.py issue15`)")
+    run = sub.add_parser("run", help="every row (or --only some), each in its own process")
     run.add_argument("--out", required=True)
     run.add_argument("--smoke", action="store_true")
     run.add_argument("--budget-s", type=float, default=None)
@@ -372,6 +429,12 @@ def cli(argv: list[str] | None = None) -> int:
     prime_cmd = sub.add_parser("prime")
     prime_cmd.add_argument("--ckpt", required=True)
     prime_cmd.set_defaults(func=prime)
+    row = sub.add_parser("row", help="one throughput row in this process (used by `run`)")
+    row.add_argument("--spec", required=True, help="JSON: system, engine_args, sampling, num_seqs, ...")
+    row.add_argument("--ckpt", required=True)
+    row.add_argument("--result", required=True)
+    row.add_argument("--device", default="cuda", help="transformers' device (minivllm picks its own)")
+    row.set_defaults(func=run_row)
     args = parser.parse_args(argv)
     return args.func(args)
 
