@@ -33,14 +33,16 @@ window.addEventListener("load", () => {
 });
 </script>"""
 PAGES = {
-    "index.html": ["minivllm", "中文首页"],
+    "index.html": ["minivllm", "中文首页", "download.pytorch.org/whl/cpu"],
+    "usage/index.html": ["Using minivllm", "download.pytorch.org/whl/cpu", "How generation ends"],
     "modules/index.html": ["Who calls whom", "Common misconceptions", "The preemption victim is the back"],
     "learning-path/index.html": ["read next in vLLM", "block_manager_v1.py"],
     "exercises/index.html": ["check_slot_mapping"],
     "notebooks/00_tour/index.html": ["A tour of minivllm", "Exercise 00.1"],
     "notebooks/02_blocks_and_block_tables/index.html": ["Blocks and block tables", "slot_mapping"],
     "notebooks/14_engine_end_to_end/index.html": ["The engine, end to end"],
-    "zh/index.html": ["教学用参考实现"],
+    "zh/index.html": ["教学用参考实现", "download.pytorch.org/whl/cpu"],
+    "zh/usage/index.html": ["使用指南", "生成何时结束"],
     "zh/learning-path/index.html": ["接下来读 vLLM"],
     "zh/interview/index.html": ["面试标准答案", "写时复制"],
     "zh/glossary/index.html": ["槽位映射", "连续批处理", "投机解码"],

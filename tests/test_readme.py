@@ -1,0 +1,53 @@
+"""The README stays a short page for users: under 150 lines, CPU-first install, the exact test
+command CI runs, one notebook row per notebook, and links that lead somewhere."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+MAX_LINES = 150
+CPU_TORCH = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+TEST_COMMAND = 'pip install -e ".[dev]" && pytest'  # .ci/run runs this line verbatim
+
+
+def test_readme_is_under_150_lines():
+    assert len(README.splitlines()) < MAX_LINES, "move the detail into docs/ (docs/usage.md)"
+
+
+def test_quickstart_installs_cpu_torch_first_then_generates_then_tests():
+    cpu, generate, tests = (README.index(s) for s in (CPU_TORCH, 'pip install -e . && minivllm generate "ROMEO:"',
+                                                      TEST_COMMAND))
+    assert cpu < generate < tests
+
+
+def test_ci_runs_the_readmes_test_command_verbatim():
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    assert TEST_COMMAND in README and ci.rstrip().splitlines()[-1] == TEST_COMMAND
+
+
+def test_the_site_home_pages_install_cpu_torch_first():
+    for page in ("docs/index.md", "docs/zh/index.md", "docs/usage.md"):
+        text = (ROOT / page).read_text(encoding="utf-8")
+        assert CPU_TORCH in text and text.index(CPU_TORCH) < text.index("pip install -e ."), page
+
+
+def test_the_notebook_table_has_one_row_per_notebook():
+    rows = re.findall(r"^\| (\d\d) \| \[[^\]]+\]\(notebooks/(\d\d_\w+\.ipynb)\)", README, flags=re.M)
+    notebooks = sorted(p.name for p in (ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
+    assert [name for _, name in rows] == notebooks
+    assert all(name.startswith(number) for number, name in rows)
+
+
+def test_relative_links_lead_to_files():
+    for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", README):
+        if "://" not in target:
+            assert (ROOT / target).exists(), target
+
+
+def test_benchmark_figures_come_with_their_page():
+    section = README.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
+    header = next(line for line in section.splitlines() if line.startswith("| "))
+    assert "docs/benchmarks.md" in section and "peer" in header and "GPU" in header
