@@ -1,81 +1,22 @@
 """The scheduler: which requests run in the next model step, and with how many tokens.
 
-Mirrors `vllm/core/scheduler.py` (v0, ~0.6). Every step the engine calls `schedule()`; it
-moves `SequenceGroup`s between three queues and returns what the worker runs:
+Mirrors `vllm/core/scheduler.py` (v0, ~0.6). Each `schedule()` moves `SequenceGroup`s between
+three queues and returns the batch (iteration-level, "continuous" batching):
 
     waiting  new prompts, and groups preempted by recompute (their KV cache was dropped)
     running  groups with blocks on the GPU: decoding, or (chunked prefill) mid-prompt
     swapped  groups preempted by swap (their KV cache sits in the CPU pool)
 
-This is iteration-level ("continuous") batching: a finished request leaves the batch at
-the end of a step and a waiting one can join at the next, instead of a whole batch waiting
-for its longest member.
-
-Default mode, `_schedule_default` (vLLM v0's order, step by step):
-    1. The budget (`max_num_batched_tokens`, `max_num_seqs`) first counts every running
-       sequence, so new prompts cannot push the batch past `max_num_seqs`.
-    2. If nothing is swapped: admit waiting prompts in queue order while they fit the
-       budget and the block manager says OK. LATER stops admission (head-of-line: FCFS
-       never lets a later request overtake); NEVER, a prompt over the prompt limit, or more
-       sequences (n, best_of) than `max_num_seqs` finishes the request as FINISHED_IGNORED
-       with a reason.
-    3. If no prompt was admitted and the policy is "priority": preempt running groups of
-       lower priority (by recompute) until the waiting head fits (`_schedule_priority_preemption`).
-    4. If no prompt was admitted: decode every running group. When a group cannot get a
-       slot for its next token, preempt from the back of the running queue (lowest priority,
-       latest arrival) until it can; if it is the last one left, preempt the group itself.
-    5. If nothing was preempted in 4: swap groups back in while they fit.
-    So a step is all prefills or all decodes; new prompts win over decodes (throughput),
-    swapped groups win over new prompts (they are older and hold CPU memory).
-
-Chunked prefill, `_schedule_chunked_prefill` (`enable_chunked_prefill=True`):
-    0. With policy "priority": priority preemption, as in step 3 above.
-    1. Running groups, decodes first (one token each), then unfinished prompt chunks cut to
-       the remaining token budget; preemption as in step 4 above.
-    2. If nothing was preempted: swap groups back in.
-    3. New prompts, the last one cut to what is left of the token budget.
-    One step mixes decodes and prompt chunks, so a long prompt no longer stalls every
-    decode behind it (better inter-token latency, at some cost in time to first token).
-
-Preemption mode (`_preempt`): recompute when the group has one running sequence, swap
-otherwise (vLLM v0's rule); `SchedulerConfig.preemption_mode` overrides it. Two cases
-vLLM v0 leaves to an assert or a crash are handled here, never crashing the engine:
-    - a group with several running sequences (n > 1 after its fork) cannot be recomputed
-      (its sequences no longer share one prompt), so it is swapped even under "recompute";
-    - when a swap is needed but the CPU pool is full, a one-sequence group falls back to
-      recompute, and a several-sequence group is finished as FINISHED_ABORTED with
-      `finish_message` saying why (vLLM v0 raises "Aborted due to the lack of CPU swap
-      space") and returned in `ignored_seq_groups`, so the engine reports it.
-
-Multi-step (`num_scheduler_steps` > 1): a decoding group with one sequence also gets
-lookahead slots for the further tokens of the run (`_num_lookahead_slots`), reserved by
-`append_slots`; when they do not fit, the group runs with none instead of preempting anyone.
-
-Prefix caching: at admission a sequence's `num_computed_tokens` is set to the number of
-leading tokens whose KV blocks the cache already holds (`get_num_cached_tokens`), so those
-tokens are neither computed nor counted against the token budget.
-
-KV connector (`kv_connector`, the scheduler side of `minivllm.distributed.kv_transfer`): at
-admission it is asked how many tokens after the local hits an outside store holds
-(`get_num_new_matched_tokens`); they count as cached exactly like prefix-cache hits, are told
-the blocks they land in (`update_state_after_alloc`) and load inside the step. Each step's
-loads and saves go to the workers as `SchedulerOutputs.kv_connector_metadata`
-(`build_connector_meta`); a finished request is reported (`request_finished`).
-
-Differences from vLLM v0 worth knowing (each keeps an invariant the tests check):
-    - Queues are sorted by the policy at each step (FCFS: arrival time; priority:
-      (priority, arrival time)); with chunked prefill running decodes go before prompt chunks.
-    - Both modes count running sequences up front, so the running set never exceeds
-      `max_num_seqs`; a several-sequence decode that does not fit the remaining token budget
-      waits instead of overflowing it.
-    - Priority preemption only recomputes one-sequence groups (vLLM v0 may swap a victim
-      and then put it in the waiting queue) and also runs with chunked prefill.
-    - A swapped group that cannot come back even with an idle GPU (LATER because of the
-      watermark) is ignored instead of blocking the queue forever, and its CPU blocks freed.
-    - vLLM v0 wants one free block per running sequence before it lets a group grow; here
-      that rule is waived when no sequence actually needs a new block (a prompt being
-      chunked, a last block with room), else a group filling the whole pool preempts
-      itself forever.
+`_schedule_default`: count the running sequences, admit prompts (FCFS head-of-line; too long
+-> FINISHED_IGNORED), else decode every running group (preempting from the back when blocks
+run out), then swap groups back in: a step is all prefills or all decodes.
+`_schedule_chunked_prefill`: decodes first, then prompt chunks cut to the token budget, then
+swap-ins, then new prompts: one step mixes both.
+`_preempt`: recompute a one-sequence group, swap otherwise; a swap with the CPU pool full
+recomputes a lone sequence or aborts the group (`finish_message`).
+Lookahead slots (`num_lookahead_slots`) reserve a decode's further tokens of a multi-step run.
+LoRA adapters and a KV connector are consulted through one object each (`lora_slots`,
+`kv_connector`), whose defaults do nothing; `async_scheduler.py` schedules a run ahead.
 """
 
 from __future__ import annotations
@@ -88,6 +29,8 @@ from dataclasses import dataclass, field
 
 from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
+from minivllm.core.kv_connector_hook import NoKVConnector
+from minivllm.core.lora_slots import LoRASlots
 from minivllm.core.policy import PolicyFactory
 from minivllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
@@ -203,7 +146,7 @@ class _StepState:
     blocks_to_swap_out: BlockMapping = field(default_factory=list)
     blocks_to_copy: BlockMapping = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
-    # LoRA adapter ids of the running set after this step (at most max_loras of them).
+    # LoRA adapter ids of the running set after this step (`Scheduler.lora_slots` counts them).
     curr_loras: set[int] = field(default_factory=set)
 
     @property
@@ -221,26 +164,18 @@ class Scheduler:
     Args (vLLM 0.6.3's order):
         scheduler_config: budgets and policies.
         cache_config: block size, pool sizes (`num_gpu_blocks` must be set) and prefix caching.
-        lora_config: None, or a `LoRAConfig`: at most `max_loras` distinct adapters among the
-            running groups (so in any batch); a waiting or swapped group whose adapter would
-            be one too many is passed over (the groups behind it may go first) until one
-            finishes. vLLM does the same in `_schedule_prefills` / `_schedule_swapped`.
+        lora_config: None, or a `LoRAConfig`: its `max_loras` adapter slots (`lora_slots`).
         pipeline_parallel_size: must be 1 (one device).
         output_proc_callback: must be None: vLLM's asynchronous output processing hands
             outputs over through it; here the engine processes them itself.
         clock: (keyword-only, not in vLLM) time source for request metrics.
-        kv_connector: (keyword-only) the scheduler side of a KV connector, or None.
-
-    `schedule()` returns vLLM's three values; the third, `allow_async_output_proc`, is
-    always False here. Unsupported arguments raise ValueError (vLLM asserts).
+        kv_connector: (keyword-only) the scheduler side of a KV connector; None: `NoKVConnector`.
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: object | None = None, pipeline_parallel_size: int = 1,
                  output_proc_callback: Callable | None = None, *,
                  clock: Callable[[], float] = time.monotonic, kv_connector: object | None = None) -> None:
-        if lora_config is not None and not isinstance(lora_config, LoRAConfig):
-            raise ValueError(f"lora_config must be a LoRAConfig or None, got {type(lora_config).__name__}.")
         if pipeline_parallel_size != 1:
             raise ValueError(f"minivllm runs on one device: pipeline_parallel_size must be 1, "
                              f"got {pipeline_parallel_size}.")
@@ -253,8 +188,9 @@ class Scheduler:
         self.scheduler_config = scheduler_config
         self.cache_config = cache_config
         self.lora_config = lora_config
+        self.lora_slots = LoRASlots.from_config(lora_config)
         self.clock = clock
-        self.kv_connector = kv_connector
+        self.kv_connector = kv_connector or NoKVConnector()
         self.policy = PolicyFactory.get_policy(scheduler_config.policy)
         self.block_manager = BlockSpaceManager(
             block_size=cache_config.block_size,
@@ -270,9 +206,6 @@ class Scheduler:
         self.running: deque[SequenceGroup] = deque()
         self.swapped: deque[SequenceGroup] = deque()
         self.num_cumulative_preemption = 0
-        # Tokens each running sequence has on the device, sampled but not yet appended
-        # (1 while `schedule_ahead` runs, else 0).
-        self._in_flight_tokens = 0
 
     # ============================================================ requests in / out
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
@@ -332,53 +265,8 @@ class Scheduler:
             metadata.append(self._make_metadata(scheduled))
             # The step runs before the next schedule: its full blocks may be cached now.
             self.block_manager.mark_blocks_as_computed(seq_group, scheduled.token_chunk_size)
-        if self.kv_connector is not None:
-            outputs.kv_connector_metadata = self.kv_connector.build_connector_meta(outputs)
+        outputs.kv_connector_metadata = self.kv_connector.build_connector_meta(outputs)
         return metadata, outputs, False
-
-    def schedule_ahead(self, in_flight: set[str]) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs] | None:
-        """Schedule the next multi-step run while the current run's last step is still on the
-        device (vLLM's async scheduling): the GPU then finds the next run queued behind it
-        instead of waiting for the host to process that step and schedule.
-
-        in_flight: the request ids whose sequence has a token on the device that the host has
-        not appended yet (the current run's last step samples it). The next run starts one
-        position later, so each group reserves one slot more and may generate one token
-        fewer; a group whose in-flight token is its last (max_tokens, max_model_len) is left
-        out, since it finishes as soon as the engine processes that token.
-
-        Only the plain case is scheduled ahead: nothing waiting or swapped (no prompt to
-        admit, nothing to swap in), every other running group a lone sequence with a token
-        in flight, and free blocks enough that no one is preempted. Returns None otherwise,
-        and the engine schedules after the last step as usual.
-        """
-        if self.waiting or self.swapped or not self.running:
-            return None
-        finishing, going_on = [], []
-        for seq_group in self.running:
-            # (Only a token in flight can be the last: a group with one token left and none in
-            # flight must run, so it goes on and vetoes the schedule below.)
-            last = seq_group.is_finished() or (seq_group.request_id in in_flight and self._tokens_left(seq_group) <= 1)
-            (finishing if last else going_on).append(seq_group)
-        if not going_on or any(g.request_id not in in_flight or g.num_seqs() != 1 for g in going_on):
-            return None
-        if all(self._tokens_left(g) <= 2 for g in going_on):
-            return None  # the next run would be one step: nothing to queue ahead of the host
-        # Conservatively what `can_append_slots` asks of each group, all at once.
-        blocks_each = 1 + -(-(self.scheduler_config.num_lookahead_slots + 1) // self.block_manager.block_size)
-        if blocks_each * len(going_on) > self.block_manager.get_num_free_gpu_blocks():
-            return None
-        self.running = deque(going_on)
-        self._in_flight_tokens = 1
-        try:
-            metadata, outputs, _ = self.schedule()
-        finally:
-            self._in_flight_tokens = 0
-            self.running.extend(finishing)
-        if outputs.preempted or outputs.ignored_seq_groups or len(outputs.scheduled_seq_groups) != len(going_on):
-            raise RuntimeError(f"schedule_ahead scheduled {len(outputs.scheduled_seq_groups)} of {len(going_on)} "
-                               f"groups (preempted {outputs.preempted}): its checks should have refused.")
-        return metadata, outputs
 
     def _schedule_default(self) -> SchedulerOutputs:
         state = self._start_step()
@@ -409,7 +297,7 @@ class Scheduler:
                                   self.scheduler_config.max_num_seqs)
         for seq_group in self.running:
             budget.add_num_seqs(seq_group.request_id, seq_group.get_max_num_running_seqs())
-        return _StepState(budget=budget, curr_loras={g.lora_int_id for g in self.running if g.lora_int_id})
+        return _StepState(budget=budget, curr_loras=self.lora_slots.in_use(self.running))
 
     def _finish_step(self, state: _StepState) -> SchedulerOutputs:
         """Put every group in its new queue and package the decision."""
@@ -437,7 +325,7 @@ class Scheduler:
         passed_over: list[SequenceGroup] = []  # one adapter too many: they keep their place
         while self.waiting:
             seq_group = self.waiting[0]
-            if self._one_lora_too_many(seq_group, state):
+            if not self.lora_slots.admits(seq_group, state.curr_loras):
                 passed_over.append(self.waiting.popleft())
                 continue
             alloc_status = self.block_manager.can_allocate(seq_group)
@@ -452,9 +340,8 @@ class Scheduler:
             seq = self._waiting_seq(seq_group)
             # Never the whole prompt: the block manager leaves the last token to compute.
             num_local_tokens = self.block_manager.get_num_cached_tokens(seq)
-            num_external_tokens = 0
-            if self.kv_connector is not None:  # the store's blocks after the local hits
-                num_external_tokens, _ = self.kv_connector.get_num_new_matched_tokens(seq_group, num_local_tokens)
+            # An outside store's blocks after the local hits count as cached too.
+            num_external_tokens, _ = self.kv_connector.get_num_new_matched_tokens(seq_group, num_local_tokens)
             num_cached_tokens = num_local_tokens + num_external_tokens
             num_new_tokens = self._chunk(seq.get_len() - num_cached_tokens, 1, budget,
                                          enable_chunking)
@@ -467,24 +354,16 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             # The cached prefix is already in the KV cache (or loads in this step): skip it.
             seq.data.num_computed_tokens = num_local_tokens
-            if self.kv_connector is not None:
-                self.kv_connector.update_state_after_alloc(seq_group, self.block_manager.get_block_table(seq),
-                                                           num_external_tokens)
+            self.kv_connector.update_state_after_alloc(seq_group, self.block_manager.get_block_table(seq),
+                                                       num_external_tokens)
             seq.data.num_computed_tokens = num_cached_tokens
             if seq_group.num_cached_tokens is None:  # vLLM's RequestOutput field: the first admission's
                 seq_group.num_cached_tokens = num_cached_tokens
             state.prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
             budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             budget.add_num_seqs(seq_group.request_id, num_new_seqs)
-            if seq_group.lora_int_id:
-                state.curr_loras.add(seq_group.lora_int_id)
+            self.lora_slots.take(seq_group, state.curr_loras)
         self.waiting.extendleft(reversed(passed_over))
-
-    def _one_lora_too_many(self, seq_group: SequenceGroup, state: _StepState) -> bool:
-        """Would admitting this group put max_loras + 1 distinct adapters in the running set?"""
-        lora_id = seq_group.lora_int_id
-        return (self.lora_config is not None and lora_id != 0 and lora_id not in state.curr_loras
-                and len(state.curr_loras) >= self.lora_config.max_loras)
 
     def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState,
                               alloc_status: AllocStatus) -> str | None:
@@ -528,11 +407,8 @@ class Scheduler:
             self.running.popleft()
             is_prefill = self._is_prefill(seq_group)
             lookahead = 0 if is_prefill else self._num_lookahead_slots(seq_group)
-            if lookahead and not self._can_append_slots(seq_group, lookahead + self._in_flight_tokens):
-                lookahead = 0  # lookahead is a bonus: never preempt anyone for it
-            # A token in flight (schedule_ahead) takes the slot after the host's last one.
-            if self._make_room_for(seq_group, state, lookahead + self._in_flight_tokens):
-                self._append_slots(seq_group, state, lookahead + self._in_flight_tokens)
+            if self._make_room_for(seq_group, state, lookahead):
+                self._append_slots(seq_group, state, lookahead)
                 if is_prefill:
                     state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
                 else:
@@ -542,27 +418,28 @@ class Scheduler:
                                           seq_group.get_max_num_running_seqs())
 
     def _num_lookahead_slots(self, seq_group: SequenceGroup) -> int:
-        """Slots to reserve beyond a decode's next token (multi-step scheduling).
+        """Slots to reserve beyond a decode's next token (multi-step scheduling): 0 unless they
+        fit without preempting anyone (lookahead is a bonus).
 
         Only for a lone sequence (n = best_of = 1, no beam search): forks share blocks, and
         a multi-step run feeds each sampled token straight back, which only works when
         every row continues one sequence. Never more than the sequence may still generate
         (max_tokens, max_model_len), so no block is reserved that could never be written.
         """
-        lookahead = self.scheduler_config.num_lookahead_slots
         params = seq_group.sampling_params
-        if lookahead == 0 or params.best_of > 1 or params.use_beam_search:
+        num_slots = self.scheduler_config.num_lookahead_slots
+        if num_slots == 0 or params.best_of > 1 or params.use_beam_search:
             return 0
-        return max(0, min(lookahead, self._tokens_left(seq_group) - 1))
+        num_slots = max(0, min(num_slots, self._tokens_left(seq_group) - 1))
+        return num_slots if self._can_append_slots(seq_group, num_slots) else 0
 
     def _tokens_left(self, seq_group: SequenceGroup) -> int:
-        """Tokens a lone sequence may still generate (max_tokens, max_model_len), beyond those
-        in flight."""
+        """Tokens a lone sequence may still generate (max_tokens, max_model_len)."""
         seq = seq_group.first_seq
         remaining = self.scheduler_config.max_model_len - seq.get_len()
         if seq_group.sampling_params.max_tokens is not None:
             remaining = min(remaining, seq_group.sampling_params.max_tokens - seq.get_output_len())
-        return remaining - self._in_flight_tokens
+        return remaining
 
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one
@@ -609,7 +486,7 @@ class Scheduler:
         passed_over: list[SequenceGroup] = []
         while self.swapped:
             seq_group = self.swapped[0]
-            if self._one_lora_too_many(seq_group, state):
+            if not self.lora_slots.admits(seq_group, state.curr_loras):
                 passed_over.append(self.swapped.popleft())
                 continue
             status = self.block_manager.can_swap_in(seq_group)
@@ -633,8 +510,7 @@ class Scheduler:
             self._swap_in(seq_group, state, num_new_tokens)
             state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
             state.budget.add_num_seqs(seq_group.request_id, num_new_seqs)
-            if seq_group.lora_int_id:
-                state.curr_loras.add(seq_group.lora_int_id)
+            self.lora_slots.take(seq_group, state.curr_loras)
         self.swapped.extendleft(reversed(passed_over))
 
     def _swap_in(self, seq_group: SequenceGroup, state: _StepState, num_new_tokens: int) -> None:
@@ -774,10 +650,9 @@ class Scheduler:
 
     def _report_finished(self, seq_group: SequenceGroup) -> None:
         """Tell the KV connector a request ended (before its blocks are freed)."""
-        if self.kv_connector is not None:
-            seq = seq_group.first_seq
-            block_ids = self.block_manager.get_block_table(seq) if self.block_manager.has_blocks(seq) else []
-            self.kv_connector.request_finished(seq_group, block_ids)
+        seq = seq_group.first_seq
+        block_ids = self.block_manager.get_block_table(seq) if self.block_manager.has_blocks(seq) else []
+        self.kv_connector.request_finished(seq_group, block_ids)
 
     def _make_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         seq_group = scheduled.seq_group

@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from minivllm.config import EngineConfig
 from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
@@ -104,7 +105,7 @@ class LLMEngine:
         self.kv_connector = None if engine_config.kv_transfer_config is None else \
             KVConnectorFactory.create_connector(engine_config, KVConnectorRole.SCHEDULER)
         self.kv_transfer_stats = None  # the driver worker's connector counts, after each step
-        self.scheduler = Scheduler(self.scheduler_config, self.cache_config, engine_config.lora_config,
+        self.scheduler = (AsyncScheduler if self.scheduler_config.async_scheduling else Scheduler)(self.scheduler_config, self.cache_config, engine_config.lora_config,
                                    kv_connector=self.kv_connector)
         self._loras: dict[int, LoRARequest] = {}  # adapters checked by add_lora, by id
         self.output_processor = SequenceGroupOutputProcessor(

@@ -1,4 +1,4 @@
-"""`Scheduler.schedule_ahead` (async scheduling) under random workloads, without a model.
+"""`AsyncScheduler.schedule_ahead` (async scheduling) under random workloads, without a model.
 
 A small driver does what the engine does with multi-step runs: each run computes one
 token per step for each group (its chunk first, then as many steps as it reserved slots),
@@ -22,6 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.scheduler import Scheduler
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -32,7 +33,8 @@ MAX_RUNS = 2_000
 
 def drive(scheduler_config: SchedulerConfig, cache_config: CacheConfig, requests) -> dict:
     """Run every request to its end; request id -> (tokens produced, final status)."""
-    scheduler = Scheduler(scheduler_config, cache_config)
+    scheduler_class = AsyncScheduler if scheduler_config.async_scheduling else Scheduler
+    scheduler = scheduler_class(scheduler_config, cache_config)
     seq_ids = itertools.count()
     groups = {}
     pending = sorted(requests, key=lambda r: r["arrival"])
@@ -144,7 +146,7 @@ def test_scheduling_ahead_keeps_the_invariants_and_the_outcome(workload):
 def test_a_run_is_scheduled_ahead_with_one_more_slot_and_one_token_fewer():
     """Two decodes with a token in flight: both reserve the slot of that token, and a group
     whose in-flight token reaches max_tokens is left out but stays running."""
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+    scheduler = AsyncScheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
                           CacheConfig(block_size=4, num_gpu_blocks=32))
     groups = []
     for i, max_tokens in enumerate((20, 3)):
@@ -172,7 +174,7 @@ def test_a_run_is_scheduled_ahead_with_one_more_slot_and_one_token_fewer():
 
 
 def test_nothing_is_scheduled_ahead_while_a_prompt_waits_or_a_group_lacks_a_token_in_flight():
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+    scheduler = AsyncScheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
                           CacheConfig(block_size=4, num_gpu_blocks=32))
     first = SequenceGroup("0", [Sequence(0, None, [1, 2, 3], 4)], 0.0, SamplingParams(max_tokens=20))
     scheduler.add_seq_group(first)
@@ -188,7 +190,7 @@ def test_a_group_with_one_token_left_and_none_in_flight_is_not_left_out():
     """One token left but nothing in flight (its last run was cut short, e.g. for blocks): it
     must run, so nothing is scheduled ahead without it (left out, it would wait for ever
     while the others kept running ahead)."""
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+    scheduler = AsyncScheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
                           CacheConfig(block_size=4, num_gpu_blocks=32))
     groups = []
     for i, max_tokens in enumerate((20, 2)):
@@ -206,7 +208,7 @@ def test_a_group_with_one_token_left_and_none_in_flight_is_not_left_out():
 def test_no_run_is_scheduled_ahead_when_it_would_be_one_step():
     """Every group with two tokens left: one in flight and one more, a one-step run that the
     multi-step worker does not run; it is scheduled after the host catches up instead."""
-    scheduler = Scheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
+    scheduler = AsyncScheduler(SchedulerConfig(max_model_len=64, num_scheduler_steps=4, async_scheduling=True),
                           CacheConfig(block_size=4, num_gpu_blocks=32))
     group = SequenceGroup("0", [Sequence(0, None, [1, 2, 3], 4)], 0.0, SamplingParams(max_tokens=3))
     scheduler.add_seq_group(group)
