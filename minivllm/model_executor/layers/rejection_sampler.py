@@ -1,33 +1,19 @@
 """Speculative decoding's acceptance step: `RejectionSampler`.
 
-Mirrors `vllm/model_executor/layers/rejection_sampler.py` (v0). The rule is "speculative
-sampling" (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
-Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with
-Speculative Sampling", Algorithm 2). For one sequence, with draft tokens d_1..d_k drawn from
-the proposer's distributions q_1..q_k and the target's distributions p_1..p_{k+1} (all from
-one scoring pass):
+Mirrors `vllm/model_executor/layers/rejection_sampler.py` (v0): "speculative sampling"
+(Leviathan et al. 2023, Algorithm 1; Chen et al. 2023, Algorithm 2). For one sequence, with
+draft tokens d_1..d_k drawn from the proposer's q_1..q_k and the target's p_1..p_{k+1}:
 
     for i = 1..k:
         accept d_i with probability min(1, p_i(d_i) / q_i(d_i))
         on the first rejection: emit one token from norm(max(0, p_i - q_i)) and stop
     all k accepted: emit a "bonus" token from p_{k+1}
 
-Each emitted token is distributed exactly as p at its position, whatever q is: the
-probability of emitting x at a position is q(x) min(1, p(x)/q(x)) = min(q(x), p(x)) by
-acceptance, plus P(reject) x norm(p - q)+(x) = (1 - sum min(p, q)) x (p(x) - q(x))+ / sum(p - q)+
-= (p(x) - q(x))+ by rejection, since sum(p - q)+ = 1 - sum min(p, q); and min(q, p) +
-(p - q)+ = p. So speculation changes how fast tokens come, never which.
-
-Special cases used by minivllm:
-* a deterministic proposer (n-gram lookup) has q = one-hot(d): accept with probability
-  p(d), and on rejection draw from p with d removed (`draft_probs=None`);
-* a greedy request has p = one-hot(argmax): a draft token is accepted iff it is the target's
-  arg-max, and the emitted token is always the arg-max, so greedy output is token-identical
-  to decoding without speculation.
-
-Every random choice is a draw of `SampleTokens` (the one random-number scheme, a fresh seed
-per row and call): the acceptance of d_i is a draw between weights min(p, q) (accept) and
-(q - p)+ (reject), whose sum is q.
+Each emitted token is distributed exactly as p (notebook 18 works it out). A deterministic
+proposer (n-gram) has q = one-hot(d) (`draft_probs=None`); a greedy request has p =
+one-hot(argmax), so its output is token-identical to decoding without speculation. Every
+random choice is a `SampleTokens` draw with a fresh seed per row (the one random-number
+scheme): accepting d_i is a draw between weights min(p, q) (accept) and (q - p)+ (reject).
 """
 
 from __future__ import annotations
