@@ -51,3 +51,26 @@ def test_benchmark_figures_come_with_their_page():
     section = README.split("## Benchmarks", 1)[1].split("\n## ", 1)[0]
     header = next(line for line in section.splitlines() if line.startswith("| "))
     assert "docs/benchmarks.md" in section and "peer" in header and "GPU" in header
+
+
+def _python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def test_the_api_in_30_seconds_runs_as_written(capsys):
+    section = README.split("## The API in 30 seconds", 1)[1].split("\n## ", 1)[0]
+    [code] = _python_blocks(section)
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert out.startswith("'ROMEO:' -> ") and "\n'JULIET:' -> " in out
+    assert re.search(r"^r0 ['\"].+['\"]$", out, flags=re.M), "the engine loop printed its finished request"
+
+
+def test_the_usage_pages_from_python_example_runs_as_written():
+    usage = (ROOT / "docs" / "usage.md").read_text(encoding="utf-8")
+    section = usage.split("## From Python", 1)[1].split("\n## ", 1)[0]
+    namespace: dict = {}
+    exec(compile(_python_blocks(section)[0], "docs/usage.md", "exec"), namespace)
+    line, reply = namespace["line"], namespace["reply"]
+    assert line.outputs[0].finish_reason == "stop" and "\n" not in line.outputs[0].text
+    assert reply.outputs[0].text
