@@ -160,7 +160,7 @@ def test_sequence_group_takes_vllms_positional_order():
     group = SequenceGroup("r", [make_seq(0)], 3.0, params, priority=1)
     assert (group.arrival_time, group.sampling_params, group.priority) == (3.0, params, 1)
     with pytest.raises(ValueError, match="arrival_time must be a number"):
-        SequenceGroup("r", [make_seq(1)], params)  # minivllm's old order
+        SequenceGroup("r", [make_seq(1)], params)  # sampling_params where arrival_time goes
 
 
 def test_sequence_group_takes_vllms_keywords():
