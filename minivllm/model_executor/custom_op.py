@@ -1,7 +1,7 @@
 """A layer written twice, one version chosen once: `CustomOp`.
 
 Mirrors `vllm/model_executor/custom_op.py`. The small ops of a decoder layer (RMSNorm,
-SiLU-and-mul, rotary embedding) and the sampler's greedy pick each have
+SiLU-and-mul, rotary embedding) and the sampling ops (`layers/sampling_ops.py`) each have
 
     forward_native   plain PyTorch: the readable spec, what runs on a CPU
     forward_triton   one fused Triton kernel (`kernels/fused_ops.py`, `kernels/sampling.py`)

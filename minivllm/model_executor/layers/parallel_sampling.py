@@ -33,7 +33,7 @@ _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # an odd 64-bit step: sibling seeds far apar
 def is_parallel(group: SequenceGroupToSample) -> bool:
     """Beam search, a fan-out, or a seeded request with several sequences."""
     params = group.sampling_params
-    return (params.sampling_type == SamplingType.BEAM or (group.is_first_sample and params.best_of > 1)
+    return (params.sampling_type == SamplingType.BEAM or (params.best_of > 1 and group.is_first_sample)
             or (params.seed is not None and len(sampled_seq_ids(group)) > 1))
 
 
@@ -55,7 +55,7 @@ def sample_parallel(sampler: DeviceSampler, logits: torch.Tensor, groups: list[S
 
 def _sample_siblings(sampler: DeviceSampler, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
     """A fan-out becomes `best_of` copies of its prompt row (all children of its one sequence)."""
-    rows = [_fanned_out(g) if g.is_first_sample and g.sampling_params.best_of > 1 else g for g in groups]
+    rows = [_fanned_out(g) if g.sampling_params.best_of > 1 and g.is_first_sample else g for g in groups]
     t = sampler.prepare(rows, logits.shape[-1], logits.device)
     seeds = [sibling_seed(g.sampling_params.seed, j) for g in rows for j in range(len(g.sample_indices))
              if g.sampling_params.seed is not None]

@@ -56,9 +56,10 @@ class Sampler(nn.Module):
             if group.prompt_logprob_indices:
                 output.prompt_logprobs, output.prompt_ranks = _prompt_logprobs(logits.float(), group)
         logits = apply_logits_processors(logits, groups)
-        sampling = [(g, o) for g, o in zip(groups, outputs) if g.do_sample]
-        plain = [(g, o) for g, o in sampling if not is_parallel(g)]
-        parallel = [(g, o) for g, o in sampling if is_parallel(g)]
+        plain, parallel = [], []
+        for group, output in zip(groups, outputs):
+            if group.do_sample:
+                (parallel if is_parallel(group) else plain).append((group, output))
         if plain:
             self._sample(logits, *zip(*plain))
         if parallel:
