@@ -15,7 +15,7 @@ from ids the server's own tokenizer produces) and every request generates exactl
 
     minivllm serve --port 8000 &
     python benchmarks/serving.py --base-url http://127.0.0.1:8000 --request-rates 2 8 \\
-        --num-prompts 32 --json benchmarks/results/serving_rates_cpu.json --plot serving.png
+        --num-prompts 32 --json benchmarks/results/serving_cpu.json --plot serving.png
 
 The benchmark talks only to a server on this machine (loopback) and is bounded: at most
 `--num-prompts` requests and `--max-duration` seconds of arrivals per rate.
