@@ -7,9 +7,9 @@
 #   2. every notebook under nbval (skipped, and said so, where nbval/jupyter are not installed);
 #   3. the benchmarks: decode-attention kernels, then offline throughput against transformers
 #      plus decode latency vs the bandwidth floor (benchmarks/throughput.py all ...);
-#   4. issue 15's benchmark (benchmarks/throughput.py issue15: nano-vllm's bench.py with LLM()
+#   4. the headline benchmark (benchmarks/nano_vllm_workload.py: nano-vllm's bench.py with LLM()
 #      defaults at temperature 0.6 as the headline, labelled extra rows, prefill attention,
-#      batch-1 latency, serving vs offline) into $OUT/issue15/, about 8 minutes.
+#      batch-1 latency, serving vs offline) into $OUT/nano_vllm_workload/, about 8 minutes.
 #
 # It keeps going after a failure and exits non-zero if any part failed.
 set -uo pipefail
@@ -44,7 +44,8 @@ fi
 python benchmarks/kernels.py --out "$OUT" 2>&1 | tee "$OUT/kernels.log" || status=1
 python benchmarks/throughput.py all --out "$OUT" --decode-latency --profile-dir "$OUT" 2>&1 \
     | tee "$OUT/throughput.log" || status=1
-python benchmarks/throughput.py issue15 --out "$OUT/issue15" 2>&1 | tee "$OUT/issue15.log" || status=1
+python benchmarks/nano_vllm_workload.py run --out "$OUT/nano_vllm_workload" 2>&1 \
+    | tee "$OUT/nano_vllm_workload.log" || status=1
 
 echo "gpu_check: $([ $status -eq 0 ] && echo OK || echo FAILED) (results in $OUT)"
 exit $status
