@@ -277,7 +277,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     kept_z = z.masked_fill(~kept, -float("inf"))
     noise = torch.stack([_race_noise(int(s), int(o), z.shape[1], z.device)
                          for s, o in zip(seeds.tolist(), offsets.tolist())]) if len(z) else z.double()
-    random_tokens = (kept_z.double() + noise).argmax(dim=-1)
+    # E = 0 makes the noise +inf, and -inf + inf is NaN, which would win the arg-max: a token of
+    # probability 0 (dropped, or -inf from the start) keeps score -inf whatever its noise.
+    random_tokens = torch.where(kept_z > -float("inf"), kept_z.double() + noise, -float("inf")).argmax(dim=-1)
     tokens = torch.where(greedy, z.argmax(dim=-1), random_tokens)
     logprobs = z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(kept_z, dim=-1)
     return tokens, logprobs

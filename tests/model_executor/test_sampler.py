@@ -13,6 +13,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from minivllm.kernels import reference as spec
 from minivllm.model_executor.layers import sampler as sampler_module
 from minivllm.model_executor.layers.sampler import Sampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
@@ -225,18 +226,18 @@ def test_plain_greedy_batch_gives_the_general_paths_tokens_and_logprobs():
 
 
 def test_a_zero_noise_draw_never_samples_a_token_of_probability_zero(monkeypatch):
-    """Bug found with vLLM 0.6's own sampler tests: the exponential race divides by noise that
-    `exponential_()` may draw as exactly 0 (on a GPU, in fp16, about 0.2 % of draws); 0 / 0 is
-    NaN and NaN wins the arg-max, so a token masked to -inf was drawn. The CPU's generator
-    rarely draws 0, so the test forces it for the impossible token."""
-    real_exponential = torch.Tensor.exponential_
+    """Bug found with vLLM 0.6's own sampler tests: the exponential race's E ~ Exp(1) may be
+    drawn as exactly 0, its noise -log(E) is then +inf, and -inf + inf is NaN, which wins the
+    arg-max, so a token masked to -inf was drawn. A generator rarely draws 0, so the test
+    forces it for the impossible token (the PyTorch spec's noise, `reference._race_noise`)."""
+    real_noise = spec._race_noise
 
-    def zero_for_token_0(self, *args, **kwargs):
-        real_exponential(self, *args, **kwargs)
-        self[..., 0] = 0.0
-        return self
+    def zero_for_token_0(*args):
+        noise = real_noise(*args)
+        noise[0] = float("inf")
+        return noise
 
-    monkeypatch.setattr(torch.Tensor, "exponential_", zero_for_token_0)
+    monkeypatch.setattr(spec, "_race_noise", zero_for_token_0)
     metadata_list = [decode_metadata(str(i), SamplingParams(temperature=1.0), [[1, 2, 3, 4]]) for i in range(8)]
     for dtype in (torch.float16, torch.float32):
         logits = torch.zeros(8, VOCAB, dtype=dtype)
