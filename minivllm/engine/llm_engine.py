@@ -15,14 +15,15 @@ Mirrors `vllm/engine/llm_engine.py` (v0, ~0.6). One `step()`:
         for output in engine.step():
             print(output.outputs[0].text)
 
-Parallel sampling and beam search reuse one mechanism, as in the paper: a sequence that
-gets several next tokens is *forked* (`Sequence.fork` + `Scheduler.fork_seq`), so the
-children share the parent's KV blocks by reference count until they write to them.
+Parallel sampling and beam search fork a sequence (`Sequence.fork` + `Scheduler.fork_seq`):
+the children share the parent's KV blocks by reference count until they write to them.
+Each optional mode wraps this class in a file of its own, chosen once by `from_engine_args`
+(`selector.py`): multi_step.py, async_scheduling.py, spec_decode.py, kv_connector.py;
+failure_isolation.py ends only the request a failing step belongs to.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import logging
@@ -32,18 +33,17 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from minivllm.core.async_scheduler import AsyncScheduler
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from minivllm.config import EngineConfig
-from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorRole
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import make_detokenizer
+from minivllm.engine.failure_isolation import FailureIsolationMixin
+from minivllm.engine.lora_adapters import LoRAAdapters
 from minivllm.engine.metrics import StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
 from minivllm.executor import get_executor_class
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.executor_base import ExecutorBase
-from minivllm.lora.peft_helper import load_peft_helper
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.plugins import load_general_plugins
@@ -75,10 +75,11 @@ class StepObserver:
         """After the step's outputs are processed and finished requests' blocks freed."""
 
 
-class LLMEngine:
+class LLMEngine(FailureIsolationMixin):
     """Serves requests over one executor (see the module docstring for a step's anatomy).
 
-    Build it with `LLMEngine.from_engine_args(EngineArgs(...))`. Attributes worth knowing:
+    Build it with `LLMEngine.from_engine_args(EngineArgs(...))` (which picks the subclass of
+    the configured mode; `LLMEngine(engine_config)` is always the plain engine). Attributes:
     `model_config`, `cache_config` (its `num_gpu_blocks` is the pool size after profiling),
     `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `step_observers`
     (`add_step_observer`: course tooling such as `minivllm.viz`'s snapshot recorder watches
@@ -101,13 +102,8 @@ class LLMEngine:
         # None: the one `distributed_executor_backend` names (uni, mp or ray).
         self.model_executor = (executor_class or get_executor_class(engine_config))(engine_config)
         self._initialize_kv_caches()
-        # The scheduler side of a KV connector (each worker builds its own worker side).
-        self.kv_connector = None if engine_config.kv_transfer_config is None else \
-            KVConnectorFactory.create_connector(engine_config, KVConnectorRole.SCHEDULER)
-        self.kv_transfer_stats = None  # the driver worker's connector counts, after each step
-        self.scheduler = (AsyncScheduler if self.scheduler_config.async_scheduling else Scheduler)(self.scheduler_config, self.cache_config, engine_config.lora_config,
-                                   kv_connector=self.kv_connector)
-        self._loras: dict[int, LoRARequest] = {}  # adapters checked by add_lora, by id
+        self.scheduler = self._make_scheduler()
+        self._loras = LoRAAdapters(engine_config.lora_config, self.model_config.hf_config)
         self.output_processor = SequenceGroupOutputProcessor(
             self.scheduler,
             self.detokenizer,
@@ -119,13 +115,17 @@ class LLMEngine:
         self.step_counter = 0
         # Requests finished or aborted since the last step: workers drop their state.
         self._finished_requests_ids: list[str] = []
-        # A run scheduled and queued during the last step (async scheduling): its metadata,
-        # decision, request and outputs, or None.
-        self._scheduled_ahead: tuple | None = None
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
-        return cls(engine_args.create_engine_config())
+        """The engine of the configured mode: this class or the mode's subclass (`selector.py`)."""
+        from minivllm.engine.selector import engine_class  # deferred: the modes' files import this one
+
+        engine_config = engine_args.create_engine_config()
+        return engine_class(engine_config)(engine_config)
+
+    def _make_scheduler(self) -> Scheduler:
+        return Scheduler(self.scheduler_config, self.cache_config, self.engine_config.lora_config)
 
     def _initialize_kv_caches(self) -> None:
         """Profile, then size both pools; the engine's cache config records the counts (a new
@@ -135,8 +135,9 @@ class LLMEngine:
         self.cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
                                                 num_cpu_blocks=num_cpu_blocks)
         self.engine_config = dataclasses.replace(self.engine_config, cache_config=self.cache_config)
-        logger.info("KV cache: %d GPU blocks, %d CPU blocks of %d tokens",
-                    num_gpu_blocks, num_cpu_blocks, self.cache_config.block_size)
+        # `num_gpu_blocks` is vLLM's name for the device's pool, which may be the CPU's memory.
+        logger.info("KV cache: %d %s blocks, %d CPU swap blocks of %d tokens", num_gpu_blocks,
+                    self.device_config.device_type.upper(), num_cpu_blocks, self.cache_config.block_size)
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -182,8 +183,7 @@ class LLMEngine:
             raise InvalidParameterError("priority", f"priority={priority} needs scheduling_policy='priority'.")
         prompt_text, prompt_token_ids = self._process_prompt(prompt)
         params = self._finalize_params(params, len(prompt_token_ids))
-        if lora_request is not None:
-            self.add_lora(lora_request)
+        self._loras.use(lora_request)
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
                          self.cache_config.block_size, self.eos_token_id, lora_request)]
         arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -193,31 +193,17 @@ class LLMEngine:
 
     # ------------------------------------------------------------------ LoRA adapters
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Check an adapter against the base model (ValueError naming the problem: see
-        `minivllm.lora.peft_helper`) and remember it; False if this id was already added. The
-        workers read its weights when a batch first needs it."""
-        lora_config = self.engine_config.lora_config
-        if lora_config is None:
-            raise ValueError("a lora_request needs an engine with enable_lora=True.")
-        if not isinstance(lora_request, LoRARequest):
-            raise ValueError(f"lora_request must be a LoRARequest, got {type(lora_request).__name__}.")
-        known = self._loras.get(lora_request.lora_int_id)
-        if known is not None:
-            if known != lora_request:
-                raise ValueError(f"lora_int_id {known.lora_int_id} already names adapter {known.lora_name!r} "
-                                 f"at {known.lora_path!r}: one id per adapter.")
-            return False
-        load_peft_helper(lora_request.lora_path, self.model_config.hf_config, lora_config.max_lora_rank)
-        self._loras[lora_request.lora_int_id] = lora_request
-        return True
+        """Check an adapter against the base model (ValueError naming the problem) and remember
+        it; False if this id was already added. The workers read its weights when a batch
+        first needs it (`LoRAAdapters.add`)."""
+        return self._loras.add(lora_request)
 
     def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (requests already queued with it still finish); False if unknown.
-        Its id must not be reused for another adapter: the workers' caches are keyed by it."""
-        return self._loras.pop(lora_int_id, None) is not None
+        """Forget an adapter (requests already queued with it still finish); False if unknown."""
+        return self._loras.remove(lora_int_id)
 
     def list_loras(self) -> set[int]:
-        return set(self._loras)
+        return self._loras.ids()
 
     def _process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str) and self.tokenizer is None:
@@ -258,9 +244,6 @@ class LLMEngine:
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
                 raise InvalidParameterError(name, f"{name} must be at most the vocabulary size {self.vocab_size}, got {value}.")
-        if params.use_beam_search and self.engine_config.speculative_config is not None:
-            raise InvalidParameterError("use_beam_search", "beam search cannot be combined with speculative "
-                                        "decoding (as in vLLM): start the engine without speculative_model.")
         max_model_len = self.scheduler_config.max_model_len
         if params.min_tokens and num_prompt_tokens + params.min_tokens > max_model_len:
             raise InvalidParameterError(
@@ -318,30 +301,18 @@ class LLMEngine:
     def step(self, on_model_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
         """One engine step: schedule -> execute -> process -> report.
 
-        Returns the outputs of the requests it advanced or finished. A multi-step run
-        (`num_scheduler_steps` > 1) hands back one `SamplerOutput` per model step, each as
-        soon as it reaches the host while the GPU already computes the next: processing it
-        here overlaps the GPU. A single-step run hands back one.
-
-        on_model_step: called with the unfinished requests' outputs after each model step of
-            a multi-step run but the last (whose outputs this returns), so that a streaming
-            client still sees its tokens one at a time (`AsyncLLMEngine` passes it).
+        Returns the outputs of the requests it advanced or finished.
+        on_model_step: called with partial outputs between the model steps of a multi-step
+            run (`MultiStepLLMEngine`); a plain step runs one model step and never calls it.
         """
-        seq_group_metadata_list, scheduler_outputs, request, outputs = self._take_scheduled_ahead()
-        if scheduler_outputs is None:
-            seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
-        # A request of a run scheduled ahead may have ended since (its last token, an abort):
-        # it was reported then, and its rows in this run are computed past its end.
-        ended = {id(s.seq_group) for s in scheduler_outputs.scheduled_seq_groups if s.seq_group.is_finished()}
+        scheduler_outputs, request = self._schedule()
         for observer in self.step_observers:
             observer.on_scheduled(self, scheduler_outputs)
         stats = self._new_stats(time.monotonic(), scheduler_outputs)
-        if not scheduler_outputs.is_empty():
-            if request is None:
-                request = self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
-            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats, on_model_step, outputs)
+        if request is not None:
+            self._execute_and_process(request, scheduler_outputs.scheduled_seq_groups, stats)
         now = stats.now = time.monotonic()
-        request_outputs = self._report(scheduler_outputs, now, stats, skip=ended)
+        request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
         self._fill_system_stats(stats)
         for stat_logger in self.stat_loggers.values():
@@ -351,63 +322,12 @@ class LLMEngine:
         self.step_counter += 1
         return request_outputs
 
-    # ------------------------------------------------------------------ async scheduling
-    def _schedule_ahead(self, scheduled_groups: list[ScheduledSequenceGroup], num_steps: int) -> None:
-        """Schedule the next multi-step run and queue it on the device now, while the current
-        run's last step still computes (vLLM's async scheduling; `Scheduler.schedule_ahead`
-        says when it can). The GPU then runs it right after that step instead of waiting
-        for the host to process the step, schedule and prepare the next batch; the next
-        `step()` only processes it. The price: a request that stops on its last token of
-        this run (EOS, a stop string) computes one run past its end, thrown away.
-        """
-        self.scheduler.free_finished_seq_groups()  # requests that stopped earlier in this run
-        in_flight = {s.seq_group.request_id for s in scheduled_groups
-                     if s.num_lookahead_slots == num_steps - 1 and not s.seq_group.is_finished()}
-        scheduled = self.scheduler.schedule_ahead(in_flight)
-        if scheduled is None:
-            return
-        metadata, scheduler_outputs = scheduled
-        request = dataclasses.replace(self._execute_model_request(metadata, scheduler_outputs),
-                                      continues_previous_run=True)
-        try:
-            outputs = self.model_executor.execute_model(request)
-        except WorkerDiedError:
-            raise
-        except Exception as error:  # run it the usual way next step, from the host's tokens
-            if self.engine_config.parallel_config.world_size > 1:
-                # The other ranks may have queued it already: their collectives would pair
-                # with the retry's. Nothing safe is left to do.
-                raise WorkerDiedError(f"queueing the run scheduled ahead failed on the driver ({error!r}); "
-                                      "the other ranks may have queued it: the engine cannot continue.") from error
-            logger.warning("could not queue the run scheduled ahead (%r); it runs after this one", error)
-            request, outputs = dataclasses.replace(request, continues_previous_run=False), None
-        self._scheduled_ahead = (metadata, scheduler_outputs, request, outputs)
-
-    def _drop_run_continuing_lost_tokens(self) -> None:
-        """A step that failed after a run was queued ahead may not have appended the tokens
-        that run continues from: drop the run (its device work is thrown away; the next
-        schedule starts again from the host's tokens, whose K/V the failed run wrote)."""
-        ahead = self._scheduled_ahead
-        if ahead is None or not ahead[2].continues_previous_run:
-            return  # nothing queued, or a plain request: it runs from the host's tokens
-        self._scheduled_ahead = None
-        with contextlib.suppress(Exception):  # its own failure changes nothing: it is dropped anyway
-            for _ in ahead[3] or ():
-                pass
-
-    def _take_scheduled_ahead(self) -> tuple:
-        """(metadata, decision, request, outputs) of the run scheduled ahead, or Nones. A run
-        none of whose requests is still unfinished is drained and dropped."""
-        ahead, self._scheduled_ahead = self._scheduled_ahead, None
-        if ahead is None:
-            return None, None, None, None
-        if all(s.seq_group.is_finished() for s in ahead[1].scheduled_seq_groups):
-            if ahead[3] is None:  # never reached the worker: its finished ids still must
-                self._finished_requests_ids.extend(ahead[2].finished_requests_ids)
-            for _ in ahead[3] or ():  # its device work, computed past every request's end
-                pass
-            return None, None, None, None
-        return ahead
+    def _schedule(self) -> tuple[SchedulerOutputs, ExecuteModelRequest | None]:
+        """The scheduler's decision, and the request that runs it (None: nothing to run)."""
+        seq_group_metadata_list, scheduler_outputs, _ = self.scheduler.schedule()
+        if scheduler_outputs.is_empty():
+            return scheduler_outputs, None
+        return scheduler_outputs, self._execute_model_request(seq_group_metadata_list, scheduler_outputs)
 
     def _execute_model_request(self, seq_group_metadata_list: list[SequenceGroupMetadata],
                                scheduler_outputs: SchedulerOutputs) -> ExecuteModelRequest:
@@ -423,6 +343,24 @@ class LLMEngine:
         )
         self._finished_requests_ids = []
         return request
+
+    def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
+                             stats: Stats) -> None:
+        """Run the model and apply its samples, one `SamplerOutput` per model step in order (a
+        single-step run hands back one). If the run raises, `_recover_from_failed_run`
+        (failure_isolation.py) ends only the request it belongs to."""
+        num_processed = 0
+        try:
+            for sampler_output in self._execute(request):
+                self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
+                num_processed += 1
+        except WorkerDiedError:  # the engine's failure, not a request's: no retry can help
+            raise
+        except Exception as error:
+            self._recover_from_failed_run(request, scheduled_groups, stats, error, num_processed)
+
+    def _execute(self, request: ExecuteModelRequest) -> Iterable[SamplerOutput]:
+        return self.model_executor.execute_model(request)
 
     def _process_model_outputs(self, sampler_output: SamplerOutput, scheduled_groups: list[ScheduledSequenceGroup],
                                stats: Stats, is_first_step: bool) -> None:
@@ -461,84 +399,9 @@ class LLMEngine:
             # Beam search proposes 2 x beam_width candidates but keeps beam_width.
             stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
 
-    # ------------------------------------------------------------------ failures
-    def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
-                             stats: Stats, on_model_step: Callable[[list[RequestOutput]], None] | None = None,
-                             outputs: Iterable[SamplerOutput] | None = None) -> None:
-        """Run the model and apply its samples; if the model raises, only its culprit ends.
-
-        Validation at `add_request` makes this rare; when it happens, the engine stays usable:
-        * The model raised before any sample came back: the batch is as it was before the
-          step (no token appended, no computed count advanced; K/V the run wrote is written
-          again), so each group runs again ALONE (`_execute_alone`) and only a group that
-          fails alone is finished, by `_fail_requests`. One extra model run per group, and
-          only after a failure: the simplest isolation that never fails an innocent request.
-        * A later step of a multi-step run raised: what came back stands; the next step goes
-          on from there (and isolates the culprit if the failure comes again).
-
-        outputs: the run's outputs when it was queued already (scheduled ahead). With async
-        scheduling the next run is scheduled and queued before the last output is processed.
-        """
-        num_processed = 0
-        try:
-            if outputs is None:
-                outputs = self.model_executor.execute_model(request)
-            for sampler_output in outputs:
-                if num_processed and on_model_step is not None:  # another model step came: report the last
-                    on_model_step(self._partial_outputs(scheduled_groups))
-                if sampler_output.spec_decode_worker_metrics is not None:
-                    stats.spec_decode_metrics = sampler_output.spec_decode_worker_metrics
-                if sampler_output.kv_transfer_stats is not None:
-                    stats.kv_transfer_stats = self.kv_transfer_stats = sampler_output.kv_transfer_stats
-                self._process_model_outputs(sampler_output, scheduled_groups, stats, is_first_step=num_processed == 0)
-                num_processed += 1
-                if sampler_output.steps_left == 1 and self.scheduler_config.async_scheduling:
-                    self._schedule_ahead(scheduled_groups, request.num_steps)
-        except WorkerDiedError:  # the engine's failure, not a request's: no retry can help
-            raise
-        except Exception as error:
-            self._drop_run_continuing_lost_tokens()
-            if num_processed:
-                logger.warning("step %d failed after %d model steps; the rest runs next step: %r",
-                               self.step_counter, num_processed, error)
-            elif len(scheduled_groups) == 1:
-                self._fail_requests([scheduled_groups[0].seq_group], error)
-            else:
-                logger.warning("step %d failed for a batch of %d requests (%r); running each alone to find the cause",
-                               self.step_counter, len(scheduled_groups), error)
-                for scheduled, metadata in zip(scheduled_groups, request.seq_group_metadata_list):
-                    self._execute_alone(scheduled, metadata, stats, request.kv_connector_metadata)
-
-    def _execute_alone(self, scheduled: ScheduledSequenceGroup, metadata: SequenceGroupMetadata, stats: Stats,
-                       kv_connector_metadata=None) -> None:
-        # No block moves: the failed run applied them before the model ran (they are the
-        # scheduler's own, not a request's), and a swap-out repeated now could read a block
-        # that a prefill has since written.
-        # The group's own KV connector loads and saves go with it (loading twice is harmless).
-        if kv_connector_metadata is not None:
-            kv_connector_metadata = dataclasses.replace(kv_connector_metadata, requests=[
-                r for r in kv_connector_metadata.requests if r.request_id == metadata.request_id])
-        request = ExecuteModelRequest(seq_group_metadata_list=[metadata], num_steps=1 + metadata.num_lookahead_slots,
-                                      kv_connector_metadata=kv_connector_metadata)
-        self._execute_and_process(request, [scheduled], stats)
-
-    def _fail_requests(self, seq_groups: list[SequenceGroup], error: Exception) -> None:
-        """End requests that failed inside a step: finish_reason "abort" with a `finish_message`,
-        every block back in the pool (the scheduler's abort path), the traceback in the log.
-        They are reported at the end of this step like any request that finished in it."""
-        for seq_group in seq_groups:
-            logger.error("request %s failed inside engine step %d; finishing it", seq_group.request_id,
-                         self.step_counter, exc_info=error)
-            seq_group.finish_message = "failed inside an engine step; the details are in the engine's log."
-            # The failed step may have left its blocks' K/V unwritten: no later request may reuse them.
-            self.scheduler.block_manager.forget_computed_blocks(seq_group)
-        self.abort_request([g.request_id for g in seq_groups])
-
-    def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats,
-                skip: set[int] = frozenset()) -> list[RequestOutput]:
-        """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted),
-        but those whose `id` is in `skip` (they ended, and were reported, before this step)."""
-        reported = [s.seq_group for s in scheduler_outputs.scheduled_seq_groups if id(s.seq_group) not in skip]
+    def _report(self, scheduler_outputs: SchedulerOutputs, now: float, stats: Stats) -> list[RequestOutput]:
+        """One output per scheduled or ignored request (unfinished FINAL_ONLY ones excepted)."""
+        reported = [s.seq_group for s in scheduler_outputs.scheduled_seq_groups]
         for seq_group in scheduler_outputs.ignored_seq_groups:
             if seq_group.finish_message:
                 logger.warning("request %s: %s", seq_group.request_id, seq_group.finish_message)
@@ -570,14 +433,6 @@ class LLMEngine:
                 seq_group.prompt_ranks.append(rank)
 
     # ------------------------------------------------------------------ outputs
-    def _partial_outputs(self, scheduled_groups: list[ScheduledSequenceGroup]) -> list[RequestOutput]:
-        """Outputs of the scheduled requests still running, in the middle of a multi-step run
-        (finished ones are reported once, at the end of the step)."""
-        decode = None if self.tokenizer is None else self.detokenizer.decode_token
-        return [RequestOutput.from_seq_group(s.seq_group, decode, self.eos_token_id) for s in scheduled_groups
-                if not s.seq_group.is_finished()
-                and s.seq_group.sampling_params.output_kind != RequestOutputKind.FINAL_ONLY]
-
     def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput | None:
         """The request's output now; None for an unfinished FINAL_ONLY request."""
         if seq_group.is_finished():
