@@ -523,19 +523,11 @@ class SequenceGroupOutput:
 @dataclass
 class SamplerOutput:
     """One model step's samples for the whole batch: one `SequenceGroupOutput` per scheduled
-    group, in the batch's order. (vLLM v0 kept this class here, in `sequence.py`, before it
-    moved to the sampler's module; here it stays torch-free for the engine.)
-    `spec_decode_worker_metrics`: speculative decoding's acceptance counts (a
-    `minivllm.spec_decode.metrics.SpecDecodeWorkerMetrics`), on the first output of a step.
-    `kv_transfer_stats`: the KV connector's cumulative counts (a
-    `minivllm.distributed.kv_transfer.KVTransferStats`), when the engine has a connector.
-    `steps_left`: model steps of the same multi-step run still queued behind this one (the
-    engine may schedule the next run while they compute)."""
+    group, in the batch's order (vLLM 0.6's `sequence.py` keeps it here too; torch-free for the
+    engine). A mode's extra data travels in a subclass from the mode's own module:
+    `MultiStepSamplerOutput` (steps_left), `KVTransferSamplerOutput`, `SpecDecodeSamplerOutput`."""
 
     outputs: list[SequenceGroupOutput]
-    spec_decode_worker_metrics: object | None = None
-    kv_transfer_stats: object | None = None
-    steps_left: int = 0
 
     def __getitem__(self, index: int) -> SequenceGroupOutput:
         return self.outputs[index]
@@ -558,13 +550,8 @@ class ExecuteModelRequest:
     `num_steps` > 1 asks for a multi-step run of a decode batch (see
     `SchedulerConfig.num_scheduler_steps`); the worker may run fewer (one) when the batch
     needs the host between steps. `kv_connector_metadata`: the KV connector's loads and saves
-    for the step (`KVConnectorMetadata`), None without a connector.
-
-    `continues_previous_run`: the batch was scheduled while the previous multi-step run's last
-    step was still on the device (async scheduling, `Scheduler.schedule_ahead`): each
-    sequence's next input is the token that step samples, which the host has not seen yet, so
-    the worker takes it from the device. Such a batch is a multi-step run of sequences that
-    all ran in the previous one.
+    for the step (`KVConnectorMetadata`), None without a connector. A run scheduled ahead (async
+    scheduling) is the subclass `ContinuedRunRequest` (`minivllm/worker/multi_step_worker.py`).
     """
 
     seq_group_metadata_list: list[SequenceGroupMetadata]
@@ -574,4 +561,3 @@ class ExecuteModelRequest:
     finished_requests_ids: list[str] = field(default_factory=list)
     num_steps: int = 1
     kv_connector_metadata: object | None = None  # this step's KV connector loads and saves
-    continues_previous_run: bool = False
