@@ -15,8 +15,6 @@ Mirrors `vllm/engine/llm_engine.py` (v0, ~0.6). One `step()`:
         for output in engine.step():
             print(output.outputs[0].text)
 
-Parallel sampling and beam search fork a sequence (`Sequence.fork` + `Scheduler.fork_seq`):
-the children share the parent's KV blocks by reference count until they write to them.
 Each optional mode wraps this class in a file of its own, chosen once by `from_engine_args`
 (`selector.py`): multi_step.py, async_scheduling.py, spec_decode.py, kv_connector.py;
 failure_isolation.py ends only the request a failing step belongs to.
