@@ -336,7 +336,7 @@ def _hf_cb_collect(manager, prompts, max_tokens, per_request: bool, prefix: str,
         ids.append(manager.add_request(input_ids=prompt, request_id=f"{prefix}{i}", **kwargs))
     results = {}
     while len(results) < len(ids):
-        out = manager.getchecked_result(timeout=1)
+        out = manager.get_result(timeout=1)
         if out is None:
             if not manager.is_running():
                 raise RuntimeError("transformers' continuous batching thread stopped early.")

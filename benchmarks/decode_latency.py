@@ -135,8 +135,10 @@ def time_engine_steps(engine, steps: int) -> float:
 def time_forward(llm, batch: int, enforce_eager: bool) -> float:
     """Median GPU time of the decode forward (ms) on the batch the last step ran."""
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    if not enforce_eager and runner.graph_runners:  # (none on a CPU smoke run)
-        graph = runner.graph_runners[min(s for s in runner.graph_runners if s >= batch)].graph
+    # The graph runner may sit under a multi-step one (`base`); a CPU engine captures no graphs.
+    graph_runners = getattr(getattr(runner, "base", runner), "graph_runners", None)
+    if not enforce_eager and graph_runners:
+        graph = graph_runners[min(s for s in graph_runners if s >= batch)].graph
         fn = graph.replay
     else:
         fn = _eager_forward(llm, batch)

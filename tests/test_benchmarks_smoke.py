@@ -114,6 +114,18 @@ def test_nano_vllm_workload_smoke_end_to_end(tmp_path):
     assert "nano-vllm bench.py" in table and "serving / offline" in table and "full batch (4 sequences" in table
 
 
+def test_transformers_peer_row_runs_on_the_cpu(tmp_path):
+    """The headline's peer, transformers' continuous batching, through the same runner: every
+    request checked, sampling at the row's temperature alone (top-k 0, top-p 1)."""
+    cmd = [sys.executable, str(BENCHMARKS / "nano_vllm_workload.py"), "run", "--smoke", "--out", str(tmp_path),
+           "--only", "hf-cb"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    peer = json.loads((tmp_path / "nano_vllm_workload_cpu.json").read_text())["rows"]["hf-cb"]
+    assert peer["tokens_checked"] and peer["output_tokens"] == peer["num_requests"] * 8
+    assert peer["sampling_params"] == {"temperature": 0.6, "top_k": 0, "top_p": 1.0, "ignore_eos": True}
+
+
 @pytest.mark.parametrize("name", ["greedy", "top-p-k", "penalties", "ms16", "eager", "llama-1b", "hf-cb", "serving-inproc", "serving-1client"])
 def test_every_extra_row_is_labelled(name):
     row = next(row for row in nano_vllm_workload.ROWS if row.name == name)
