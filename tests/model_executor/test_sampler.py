@@ -41,10 +41,12 @@ def prompt_metadata(request_id, params, prompt, seq_id=0):
 
 def run_sampler(metadata_list, logits_per_token, backend="torch"):
     """Run the sampler where every token of the flat batch has the row `logits_per_token[i]`
-    (backend "triton": the device sampler's kernels, in Triton's interpreter on a CPU)."""
+    (backend "triton": the device sampler's kernels, on the GPU if there is one, else in
+    Triton's interpreter)."""
+    device = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     query_lens = [m.token_chunk_size for m in metadata_list]
-    sampling = SamplingMetadata.prepare(metadata_list, query_lens, "cpu")
-    hidden_logits = logits_per_token[sampling.selected_token_indices]
+    sampling = SamplingMetadata.prepare(metadata_list, query_lens, device)
+    hidden_logits = logits_per_token.to(device)[sampling.selected_token_indices]
     return Sampler(backend)(hidden_logits, sampling)
 
 
