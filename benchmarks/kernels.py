@@ -21,7 +21,7 @@ redraws the figure from saved numbers (no GPU needed).
 (`get_ops("triton").paged_prefill_attention`, K/V read through a block table) against torch
 SDPA with the flash backend on contiguous K/V, causal, at 1 x 8192 and 16 x 1024 tokens, same
 head shape, bf16; CUDA events, median of PREFILL_REPS after warm-up. It writes
-prefill_attention.json. `--prefill --smoke` runs tiny shapes on the CPU (Triton interpreter).
+prefill_attention_<gpu>.json. `--prefill --smoke` runs tiny shapes on the CPU (Triton interpreter).
 """
 
 from __future__ import annotations
@@ -456,7 +456,7 @@ def run_prefill(out: Path, smoke: bool = False) -> dict:
     for batch, seq_len in shapes:
         row = bench_prefill(batch, seq_len, device, warmup, reps)
         results["rows"].append(row)
-        (out / "prefill_attention.json").write_text(json.dumps(results, indent=1))
+        (out / f"prefill_attention_{gpu_tag(results['device'])}.json").write_text(json.dumps(results, indent=1))
         print(json.dumps(row), flush=True)
     print("| shape | paged Triton (ms) | SDPA flash (ms) | paged speed vs SDPA (target >= 0.8) |\n| --- | --- | --- | --- |")
     for r in results["rows"]:

@@ -182,8 +182,8 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
 
 
 def read_result(row: Row, result: Path) -> dict:
-    if row.kind == "prefill":
-        result = result.parent / "prefill" / "prefill_attention.json"
+    if row.kind == "prefill":  # kernels.py --prefill names its file for the machine
+        result = next(iter(sorted((result.parent / "prefill").glob("prefill_attention_*.json"))), result)
     return json.loads(result.read_text()) if result.exists() else {"error": "no result file"}
 
 
