@@ -11,23 +11,29 @@ shape with random bf16 weights, beside transformers' continuous batching on the 
 Every other row is labelled by what it changes. The rows, in the order they run (the ones
 that matter most first, so a run cut short still has them):
 
-    headline      minivllm, LLM() defaults, temperature 0.6
-    hf-cb         transformers continuous batching, temperature 0.6 (the first HF_CB_REQUESTS requests)
-    greedy        defaults, temperature 0
-    top-p-k       defaults, temperature 0.6, top_p 0.95, top_k 50
-    penalties     defaults, temperature 0.6, repetition 1.1, frequency 0.5, presence 0.5
-    prefill-attn  paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (kernels.py --prefill)
-    batch1        decode step and TPOT at batch 1, one-step profile (decode_latency.py --batch1)
-    full-batch    the headline's 256 requests once all decode: step time and profiles (decode_latency.py)
-    serving       256 streaming clients through the OpenAI server (serving.py --workload)
-    llama-1b      Llama-3.2-1B shape, defaults, temperature 0.6
-    ms16          tuned: num_scheduler_steps=16, temperature 0.6
-    eager         enforce_eager=True, temperature 0.6
+    headline        minivllm, LLM() defaults, temperature 0.6
+    hf-cb           transformers continuous batching, temperature 0.6 (the first HF_CB_REQUESTS requests)
+    greedy          defaults, temperature 0
+    top-p-k         defaults, temperature 0.6, top_p 0.95, top_k 50
+    penalties       defaults, temperature 0.6, repetition 1.1, frequency 0.5, presence 0.5
+    full-batch      the headline's 256 requests once all decode: step time and profiles (decode_latency.py)
+    prefill-attn    paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (kernels.py --prefill)
+    batch1          decode step and TPOT at batch 1, one-step profile (decode_latency.py --batch1)
+    serving         256 streaming clients through the OpenAI server (serving.py --workload)
+    serving-async   the same with --async-scheduling
+    serving-inproc  the same with the engine inside the server's process
+    serving-1client the same with every client in one process
+    llama-1b        Llama-3.2-1B shape, defaults, temperature 0.6
+    ms16            tuned: num_scheduler_steps=16, temperature 0.6
+    no-async        the headline with async_scheduling=False
+    headline-idle   diagnostic: the headline, GPU idle profiled at engine steps 45-47 (no-async-idle: without
+                    async scheduling)
+    eager           enforce_eager=True, temperature 0.6
 
 Before a model's first minivllm row, one untimed process ("prime") runs the engine on a slice
 of the workload with each of that model's sampling modes, so Triton's on-disk cache holds the
-kernels (a user's second run of bench.py on a machine sees the same). Each row has a timeout; no row starts once the budget is spent,
-and a row never runs past it. Results go to OUT/nano_vllm_workload_<gpu>.json after every row
+kernels (a user's second run of bench.py on a machine sees the same). Each row has a timeout;
+no row starts once the budget is spent, and a row never runs past it. Results go to OUT/nano_vllm_workload_<gpu>.json after every row
 (the name of the latest result in benchmarks/results/), the markdown table to the same name with
 .md, subprocess logs to OUT/logs/.
 """
