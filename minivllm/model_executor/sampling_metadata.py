@@ -178,8 +178,7 @@ class SamplingTensors:
         datas = [g.seq_data[seq_id] for g, seq_id in rows]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
         top_k = [p.top_k if 0 < p.top_k < vocab_size else -1 for p in params]
-        # Unseeded rows: fresh seeds from torch's generator (torch.manual_seed reproduces them).
-        fresh = torch.randint(0, 2**62, (len(params),)).tolist()
+        fresh = fresh_seeds(len(params)).tolist()
         seeds = [p.seed % 2**63 if p.seed is not None else s for p, s in zip(params, fresh)]
         floats = torch.tensor([[0.0 if g else p.temperature for p, g in zip(params, greedy)],
                                [p.top_p for p in params], [p.min_p for p in params]], dtype=torch.float32)
@@ -208,6 +207,12 @@ def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -
     if all(k != -1 for k, t in zip(top_k, truncating) if t):
         return min(vocab_size, largest_k)
     return min(vocab_size, max(largest_k, _NUCLEUS_CANDIDATES))
+
+
+def fresh_seeds(num_rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """`[num_rows]` int64 seeds for unseeded rows, from torch's generator (so `torch.manual_seed`,
+    or the `generator` given, makes a run reproducible)."""
+    return torch.randint(0, 2**62, (num_rows,), generator=generator)
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:

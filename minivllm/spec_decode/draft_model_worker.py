@@ -27,7 +27,7 @@ import torch
 from minivllm.attention import build_attn_metadata
 from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
-from minivllm.model_executor.layers.sampling_ops import fresh_seeds
+from minivllm.model_executor.sampling_metadata import fresh_seeds
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals, sampling_probs
 from minivllm.worker.worker import Worker

@@ -20,7 +20,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.model_executor.layers.sampling_ops import SampleTokens, fresh_seeds
+from minivllm.model_executor.layers.sampling_ops import SampleTokens
+from minivllm.model_executor.sampling_metadata import fresh_seeds
 
 # Output id of a position after the first rejection (vLLM uses -1 too).
 NO_TOKEN = -1

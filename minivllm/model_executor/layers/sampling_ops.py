@@ -63,8 +63,3 @@ class ApplyPenalties(CustomOp):
 
         return sampling.apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence)
 
-
-def fresh_seeds(num_rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`[num_rows]` int64 seeds for unseeded rows, from torch's generator (so `torch.manual_seed`,
-    or the `generator` given, makes a run reproducible)."""
-    return torch.randint(0, 2**62, (num_rows,), generator=generator)
