@@ -173,7 +173,7 @@ class Scheduler:
     """
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 lora_config: object | None = None, pipeline_parallel_size: int = 1,
+                 lora_config: LoRAConfig | None = None, pipeline_parallel_size: int = 1,
                  output_proc_callback: Callable | None = None, *,
                  clock: Callable[[], float] = time.monotonic, kv_connector: object | None = None) -> None:
         if pipeline_parallel_size != 1:
