@@ -82,3 +82,13 @@ def test_the_usage_pages_from_python_example_runs_as_written():
     line, reply = namespace["line"], namespace["reply"]
     assert line.outputs[0].finish_reason == "stop" and "\n" not in line.outputs[0].text
     assert reply.outputs[0].text
+
+
+def _github_slug(heading: str) -> str:
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_into_docs_name_a_heading_there():
+    for target, anchor in re.findall(r"\]\((docs/[^)#]+\.md)#([^)]+)\)", README):
+        headings = re.findall(r"^#+ (.+)$", (ROOT / target).read_text(encoding="utf-8"), flags=re.M)
+        assert anchor in {_github_slug(h) for h in headings}, f"{target}#{anchor}"
