@@ -31,7 +31,7 @@ from minivllm.executor.distributed_executor import DistributedExecutorBase, Work
 from minivllm.executor.metadata_delta import MetadataEncoder
 from minivllm.executor.multiproc_worker_utils import ProcessWorkerWrapper, pack_task
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
-from minivllm.worker.multi_step_worker import worker_class
+from minivllm.worker.selector import worker_class
 from minivllm.worker.worker import Worker
 
 logger = logging.getLogger(__name__)

@@ -101,7 +101,7 @@ def pack_task(encoder: MetadataEncoder, method, args: tuple) -> bytes:
 def _worker_main(engine_config: EngineConfig, rank: int, local_rank: int, distributed_init_method: str,
                  tasks, results, parent_pid: int) -> None:
     """The child process: build the worker, then serve calls until told to stop."""
-    from minivllm.worker.multi_step_worker import worker_class  # in the child: torch is imported here
+    from minivllm.worker.selector import worker_class  # in the child: torch is imported here
 
     try:
         cls = worker_class(engine_config)

@@ -36,7 +36,7 @@ class RayWorkerWrapper:
         return get_open_port()
 
     def init_worker(self, engine_config: EngineConfig, local_rank: int, rank: int, distributed_init_method: str) -> None:
-        from minivllm.worker.multi_step_worker import worker_class
+        from minivllm.worker.selector import worker_class
 
         cls = worker_class(engine_config)
         self.worker = cls(engine_config, local_rank=local_rank, rank=rank, distributed_init_method=distributed_init_method,

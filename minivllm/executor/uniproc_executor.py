@@ -9,18 +9,14 @@ from collections.abc import Iterable
 
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
-from minivllm.spec_decode.spec_decode_worker import SpecDecodeWorker
-from minivllm.worker.multi_step_worker import worker_class
+from minivllm.worker.selector import worker_class
 
 
 class UniProcExecutor(ExecutorBase):
     """Forwards every call to one in-process worker."""
 
     def _init_executor(self) -> None:
-        worker_cls = worker_class(self.engine_config)
-        if self.engine_config.speculative_config is not None:  # (never with multi-step: config checks)
-            worker_cls = SpecDecodeWorker
-        self.driver_worker = worker_cls(self.engine_config)
+        self.driver_worker = worker_class(self.engine_config)(self.engine_config)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 

@@ -37,6 +37,7 @@ Left out from vLLM: batch expansion, typical acceptance, logprobs for speculated
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 
 import torch
 
@@ -49,10 +50,17 @@ from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput,
                                SequenceOutput)
 from minivllm.spec_decode.draft_model_worker import DraftModelWorker
-from minivllm.spec_decode.metrics import AcceptanceCounter
+from minivllm.spec_decode.metrics import AcceptanceCounter, SpecDecodeWorkerMetrics
 from minivllm.spec_decode.ngram_worker import NGramWorker
 from minivllm.spec_decode.util import Proposals, sampling_probs
 from minivllm.worker.worker import Worker
+
+
+@dataclass
+class SpecDecodeSamplerOutput(SamplerOutput):
+    """The first output of a speculative step, with the acceptance counts so far."""
+
+    spec_decode_worker_metrics: SpecDecodeWorkerMetrics | None = None
 
 
 class SpecDecodeWorker(Worker):
@@ -62,7 +70,7 @@ class SpecDecodeWorker(Worker):
         super().__init__(engine_config)
         spec = engine_config.speculative_config
         self.proposer = NGramWorker(spec, self.device) if spec.method == "ngram" else DraftModelWorker(engine_config)
-        self.rejection_sampler = RejectionSampler()
+        self.rejection_sampler = RejectionSampler(self.model_runner.backend)
         self.counter = AcceptanceCounter(spec.num_speculative_tokens)
 
     # ------------------------------------------------------------------ both models
@@ -153,8 +161,7 @@ class SpecDecodeWorker(Worker):
         if not metadata_list:
             return []
         rows = [first + j for m, first in zip(metadata_list, first_rows) for j in range(len(m.seq_data))]
-        sampling_metadata = SamplingMetadata.prepare(metadata_list, [1] * len(metadata_list), self.device,
-                                                     self.model_runner.generators)
+        sampling_metadata = SamplingMetadata.prepare(metadata_list, [1] * len(metadata_list), self.device)
         return self.model_runner.sampler(logits[rows], sampling_metadata).outputs
 
     def _accept(self, metadata_list, spec_groups: list[int], proposals: Proposals, logits: torch.Tensor,
@@ -190,5 +197,5 @@ class SpecDecodeWorker(Worker):
                 samples = [SequenceOutput(seq_id, token, {token: logprobs[r][s]})] if s < emitted[r] else []
                 groups.append(SequenceGroupOutput(samples=samples))
             outputs.append(SamplerOutput(groups))
-        outputs[0].spec_decode_worker_metrics = self.counter.metrics()
+        outputs[0] = SpecDecodeSamplerOutput(outputs[0].outputs, spec_decode_worker_metrics=self.counter.metrics())
         return outputs

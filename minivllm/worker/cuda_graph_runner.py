@@ -1,7 +1,8 @@
 """Decode steps replayed from captured CUDA graphs: `CUDAGraphModelRunner`.
 
 Mirrors the `CUDAGraphRunner` part of `vllm/worker/model_runner.py` (v0), kept in a file of
-its own so the plain `ModelRunner` reads as if graphs did not exist.
+its own so the plain `ModelRunner` reads as if graphs did not exist. `selector.py` picks it
+on a GPU unless `enforce_eager`, with one pipeline stage and a backend whose ops capture.
 
 Why: a decode step runs dozens of small kernels per layer, and for a small batch the time
 to *launch* them rivals the time to run them. A captured graph replays the whole forward
@@ -63,14 +64,13 @@ class CUDAGraphModelRunner(ModelRunner):
         return sizes
 
     def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata: AttentionMetadata,
-                  kv_caches: list[torch.Tensor], intermediate_tensors=None) -> torch.Tensor:
+                  kv_caches: list[torch.Tensor]) -> torch.Tensor:
         batch_size = attn_metadata.num_decode_tokens
         # A decode-only batch replays the graph of the smallest captured size that holds it.
-        # (Graphs are captured only with one pipeline stage: intermediate_tensors is None.)
         if attn_metadata.num_prefills == 0 and batch_size <= max(self.graph_runners, default=0):
             runner = self.graph_runners[min(s for s in self.graph_runners if s >= batch_size)]
             return runner.replay(input_ids, positions, attn_metadata)
-        return super().run_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
+        return super().run_model(input_ids, positions, attn_metadata, kv_caches)
 
 
 class _GraphBuffers:

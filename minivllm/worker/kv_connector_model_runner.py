@@ -1,7 +1,8 @@
-"""The model runner with a KV connector: loads and saves KV blocks inside the forward pass.
+"""The worker side of a KV connector: loads and saves KV blocks inside the forward pass.
 
-An optional mode in a file of its own, wrapping the plain `ModelRunner` (vLLM's pattern; vLLM
-v1 puts the same calls in `KVConnectorModelRunnerMixin` and the attention layer). One step:
+An optional mode in a file of its own, mixed over the plain runner (eager or CUDA graphs) by
+`selector.py` (vLLM v1 puts the same calls in `KVConnectorModelRunnerMixin` and the
+attention layer). One step:
 
     bind_connector_metadata(meta)       the step's loads and saves, with physical block ids
     start_load_kv()                     read the store, start copying into the cache
@@ -15,27 +16,43 @@ v1 puts the same calls in `KVConnectorModelRunnerMixin` and the attention layer)
 The hooks sit on the model's `Attention` modules, so the model file knows nothing of
 connectors. A replayed CUDA graph runs no hooks, so a step that loads or saves runs eagerly;
 the steps that move nothing (decodes: loads and saves happen in prefill steps) replay graphs
-as usual when the engine captured them (`KVConnectorCUDAGraphModelRunner`).
+as usual when the engine captured them.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from minivllm.attention import Attention
 from minivllm.distributed import get_tp_group
-from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorMetadata, KVConnectorRole
-from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
-from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
+from minivllm.distributed.kv_transfer import KVConnectorFactory, KVConnectorMetadata, KVConnectorRole, KVTransferStats
+from minivllm.sequence import ExecuteModelRequest, SamplerOutput, SequenceData, SequenceGroupMetadata
 from minivllm.worker.model_runner import ModelRunner
 
 
+@dataclass
+class KVTransferSamplerOutput(SamplerOutput):
+    """A step's output with the connector's cumulative counts (`kv_transfer_stats`)."""
+
+    kv_transfer_stats: KVTransferStats | None = None
+
+
+class KVConnectorWorkerMixin:
+    """Over a `Worker` (plain or multi-step): hands each step's connector metadata to the
+    runner, which takes it in its next `execute_model`."""
+
+    def execute_model(self, execute_model_req: ExecuteModelRequest):
+        self.model_runner.bind_connector_metadata(execute_model_req.kv_connector_metadata)
+        return super().execute_model(execute_model_req)
+
+
 class KVConnectorModelRunnerMixin:
-    """The worker side of the engine's KV connector (`kv_connector`), over a model runner
-    (the eager `ModelRunner` or the `CUDAGraphModelRunner`: see the two classes below)."""
+    """Over a `ModelRunner` (eager or `CUDAGraphModelRunner`): the engine's KV connector
+    (`kv_connector`), its hooks on the attention layers, and a step that loads and saves."""
 
     def __init__(self, engine_config, device=None) -> None:
         super().__init__(engine_config, device)
@@ -57,11 +74,10 @@ class KVConnectorModelRunnerMixin:
         self.kv_connector.register_kv_caches(
             {name: kv_cache for (name, _), kv_cache in zip(self.attention_layers, kv_caches)})
 
-    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, kv_caches: list[torch.Tensor],
-                  intermediate_tensors=None):
+    def run_model(self, input_ids: torch.Tensor, positions: torch.Tensor, attn_metadata, kv_caches: list[torch.Tensor]):
         if self._transfers:  # the hooks must run: no graph replay (the eager forward of ModelRunner)
-            return ModelRunner.run_model(self, input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
-        return super().run_model(input_ids, positions, attn_metadata, kv_caches, intermediate_tensors)
+            return ModelRunner.run_model(self, input_ids, positions, attn_metadata, kv_caches)
+        return super().run_model(input_ids, positions, attn_metadata, kv_caches)
 
     def _before_attention(self, layer_name: str, module, args) -> None:
         if self._hooks_load:
@@ -79,12 +95,10 @@ class KVConnectorModelRunnerMixin:
 
     @torch.inference_mode()
     def execute_model(self, seq_group_metadata_list: list[SequenceGroupMetadata], kv_caches: list[torch.Tensor],
-                      finished_requests_ids: list[str] | None = None,
-                      intermediate_tensors=None) -> SamplerOutput:
+                      finished_requests_ids: list[str] | None = None) -> SamplerOutput:
         meta, self._connector_metadata = self._connector_metadata, None
         if meta is None or not seq_group_metadata_list:  # the profile run, an empty step
-            return super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids,
-                                         intermediate_tensors)
+            return super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids)
         tables = {m.request_id: next(iter(m.block_tables.values())) for m in seq_group_metadata_list}
         bound = meta.with_block_tables(tables)
         connector = self.kv_connector
@@ -95,16 +109,13 @@ class KVConnectorModelRunnerMixin:
             self._hooks_load = True
             self._recompute_failed_loads(bound, seq_group_metadata_list, kv_caches)
             self._hooks_save = True
-            output = super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids,
-                                           intermediate_tensors)
+            output = super().execute_model(seq_group_metadata_list, kv_caches, finished_requests_ids)
             self._hooks_load = self._hooks_save = False
             connector.wait_for_save()
         finally:
             self._hooks_load = self._hooks_save = self._transfers = False
             connector.clear_connector_metadata()
-        if isinstance(output, SamplerOutput):
-            output.kv_transfer_stats = connector.stats.copy()
-        return output
+        return KVTransferSamplerOutput(output.outputs, kv_transfer_stats=connector.stats.copy())
 
     def _recompute_failed_loads(self, bound: KVConnectorMetadata, seq_group_metadata_list: list[SequenceGroupMetadata],
                                 kv_caches: list[torch.Tensor]) -> None:
@@ -137,11 +148,3 @@ class KVConnectorModelRunnerMixin:
         redo = SequenceData(list(data.prompt_token_ids), list(data.output_token_ids), num_computed_tokens=start)
         return dataclasses.replace(metadata, is_prompt=True, seq_data={seq_id: redo},
                                    token_chunk_size=data.num_computed_tokens - start, do_sample=False)
-
-
-class KVConnectorModelRunner(KVConnectorModelRunnerMixin, ModelRunner):
-    """Every step eager (a CPU, `enforce_eager`)."""
-
-
-class KVConnectorCUDAGraphModelRunner(KVConnectorModelRunnerMixin, CUDAGraphModelRunner):
-    """Decode steps that move no KV replay CUDA graphs; steps that load or save run eagerly."""

@@ -2,31 +2,26 @@
 
 Mirrors `vllm/worker/multi_step_model_runner.py` (vLLM v0's multi-step scheduling). It wraps
 a plain `ModelRunner` (eager or CUDA-graph) and runs a decode batch's forward pass several
-times back to back. Between two steps nothing goes back to the host: `advance_step` turns
-each row's sampled token into the next step's input on the device (position + 1, sequence
-length + 1, the slot from the block table the scheduler already grew by its lookahead
-slots). So every step of the run is queued on the GPU at once; each step's tokens are
-copied to the host as soon as they exist and handed to the engine in turn, so the engine's
-output processing overlaps the GPU, and the scheduling and batch building around the GPU
-are paid once per run.
+times back to back, with no host sync between the steps:
 
-Why all at once: handing step s over only once step s + 1 was queued (the first design)
-kept the GPU at most one step ahead of the host. At 256 sequences the host's processing of
-one step (appending 256 tokens, detokenizing, stop checks: ~3-5 ms) is close to the GPU's
-step (~8 ms on an H100), so any host hiccup left the GPU idle (`docs/benchmarks.md`).
+    step 0      prepare_model_input -> forward -> sample (tokens stay on the device)
+    step s > 0  advance_step: step s-1's tokens as input ids, positions + 1, seq_lens + 1,
+                slots from the block tables (grown by the lookahead slots) -> forward -> sample
+    hand over   each step's tokens are copied to the host as soon as they exist; the iterator
+                yields one `MultiStepSamplerOutput` per step
 
-With tensor parallelism every rank runs the same steps on its share of each layer; TP rank 0
-gathers the logits and samples, and broadcasts the tokens (on the device) that every rank
-feeds into its next step. Rank 0's sampling sits between collectives: should it raise, the
-other ranks wait in the next collective until its timeout (`COLLECTIVE_TIMEOUT`), where a
-single-step TP engine would have finished the step; the sampler's inputs are validated before
-they get here.
+Every step of the run is queued at once, so the engine processes step s while the device
+computes the later ones, and scheduling and batch building are paid once per run. With tensor
+parallelism TP rank 0 samples and broadcasts the tokens (on the device) that every rank feeds
+into its next step; should its sampling raise, the other ranks wait in the next collective
+until `COLLECTIVE_TIMEOUT` (the sampler's inputs are validated before they get here).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
@@ -40,6 +35,14 @@ from minivllm.worker.model_runner import ModelRunner
 
 # A row out of reserved slots writes its K/V nowhere.
 _NO_SLOT = -1
+
+
+@dataclass
+class MultiStepSamplerOutput(SamplerOutput):
+    """One step of a multi-step run. steps_left: model steps of the same run still queued
+    behind this one (the engine may schedule the next run while they compute)."""
+
+    steps_left: int = 0
 
 
 class MultiStepModelRunner:
@@ -176,22 +179,20 @@ def _hand_over(queued: list, error: Exception | None, groups: list[SequenceGroup
                steps_allowed: list[int]) -> Iterator[SamplerOutput]:
     """Each queued step's output once its tokens are on the host, then the queueing error."""
     for step, pending in enumerate(queued):
-        output = _step_output(pending, step, groups, tensors, steps_allowed)
-        output.steps_left = len(queued) - 1 - step
-        yield output
+        yield _step_output(pending, step, groups, tensors, steps_allowed, steps_left=len(queued) - 1 - step)
     if error is not None:
         raise error
 
 
 def _step_output(pending, step: int, groups: list[SequenceGroupToSample], tensors: SamplingTensors,
-                 steps_allowed: list[int]) -> SamplerOutput:
+                 steps_allowed: list[int], steps_left: int) -> MultiStepSamplerOutput:
     """One output per group: its sampled token, or none past its reserved slots."""
     drawn, ready = pending
     if ready is not None:
         ready.synchronize()  # this step's copy only, not the steps queued after it
     samples = drawn.sequence_outputs(groups, tensors)  # one per group: each has one sequence
-    return SamplerOutput([SequenceGroupOutput(samples=group_samples if step < allowed else [])
-                          for group_samples, allowed in zip(samples, steps_allowed)])
+    return MultiStepSamplerOutput([SequenceGroupOutput(samples=group_samples if step < allowed else [])
+                                   for group_samples, allowed in zip(samples, steps_allowed)], steps_left=steps_left)
 
 
 def _copy_to_host(drawn: DeviceSample):

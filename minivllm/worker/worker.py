@@ -3,36 +3,22 @@
 Mirrors `vllm/worker/worker.py` (v0). The engine talks to it, through the executor, in
 this order:
 
-    init_device()                       pick the device, seed the RNGs
+    init_device()                       pick the device, seed the RNGs, join the process groups
     load_model()                        weights onto the device
     determine_num_available_blocks()    profile the largest batch, turn leftover memory
                                         into a number of KV blocks
     initialize_cache(gpu, cpu)          allocate the caches; capture CUDA graphs
-    execute_model(request)  (per step)  swap-in, swap-out, copy-on-write, then the forward
+    execute_model(request)  (per step)  swap-out, swap-in, copy-on-write, then the forward
 
-How many blocks fit (`determine_num_available_blocks`):
-    CUDA: run `profile_run` with no KV cache, then read how much GPU memory is in use at its
-          peak (our weights and activations, plus anything else on the GPU: another engine
-          in this process, other processes); then
-          num_gpu_blocks = (total x gpu_memory_utilization - peak) // block_bytes.
-          So gpu_memory_utilization caps the whole GPU's use, and a second engine on a busy GPU
-          gets a clear "no memory left" error rather than an out-of-memory crash later.
-    CPU:  there is no separate device memory to measure, so the "GPU" pool gets a budget:
-          `MINIVLLM_CPU_KVCACHE_SPACE` GiB (like vLLM's `VLLM_CPU_KVCACHE_SPACE`), default
-          0.5 GiB, never more than a quarter of the machine's RAM and never more blocks than
-          `max_num_seqs` full-length sequences could ever use.
-    Both: num_cpu_blocks (the swap pool) = swap_space bytes // block_bytes, at most what
-          `max_num_seqs` full-length sequences hold (a tiny model's 4 GiB would otherwise be
-          millions of blocks for the Python block manager to track). The swap pool is allocated
-          uninitialised, so its pages cost RAM only once blocks are swapped out.
-    `num_gpu_blocks_override` replaces the GPU figure (tests use it to force preemption).
+How many blocks fit, with block_bytes = `CacheEngine.get_cache_block_size`:
+    CUDA  num_gpu_blocks = (total x gpu_memory_utilization - peak of `profile_run`) // block_bytes
+    CPU   num_gpu_blocks = min(MINIVLLM_CPU_KVCACHE_SPACE GiB (default 0.5, at most 1/4 of RAM),
+                               what max_num_seqs full-length sequences hold) // block_bytes
+    both  num_cpu_blocks = min(swap_space, what max_num_seqs full-length sequences hold) // block_bytes
+          (`num_gpu_blocks_override` replaces the GPU figure)
 
-Split over ranks (tensor / pipeline parallelism), there is one worker per rank, built by the
-executor with its `rank` (and `local_rank`: its GPU on this machine). `init_device` joins
-the process groups (`minivllm.distributed`) before the model is built, since the parallel
-layers read their rank when constructed; each worker counts blocks for its own share of the
-model and the executor takes the minimum. A pipeline stage after the first receives the
-previous stage's tensors before its forward pass, and one before the last sends its own.
+With tensor / pipeline parallelism there is one worker per rank; the executor takes the
+minimum of their counts. `selector.py` picks the runner class, and the executor the worker class.
 """
 
 from __future__ import annotations
@@ -44,18 +30,14 @@ import os
 
 import torch
 
-from minivllm.attention.selector import get_attn_backend
 from minivllm.config import EngineConfig
-from minivllm.distributed import (destroy_distributed_environment, get_pp_group, init_distributed_environment,
+from minivllm.distributed import (destroy_distributed_environment, init_distributed_environment,
                                   initialize_model_parallel, set_custom_all_reduce, wait_for_pending_teardown)
-from minivllm.kernels import supports_cuda_graphs
-from minivllm.model_executor.models.utils import IntermediateTensors
 from minivllm.plugins import load_general_plugins
 from minivllm.sequence import ExecuteModelRequest, SamplerOutput
 from minivllm.worker.cache_engine import CacheEngine
-from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
-from minivllm.worker.kv_connector_model_runner import KVConnectorCUDAGraphModelRunner, KVConnectorModelRunner
 from minivllm.worker.model_runner import ModelRunner
+from minivllm.worker.selector import model_runner_class
 
 logger = logging.getLogger(__name__)
 
@@ -64,10 +46,8 @@ _DEFAULT_CPU_KVCACHE_SPACE_GIB = 0.5
 _MAX_CPU_RAM_FRACTION = 0.25
 _GiB = 1 << 30
 # CPU threads: one per this many parameters. A small model's matmuls are too small to split,
-# and each op's threads wait for the slowest: on a shared 2-core machine the bundled
-# 5M-parameter model took 0.35-0.45 s for 64 greedy tokens on one thread and 0.37-3.7 s on
-# two; a 55M-parameter Llama gained ~10 % from a second thread when the machine was idle.
-# Set OMP_NUM_THREADS to choose yourself.
+# and each op's threads wait for the slowest, so extra threads only add waiting. Set
+# OMP_NUM_THREADS to choose yourself.
 _PARAMS_PER_CPU_THREAD = 25_000_000
 
 
@@ -100,16 +80,8 @@ class Worker:
             # With several ranks each takes the GPU of its local rank.
             index = local_rank if parallel_config.world_size > 1 else torch.cuda.current_device()
             self.device = torch.device("cuda", index)
-        # Decode steps replay CUDA graphs on a GPU unless told to run eagerly (the mode lives
-        # in its own runner class; see cuda_graph_runner.py). Graphs hold the TP all-reduces;
-        # with pipeline stages the steps run eagerly (no graph of the send / receive), and
-        # with the PyTorch reference ops too (they synchronise with the host).
-        backend = get_attn_backend(engine_config.attention_backend, self.device)
-        use_graphs = (self.device.type == "cuda" and not engine_config.enforce_eager
-                      and parallel_config.pipeline_parallel_size == 1 and supports_cuda_graphs(backend))
-        runner_class = CUDAGraphModelRunner if use_graphs else ModelRunner
-        if engine_config.kv_transfer_config is not None:  # loads and saves KV inside the forward
-            runner_class = KVConnectorCUDAGraphModelRunner if use_graphs else KVConnectorModelRunner
+        # The plain runner, or one extended by the configured modes (CUDA graphs, LoRA, ...).
+        runner_class = model_runner_class(engine_config, self.device)
         self.model_runner: ModelRunner = runner_class(engine_config, self.device)
         self.cache_engine: CacheEngine | None = None
         self.profiler: torch.profiler.profile | None = None
@@ -150,7 +122,10 @@ class Worker:
 
     @torch.inference_mode()
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        """(num_gpu_blocks, num_cpu_blocks) that fit; see the module docstring."""
+        """(num_gpu_blocks, num_cpu_blocks) that fit; see the module docstring.
+
+        On a GPU the peak counts everything on it (another engine, other processes), so a
+        second engine on a busy GPU gets a clear error here rather than running out later."""
         block_bytes = self.get_cache_block_size_bytes()
         if self.device.type == "cuda":
             num_gpu_blocks = self._profile_gpu_blocks(block_bytes)
@@ -207,19 +182,8 @@ class Worker:
         multi-step worker returns several).
         """
         self.apply_block_moves(execute_model_req)
-        metadata_list = execute_model_req.seq_group_metadata_list
-        pp_group = get_pp_group()
-        intermediate_tensors = None
-        if metadata_list and not pp_group.is_first_rank:  # (every stage skips an empty step)
-            intermediate_tensors = IntermediateTensors(pp_group.recv_tensor_dict(device=self.device))
-        if execute_model_req.kv_connector_metadata is not None:
-            self.model_runner.bind_connector_metadata(execute_model_req.kv_connector_metadata)
-        output = self.model_runner.execute_model(metadata_list, self.kv_caches, execute_model_req.finished_requests_ids,
-                                                 intermediate_tensors)
-        if isinstance(output, IntermediateTensors):  # a stage before the last: pass it on
-            pp_group.send_tensor_dict(output.tensors)
-            return []
-        return [output]
+        return [self.model_runner.execute_model(execute_model_req.seq_group_metadata_list, self.kv_caches,
+                                                execute_model_req.finished_requests_ids)]
 
     # ------------------------------------------------------------------ profiling
     def start_profile(self, trace_dir: str) -> None:
