@@ -3,36 +3,18 @@
 Mirrors `vllm/spec_decode/spec_decode_worker.py` (v0). A `Worker` for the target model that
 owns a proposer (`DraftModelWorker` or `NGramWorker`) and runs each decode step as:
 
-    1. propose   the proposer guesses k_i tokens for each speculating sequence i
-                 (k_i = the lookahead slots the scheduler reserved for it, at most k)
+    1. propose   the proposer guesses k_i <= k tokens for sequence i (its lookahead slots)
     2. score     ONE target forward pass over each sequence's last token and its guesses,
-                 k_i + 1 new tokens per sequence, laid out as prefill chunks that attend to
-                 the cached context (the paged prefill kernel): row j predicts the token
-                 after guess j. vLLM's batch expansion (k + 1 one-token sequences per
-                 sequence) is not needed.
+                 k_i + 1 new tokens laid out as a prefill chunk over the cached context;
+                 row j predicts the token after guess j
     3. accept    the rejection sampler keeps a prefix of the guesses and draws one more token
-                 (`minivllm.model_executor.layers.rejection_sampler`)
 
-and hands the accepted tokens back as consecutive `SamplerOutput`s: output s holds token s of
-every sequence that emitted more than s tokens, which is exactly how the engine already
-applies a multi-step run (the first output to the scheduled token, each later one as one
-more computed token). A sequence whose guess s was rejected gets no samples from output
-s + 1 on.
-
-Which sequences speculate: decodes with lookahead slots (the scheduler gives none to groups
-with n > 1 or beam search, or when blocks are short) whose next token depends on the
-logits alone (`DeviceSampler.depends_on_logits_alone`: greedy or unseeded random, no logprobs,
-penalties or pending min_tokens). The others ride along in the same scoring pass with one
-token each and are sampled by the plain `Sampler`. A prefill batch runs the target plainly
-(and the draft model over the same prompts, for its cache).
-
-Rejected guesses' K/V: the scoring pass wrote it at positions past the accepted tokens.
-After the step the sequence is L + m + 1 tokens long with L + m computed, so those slots
-lie at or past the next step's input position: overwritten before any attention reads
-them, or past seq_len. Nothing is rolled back.
-
-Left out from vLLM: batch expansion, typical acceptance, logprobs for speculated tokens
-(requests asking for them decode plainly), disabling speculation by batch size.
+The accepted tokens come back as consecutive `SamplerOutput`s, as a multi-step run's do:
+output s holds token s of every sequence that emitted more than s tokens; the first is a
+`SpecDecodeSamplerOutput` with the acceptance counts. Sequences that cannot speculate
+(`DeviceSampler.depends_on_logits_alone`) ride along with one token each, sampled by the
+plain `Sampler`; a prefill batch runs the target plainly (and the draft, for its cache).
+Rejected guesses' K/V lie at or past the next step's input position: nothing is rolled back.
 """
 
 from __future__ import annotations

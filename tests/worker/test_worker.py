@@ -54,7 +54,7 @@ def test_execute_model_applies_swaps_and_copies_before_the_forward(llama_dir):
 
 
 def test_a_small_model_runs_on_one_cpu_thread_unless_the_user_chose(llama_dir, monkeypatch):
-    """A tiny model's ops are too small to split: threads only wait for each other (issue 14)."""
+    """A tiny model's ops are too small to split: threads only wait for each other."""
     from types import SimpleNamespace
 
     from minivllm.worker.worker import _limit_cpu_threads
