@@ -330,13 +330,24 @@ def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
     return torch.empty_like(sorted_kept).scatter_(1, order, sorted_kept)
 
 
+def race_noise(seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The noise `sample_tokens` adds to z: `[rows, num_tokens]` fp32 -log(E) of token ids
+    0..num_tokens - 1 of rows with `seeds`, `offsets` `[rows]` int64. The spec of
+    `sampling.race_noise` (same contract, Philox noise)."""
+    noise = torch.empty(len(seeds), num_tokens, device=seeds.device)
+    for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist())):
+        noise[row] = _race_noise(seed, offset, num_tokens, seeds.device)
+    return noise
+
+
 def _race_noise(seed: int, offset: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """`[vocab]` fp64 -log(E), E ~ Exp(1) per token, from a generator seeded by (seed, offset):
     arg-max(z + noise) is a draw from softmax(z) (the exponential race / Gumbel-max)."""
     generator = torch.Generator(device=device).manual_seed(_mix_seed(seed, offset))
     uniform = torch.rand(vocab_size, generator=generator, device=device, dtype=torch.float64)
-    # E = -log(1 - u) with u in [0, 1): E > 0 except at u = 0 (probability 2^-53).
-    return -torch.log(-torch.log1p(-uniform))
+    # E = -log(1 - u) > 0, finite noise: u = 0 (probability 2^-53) is taken as 2^-64, about the
+    # Triton kernel's smallest.
+    return -torch.log(-torch.log1p(-uniform.clamp_(min=2.0**-64)))
 
 
 def _mix_seed(seed: int, offset: int) -> int:

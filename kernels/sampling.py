@@ -301,6 +301,26 @@ def _exact_threshold_kernel(logits_ptr, temperature_ptr, top_k_ptr, top_p_ptr, m
     tl.store(threshold_ptr + row, tl.maximum(tl.maximum(kth, top_p_cut), min_p_cut))
 
 
+@triton.jit
+def _race_noise_kernel(seeds_ptr, offsets_ptr, out_ptr, num_tokens, BLOCK: tl.constexpr):
+    """Grid (rows, blocks of token ids): `_race_noise` of token ids 0..num_tokens - 1 of each row."""
+    row = tl.program_id(0).to(tl.int64)
+    token = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    noise = _race_noise(tl.load(seeds_ptr + row), tl.load(offsets_ptr + row), token)
+    tl.store(out_ptr + row * num_tokens + token, noise, mask=token < num_tokens)
+
+
+def race_noise(seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The noise `sample_tokens` adds to z, `[rows, num_tokens]` fp32: the contract of
+    `reference.race_noise`."""
+    out = torch.empty(seeds.shape[0], num_tokens, dtype=torch.float32, device=seeds.device)
+    if out.numel():
+        block = _block(num_tokens)
+        _race_noise_kernel[(seeds.shape[0], triton.cdiv(num_tokens, block))](seeds, offsets, out, num_tokens,
+                                                                             BLOCK=block)
+    return out
+
+
 # --------------------------------------------------------------------------- penalties
 _PENALTY_BLOCK = 2048  # tokens per program: ~75 programs a row for a 150k vocabulary
 

@@ -209,10 +209,12 @@ def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -
     return min(vocab_size, max(largest_k, _NUCLEUS_CANDIDATES))
 
 
-def fresh_seeds(num_rows: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    """`[num_rows]` int64 seeds for unseeded rows, from torch's generator (so `torch.manual_seed`,
-    or the `generator` given, makes a run reproducible)."""
-    return torch.randint(0, 2**62, (num_rows,), generator=generator)
+def fresh_seeds(num_rows: int, generator: torch.Generator | None = None, device="cpu") -> torch.Tensor:
+    """`[num_rows]` int64 seeds for unseeded rows on `device`, from torch's generator of that
+    device or the `generator` given (so `torch.manual_seed` makes a run reproducible)."""
+    if generator is not None:
+        return torch.randint(0, 2**62, (num_rows,), generator=generator, device=generator.device).to(device)
+    return torch.randint(0, 2**62, (num_rows,), device=device)
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:

@@ -27,6 +27,7 @@ import torch
 from minivllm.attention import build_attn_metadata
 from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
+from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals, sampling_probs
@@ -51,6 +52,7 @@ class DraftModelWorker(Worker):
     def __init__(self, engine_config: EngineConfig) -> None:
         draft_config = engine_config.speculative_config.draft_model_config
         super().__init__(dataclasses.replace(engine_config, model_config=draft_config, speculative_config=None))
+        self.race_noise = RaceNoise(self.model_runner.backend)  # draws the guesses
 
     def run_prefill(self, seq_group_metadata_list: list[SequenceGroupMetadata]) -> None:
         """Write the draft's K/V for a prefill batch (the target samples; the draft does not)."""
@@ -80,8 +82,9 @@ class DraftModelWorker(Worker):
             q, _ = sampling_probs(self.model_runner.model.compute_logits(hidden),
                                   [spec[r].metadata.sampling_params for r in active])
             rows = torch.tensor(active, device=self.device)
-            # Drawn from the draft's own (processed) distribution, by the sampler's `SampleTokens`.
-            token_ids[rows, step] = self.model_runner.sampler.device_sampler.sample_tokens.draw(q, fresh_seeds(len(active)))
+            seeds = fresh_seeds(len(active), device=q.device)
+            noise = self.race_noise(seeds, torch.zeros_like(seeds), q.shape[1])
+            token_ids[rows, step] = race(q, noise)  # drawn from the draft's own (processed) distribution
             probs[rows, step] = q
         return Proposals(token_ids, [seq.wanted for seq in spec], probs)
 

@@ -248,6 +248,18 @@ def test_a_rows_token_depends_only_on_its_logits_seed_and_offset(impl):
     torch.testing.assert_close(shuffled_logprobs[:12], logprobs[order])
 
 
+@pytest.mark.parametrize("module", [pytest.param(sampling, id="triton"), pytest.param(reference, id="reference")])
+def test_race_noise_is_the_noise_a_random_row_adds(module):
+    """`race_noise` (what the rejection sampler draws with) is `sample_tokens`' own noise: a
+    temperature-only row's token is arg-max(z + noise)."""
+    logits, _ = mixed_batch(12, 40, seed=9)
+    params = make_params(12, temperature=0.8, seed=list(range(100, 112)), offsets=[3 * i for i in range(12)])
+    tokens, _ = module.sample_tokens(logits, *params)
+    noise = module.race_noise(params[4], params[5], 40)
+    assert noise.shape == (12, 40) and noise.dtype == torch.float32 and noise.isfinite().all()
+    assert torch.equal((logits.float() / 0.8 + noise).argmax(dim=-1), tokens)
+
+
 @pytest.mark.parametrize("impl", IMPLEMENTATIONS)
 def test_all_64_bits_of_seed_and_offset_matter(impl):
     """Seeds or offsets 2^32 apart (or past 2^32) give unrelated draws, not the same ones."""

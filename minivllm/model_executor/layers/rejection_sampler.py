@@ -12,15 +12,16 @@ draft tokens d_1..d_k drawn from the proposer's q_1..q_k and the target's p_1..p
 Each emitted token is distributed exactly as p (notebook 18 works it out). A deterministic
 proposer (n-gram) has q = one-hot(d) (`draft_probs=None`); a greedy request has p =
 one-hot(argmax), so its output is token-identical to decoding without speculation. Every
-random choice is a `SampleTokens` draw with a fresh seed per row (the one random-number
-scheme): accepting d_i is a draw between weights min(p, q) (accept) and (q - p)+ (reject).
+random number is `RaceNoise`'s (the one random-number scheme): one call per step, a fresh
+seed per sequence, gives the last token's race over the vocabulary and, past it, k uniforms
+that decide the drafts.
 """
 
 from __future__ import annotations
 
 import torch
 
-from minivllm.model_executor.layers.sampling_ops import SampleTokens
+from minivllm.model_executor.layers.sampling_ops import RaceNoise, race, uniform
 from minivllm.model_executor.sampling_metadata import fresh_seeds
 
 # Output id of a position after the first rejection (vLLM uses -1 too).
@@ -37,7 +38,7 @@ class RejectionSampler:
     """
 
     def __init__(self, backend: str = "torch") -> None:
-        self.sample_tokens = SampleTokens(backend)
+        self.race_noise = RaceNoise(backend)
 
     def __call__(
         self,
@@ -68,16 +69,16 @@ class RejectionSampler:
         drafts = torch.where(is_real, draft_token_ids, 0)
         p_draft = target_probs[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
-        # Accept with probability min(p, q) / q = min(1, p / q). (q = 0 would be a proposal the
-        # proposer could not make; then the draft is accepted iff p > 0.)
-        q_draft = torch.where(q_draft > 0, q_draft, p_draft)
-        weights = torch.stack([torch.minimum(p_draft, q_draft), (q_draft - p_draft).clamp(min=0.0)], dim=2)
-        accept_draw = self.sample_tokens.draw(weights.view(batch * k, 2), fresh_seeds(batch * k, generator))
-        accepted = (accept_draw.view(batch, k) == 0) & (p_draft > 0) & is_real
+        vocab_size = target_probs.shape[2]
+        seeds = fresh_seeds(batch, generator, device)
+        noise = self.race_noise(seeds, torch.zeros_like(seeds), vocab_size + k)  # one launch for all of it
+        # u < p / q, written without the division (q = 0 would be a proposal the proposer
+        # could not make; then the draft is accepted iff p > 0).
+        accepted = (uniform(noise[:, vocab_size:]) * q_draft < p_draft) & is_real
         # The first rejected (or missing) position: accepted tokens form a prefix.
         num_accepted = torch.cumprod(accepted.long(), dim=1).sum(dim=1)  # [batch]
-        last = self._recover(target_probs, drafts, draft_probs, num_accepted, num_proposed)
-        last = self.sample_tokens.draw(last, fresh_seeds(batch, generator))
+        weights = self._recover(target_probs, drafts, draft_probs, num_accepted, num_proposed)
+        last = race(weights, noise[:, :vocab_size])
         output = torch.where(positions.unsqueeze(0) < num_accepted.unsqueeze(1), drafts, NO_TOKEN)
         output = torch.cat([output, torch.full((batch, 1), NO_TOKEN, dtype=torch.long, device=device)], dim=1)
         return output.scatter_(1, num_accepted.unsqueeze(1), last.unsqueeze(1))

@@ -1,13 +1,14 @@
-"""The sampling spec as two layers: `SampleTokens` and `ApplyPenalties` (`CustomOp`s).
+"""The sampling spec as layers: `SampleTokens`, `ApplyPenalties` and `RaceNoise` (`CustomOp`s).
 
     forward_native   `kernels/reference.py`: the PyTorch spec, what runs on a CPU
     forward_triton   `kernels/sampling.py`: the same contract in Triton kernels, on a GPU
 
-Every path that draws a token reaches the spec through these two: the `Sampler` (and its
-`DeviceSampler`), parallel sampling and beam search, and speculative decoding's
-`RejectionSampler`. There is one random-number scheme: a row's draw is arg-max(z + noise),
-the noise a function of (seed, offset, token id) alone, so no generator state is kept and a
-seeded request's tokens do not depend on its batch.
+Every path that draws a token reaches the spec through these: the `Sampler` (and its
+`DeviceSampler`), parallel sampling and beam search through `SampleTokens`; speculative
+decoding's `RejectionSampler` and draft proposer through `RaceNoise`. There is one
+random-number scheme: a row's draw is arg-max(z + noise), the noise a function of (seed,
+offset, token id) alone, so no generator state is kept and a seeded request's tokens do not
+depend on its batch.
 """
 
 from __future__ import annotations
@@ -36,16 +37,6 @@ class SampleTokens(CustomOp):
         return sampling.sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets,
                                       needs_truncation=needs_truncation, num_candidates=num_candidates)
 
-    def draw(self, weights: torch.Tensor, seeds: torch.Tensor) -> torch.Tensor:
-        """`[rows]` token ids, token x drawn with probability weights[x] / sum(weights) (`[rows,
-        vocab]` non-negative, not necessarily normalised; a zero weight is never drawn)."""
-        rows = weights.shape[0]
-        ones = torch.ones(rows, device=weights.device)
-        no_top_k = torch.full((rows,), -1, dtype=torch.int64, device=weights.device)
-        tokens, _ = self(weights.float().log().contiguous(), ones, no_top_k, ones, torch.zeros_like(ones),
-                         seeds.to(weights.device), torch.zeros_like(no_top_k), needs_truncation=False)
-        return tokens
-
 
 class ApplyPenalties(CustomOp):
     """`apply_penalties(logits [rows, vocab], prompt_mask, output_counts, repetition, frequency,
@@ -63,3 +54,30 @@ class ApplyPenalties(CustomOp):
 
         return sampling.apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence)
 
+
+
+class RaceNoise(CustomOp):
+    """`race_noise(seeds [rows], offsets [rows], num_tokens)` -> `[rows, num_tokens]` fp32, the
+    noise `SampleTokens` adds to z for token ids 0..num_tokens - 1 (contract: `reference.race_noise`)."""
+
+    def forward_native(self, seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        from minivllm.kernels import reference
+
+        return reference.race_noise(seeds, offsets, num_tokens)
+
+    def forward_triton(self, seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        from minivllm.kernels import sampling
+
+        return sampling.race_noise(seeds, offsets, num_tokens)
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """`[rows]` token ids, token x drawn with probability weights[x] / sum(weights) (`[rows,
+    vocab]` non-negative, not necessarily normalised) given the race's `[rows, vocab]` noise.
+    The noise is finite, so a zero weight's score stays -inf."""
+    return weights.float().log().add_(noise).argmax(dim=1)
+
+
+def uniform(noise: torch.Tensor) -> torch.Tensor:
+    """Uniform in (0, 1) from the race's noise: exp(-E) of its E ~ Exp(1) = exp(-noise)."""
+    return torch.exp(-torch.exp(-noise))
