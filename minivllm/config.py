@@ -258,7 +258,7 @@ class SchedulerConfig:
             least `num_scheduler_steps - 1` (multi-step), `num_speculative_tokens` with
             speculative decoding (vLLM's field; `EngineArgs` sets it).
         async_scheduling: with multi-step, schedule the next run and queue it on the GPU
-            while the current run's last step still computes (`Scheduler.schedule_ahead`;
+            while the current run's last step still computes (`AsyncScheduler.schedule_ahead`;
             vLLM v1's async scheduling), so the GPU does not wait for the host between runs.
     """
 
