@@ -71,7 +71,9 @@ class RejectionSampler:
         q_draft = torch.ones_like(p_draft) if draft_probs is None else draft_probs.gather(2, drafts.unsqueeze(2)).squeeze(2)
         vocab_size = target_probs.shape[2]
         seeds = fresh_seeds(batch, generator, device)
-        noise = self.race_noise(seeds, torch.zeros_like(seeds), vocab_size + k)  # one launch for all of it
+        # One stream per sequence: the last token's race over the vocabulary, then k values past
+        # it for the uniforms that decide the drafts.
+        noise = self.race_noise(seeds, torch.zeros_like(seeds), vocab_size + k)
         # u < p / q, written without the division (q = 0 would be a proposal the proposer
         # could not make; then the draft is accepted iff p > 0).
         accepted = (uniform(noise[:, vocab_size:]) * q_draft < p_draft) & is_real
