@@ -2,8 +2,9 @@
 
 With `pp` virtual engines each has its own scheduler and its own block numbers, so every
 worker keeps one KV cache per virtual engine and runs each call on the one it names. These
-two functions are sent to the plain `Worker` by the executor (`_run_workers(fn, *args)` runs
-`fn(worker, *args)` on every rank), so the plain worker needs no mode of its own.
+two functions are sent to every rank's `PipelineStageWorker` by the executor
+(`_run_workers(fn, *args)` runs `fn(worker, *args)` on every rank), so the worker classes
+need no virtual-engine mode of their own.
 """
 
 from __future__ import annotations
