@@ -158,6 +158,7 @@ VLLM_PATHS: dict[str, str] = {
     ),
     "minivllm.model_executor.layers.activation": "vllm/model_executor/layers/activation.py",
     "minivllm.model_executor.layers.sampler": "vllm/model_executor/layers/sampler.py",
+    "minivllm.model_executor.layers.parallel_sampling": "vllm/model_executor/layers/sampler.py",
     "minivllm.model_executor.layers.rejection_sampler": "vllm/model_executor/layers/rejection_sampler.py",
     "minivllm.spec_decode": "vllm/spec_decode/",
     "minivllm.spec_decode.spec_decode_worker": "vllm/spec_decode/spec_decode_worker.py",
