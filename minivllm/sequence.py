@@ -545,8 +545,8 @@ class ExecuteModelRequest:
 
     The block moves are applied before the forward pass: swap-in and swap-out from the
     scheduler's preemption decisions, copy for copy-on-write. Each is a list of (src, dst)
-    block numbers. `finished_requests_ids` lets workers drop per-request state (seeded
-    random generators) of requests that finished or were aborted since the last step.
+    block numbers. `finished_requests_ids` lets workers drop per-request state (the penalties' token
+    statistics) of requests that finished or were aborted since the last step.
     `num_steps` > 1 asks for a multi-step run of a decode batch (see
     `SchedulerConfig.num_scheduler_steps`); the worker may run fewer (one) when the batch
     needs the host between steps. `kv_connector_metadata`: the KV connector's loads and saves
