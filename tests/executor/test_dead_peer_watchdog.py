@@ -153,7 +153,7 @@ if __name__ == "__main__":  # the workers' processes import this module
 # ever inside the custom all-reduce; here for 60 s), while the driver's GPU is idle.
 ENGINE_WITH_A_STUCK_PEER = """
 import os, sys, time
-from minivllm.worker.worker import Worker
+from minivllm.worker.pipeline_worker import PipelineStageWorker as Worker  # every rank's, with TP x PP
 
 MARK = sys.argv[2]
 execute_model = Worker.execute_model
