@@ -301,7 +301,15 @@ class TokenStatsCache:
     def release(self, request_ids: list[str]) -> None:
         """Give back the rows of (every sequence of) requests that ended."""
         ended = set(request_ids)
-        for key in [key for key in self.slots if key[0] in ended]:
+        self._free([key for key in self.slots if key[0] in ended])
+
+    def release_dropped_sequences(self, request_id: str, live_seq_ids: set[int]) -> None:
+        """Give back the rows of a running request's sequences that are gone (beam search
+        replaces its beams by new sequences every step; the request itself runs on)."""
+        self._free([key for key in self.slots if key[0] == request_id and key[1] not in live_seq_ids])
+
+    def _free(self, keys: list[tuple[str, int]]) -> None:
+        for key in keys:
             self.free_slots.append(self.slots.pop(key))
             del self.num_counted[key]
 

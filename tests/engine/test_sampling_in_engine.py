@@ -191,3 +191,18 @@ def test_seeded_samples_do_not_change_under_preemption(checkpoint_dirs, preempti
     block_manager = tight_engine.scheduler.block_manager
     assert block_manager.get_num_free_gpu_blocks() == tight_engine.cache_config.num_gpu_blocks
     assert block_manager.get_num_free_cpu_blocks() == tight_engine.cache_config.num_cpu_blocks
+
+
+def test_beam_search_with_penalties_keeps_one_statistics_row_per_live_beam(checkpoint_dirs):
+    """Each step's beams are new sequences: the sampler's penalty statistics must drop the
+    rows of the beams it did not keep, or a long beam search fills the device's memory."""
+    engine = make_engine(checkpoint_dirs)
+    sampler = engine.model_executor.driver_worker.model_runner.sampler.device_sampler
+    params = SamplingParams(n=4, use_beam_search=True, temperature=0.0, max_tokens=40, ignore_eos=True,
+                            repetition_penalty=1.3)
+    engine.add_request("beams", {"prompt_token_ids": random_prompt(6, seed=3)}, params)
+    most_rows = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        most_rows = max(most_rows, len(sampler.token_stats.slots))
+    assert most_rows <= 4

@@ -76,3 +76,20 @@ def test_every_sampling_tensor_starts_16_bytes_aligned(num_rows):
     fields = {name: value for name, value in vars(t).items() if isinstance(value, torch.Tensor)}
     assert {"temperature", "top_p", "min_p", "top_k", "seeds", "offsets", "repetition_penalty"} <= fields.keys()
     assert {name: value.data_ptr() % 16 for name, value in fields.items()} == {name: 0 for name in fields}
+
+
+def test_beam_search_gives_back_the_rows_of_beams_it_dropped():
+    """Beam search replaces its beams by new sequences every step; the request's pool rows
+    must follow the live beams, not pile up until the request ends."""
+    cache = TokenStatsCache(VOCAB, "cpu")
+    params = SamplingParams(n=2, use_beam_search=True, temperature=0.0, repetition_penalty=1.3)
+    for step in range(20):
+        seq_ids = [2 * step, 2 * step + 1]  # this step's two beams, new sequences each step
+        beams = SequenceGroupToSample(request_id="beam", seq_ids=seq_ids, sampling_params=params,
+                                      seq_data={i: SequenceData([1, 2, 3], [4] * step) for i in seq_ids},
+                                      is_prompt=False, do_sample=True, prompt_logprob_indices=[],
+                                      prompt_logprob_token_ids=[], sample_indices=[0, 1])
+        cache.rows([(beams, i) for i in seq_ids])
+        cache.release_dropped_sequences("beam", set(seq_ids))
+        assert sorted(key[1] for key in cache.slots) == seq_ids
+    assert cache.prompt_mask.shape[0] <= 16  # the pool never grew past its first size

@@ -77,6 +77,9 @@ def _beam_search(sampler: DeviceSampler, logits: torch.Tensor, groups: tuple, ou
     """Logprobs after min_tokens and penalties (temperature 1, nothing truncated), then each
     group's candidates."""
     t = sampler.prepare(list(groups), logits.shape[-1], logits.device)
+    if sampler.token_stats is not None:  # the beams of the last step that were not kept
+        for group in groups:
+            sampler.token_stats.release_dropped_sequences(group.request_id, set(group.seq_ids))
     rows = [r for g in groups for r in g.sample_indices]
     logprobs = torch.log_softmax(sampler.process(logits[rows], t).float(), dim=-1)
     start = 0
