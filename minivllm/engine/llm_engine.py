@@ -86,6 +86,7 @@ class LLMEngine(FailureIsolationMixin):
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
         load_general_plugins()  # `minivllm.general_plugins` entry points, once per process
+        _check_engine_class(self, engine_config)
         self.engine_config = engine_config
         self.model_config = engine_config.model_config
         self.cache_config = engine_config.cache_config
@@ -488,6 +489,17 @@ class LLMEngine(FailureIsolationMixin):
         stats.num_generation_tokens_requests.append(sum(s.get_output_len() for s in seq_group.get_seqs()))
         reasons = [SequenceStatus.get_finished_reason(s.status) for s in seq_group.get_seqs()]
         stats.finished_reason_requests.append(reasons[0] or "")
+
+
+def _check_engine_class(engine: LLMEngine, engine_config: EngineConfig) -> None:
+    """The workers follow the configuration's modes: an engine class without them would drop
+    their outputs' meaning (a KV connector never consulted, speculative metrics lost)."""
+    from minivllm.engine.selector import engine_class  # deferred: the modes' files import this one
+
+    needed = engine_class(engine_config)
+    if not isinstance(engine, needed):
+        raise ValueError(f"this configuration needs {needed.__name__}, not {type(engine).__name__}: "
+                         "build the engine with LLMEngine.from_engine_args.")
 
 
 def _load_tokenizer(name: str):

@@ -45,3 +45,11 @@ def test_async_scheduling_gets_the_async_scheduler():
     engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", num_scheduler_steps=4, async_scheduling=True))
     assert isinstance(engine, AsyncSchedulingLLMEngine) and isinstance(engine.scheduler, AsyncScheduler)
     assert engine._scheduled_ahead is None
+
+
+def test_a_mode_configuration_refuses_the_plain_engine_class():
+    """The workers follow the configuration: a plain engine over multi-step workers would
+    silently drop what the mode needs (here: the partial outputs between model steps)."""
+    config = EngineArgs(device="cpu", num_scheduler_steps=4, async_scheduling=False).create_engine_config()
+    with pytest.raises(ValueError, match="MultiStepLLMEngine"):
+        LLMEngine(config)
