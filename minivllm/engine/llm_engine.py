@@ -76,8 +76,8 @@ class StepObserver:
 class LLMEngine(FailureIsolationMixin):
     """Serves requests over one executor (see the module docstring for a step's anatomy).
 
-    Build it with `LLMEngine.from_engine_args(EngineArgs(...))` (which picks the subclass of
-    the configured mode; `LLMEngine(engine_config)` is always the plain engine). Attributes:
+    Build it with `LLMEngine.from_engine_args(EngineArgs(...))`, which picks the subclass of
+    the configured mode (`LLMEngine(engine_config)` refuses a mode's configuration). Attributes:
     `model_config`, `cache_config` (its `num_gpu_blocks` is the pool size after profiling),
     `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `step_observers`
     (`add_step_observer`: course tooling such as `minivllm.viz`'s snapshot recorder watches

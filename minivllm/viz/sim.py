@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from minivllm.config import CacheConfig, DeviceConfig, EngineConfig, ModelConfig, SchedulerConfig
 from minivllm.core.scheduler import SchedulerOutputs
 from minivllm.engine.llm_engine import LLMEngine, StepObserver
+from minivllm.engine.selector import engine_class
 from minivllm.executor.executor_base import ExecutorBase
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroup, SequenceGroupMetadata,
@@ -310,8 +311,8 @@ class Simulator(StepObserver):
         self.current_step = 0
         self.now_ms = 0.0
         self._step_start_ms = 0.0
-        self.engine = LLMEngine(sim_engine_config(scheduler_config, cache_config),
-                                executor_class=ScriptedExecutor)
+        engine_config = sim_engine_config(scheduler_config, cache_config)
+        self.engine = engine_class(engine_config)(engine_config, executor_class=ScriptedExecutor)
         self.engine.add_step_observer(self)  # advances the clock before the recorder stamps it
         self.recorder = SnapshotRecorder(self.engine, include_block_manager=include_block_manager,
                                          clock=lambda: self.now_ms)
