@@ -73,9 +73,8 @@ class EngineArgs:
                                        choices=("recompute", "swap"))
     scheduling_policy: str = _arg("fcfs", "fcfs, or priority (lower value first)", choices=("fcfs", "priority"))
     num_scheduler_steps: int | None = _arg(None, "decode steps per schedule (multi-step scheduling) (default: "
-                                                 f"{DEFAULT_GPU_SCHEDULER_STEPS} on a GPU with CUDA graphs and one "
-                                                 "worker, without speculative decoding, a KV connector or LoRA; "
-                                                 "else 1)")
+                                                 f"{DEFAULT_GPU_SCHEDULER_STEPS} on a GPU with CUDA graphs, without "
+                                                 "pipeline stages or speculative decoding; else 1)")
     async_scheduling: bool | None = _arg(None, "schedule and queue the next multi-step run while the current "
                                                "run's last step computes (vLLM's async scheduling) (default: on "
                                                "with multi-step scheduling and no KV connector)")
