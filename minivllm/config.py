@@ -445,10 +445,14 @@ class SpeculativeConfig:
     ngram_prompt_lookup_min: int | None = None
 
     def __post_init__(self) -> None:
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}.")
+        # An int, not 1.5 or "3": the count sizes tensors and slot tables inside the first step.
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+            raise ValueError(f"num_speculative_tokens must be an integer of at least 1, got {k!r}.")
         if self.draft_model_config is None:
             lo, hi = self.ngram_prompt_lookup_min, self.ngram_prompt_lookup_max
+            if not all(v is None or (isinstance(v, int) and not isinstance(v, bool)) for v in (lo, hi)):
+                raise ValueError(f"ngram_prompt_lookup_min/max must be integers, got min={lo!r}, max={hi!r}.")
             if hi is None:
                 raise ValueError(f"speculative_model={NGRAM_MODEL!r} needs ngram_prompt_lookup_max (the longest "
                                  "suffix of the sequence to look up earlier in it, e.g. 4).")

@@ -233,3 +233,13 @@ def test_multi_step_is_the_default_only_where_it_can_run():
         assert EngineArgs(**ruled_out)._num_scheduler_steps(gpu) == 1, ruled_out
     assert EngineArgs(num_scheduler_steps=3)._num_scheduler_steps(gpu) == 3
     assert EngineArgs(device="cpu").create_engine_config().scheduler_config.num_scheduler_steps == 1
+
+
+@pytest.mark.parametrize("value", [1.5, "3", True, 0])
+def test_num_speculative_tokens_must_be_a_positive_integer(value):
+    """1.5 or "3" is refused when the config is built, not inside the first decode step."""
+    from minivllm.engine.arg_utils import EngineArgs
+
+    with pytest.raises(ValueError, match="num_speculative_tokens must be an integer"):
+        EngineArgs(device="cpu", speculative_model="[ngram]", num_speculative_tokens=value,
+                   ngram_prompt_lookup_max=2).create_engine_config()
