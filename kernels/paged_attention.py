@@ -1,21 +1,16 @@
 """PagedAttention decode in Triton: one new query token per sequence over its paged KV cache.
 
-Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2). Shapes (the
-kernel-API contract, see `minivllm.kernels.reference`):
+Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2); the spec is
+`paged_attention_decode` in `kernels/reference.py`:
     query, out          [num_seqs, num_heads, head_dim]
     key/value_cache     [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables        [num_seqs, max_blocks_per_seq] int32
     seq_lens            [num_seqs] int32
-Token t of a sequence lives in block `block_tables[seq, t // block_size]`, row
-`t % block_size`. One program per (sequence, KV head) serves all the query heads sharing that
-KV head (GQA), so each key and value is read once; softmax is online (running max, running
-sum, rescaled accumulator) in fp32; addresses are 64-bit (a cache may exceed 2**31 elements).
-v2 (split-KV, "flash-decoding") cuts a context into `num_kv_splits` pieces when there are too
-few (sequence, KV head) pairs to fill the GPU; the LAST split program of each pair to finish,
-found with an atomic counter, merges the partials with log-sum-exp weights: one launch, not
-two. The counters live in a zeroed workspace that each launch leaves zeroed, so a replayed
-CUDA graph finds them ready; all layers share it, so one engine must not run decode kernels
-on two streams of one device at once.
+One program per (sequence, KV head) serves that KV head's query heads (GQA): each key and
+value is read once. Softmax is online, in fp32; addresses are 64-bit. v2 (split-KV) cuts a
+context into `num_kv_splits` pieces when too few programs would fill the GPU; the last split
+of each pair to finish (an atomic counter) merges the partials, in the same launch. The
+counters, shared by all layers, are left zeroed for the next launch or CUDA-graph replay.
 """
 
 from __future__ import annotations
@@ -29,16 +24,12 @@ import triton.language as tl
 # exp(x) == exp2(x * log2(e)); exp2 is the native instruction, so scores live in base 2.
 LOG2E = 1.4426950408889634
 # tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
-# Every tl.dot passes input_precision="ieee": with fp32 operands Triton's default is TF32 (a
-# 10-bit mantissa, ~1e-3 relative error), and fp32 engines exist for exact parity with the
-# PyTorch reference and transformers. bf16 and fp16 operands still run on tensor cores (checked
-# in the compiled PTX: the bf16 kernels keep their mma instructions).
+# Every tl.dot is input_precision="ieee": Triton's fp32 default, TF32, would break fp32 parity
+# with transformers (bf16 and fp16 operands still run on tensor cores).
 MIN_DOT_SIZE = 16
-# Launch configs, (tile tokens, num_warps, num_stages), the fastest of
-# benchmarks/kernels.py --sweep (docs/benchmarks.md). Tile tokens = keys/values per loop
-# iteration: 64 tokens x 128 dims x 2 bytes = one 16 KiB tile of K (and V); the loop looks up
-# the block of every token, so a tile may span several cache blocks. num_stages = software
-# pipelining depth: the loads of the next tiles are in flight while this one is used.
+# (tile tokens, num_warps, num_stages), the fastest of `benchmarks/kernels.py --sweep`. A tile
+# (64 tokens x 128 dims x 2 bytes = 16 KiB of K) may span several cache blocks; num_stages
+# tiles' loads are in flight at once (software pipelining).
 V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
 V2_CONFIG = (32, 4, 3)  # more, shorter programs: smaller tiles keep more of them resident
 
@@ -49,9 +40,7 @@ MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (load q, write part
 MAX_KV_SPLITS = 64
 
 
-# --------------------------------------------------------------------------------------------
-# The inner loop, shared by v1 and v2: attend one query-head group over keys [start, end).
-# --------------------------------------------------------------------------------------------
+# ---- The inner loop of v1 and v2: attend one query-head group over keys [start, end). ----
 @triton.jit
 def _attend_token_range(
     q,  # [GROUP_PAD, HEAD_DIM_PAD] query heads of this KV head group (padding rows are 0)
@@ -73,9 +62,8 @@ def _attend_token_range(
     for tile_start in range(start, end, TILE_N):
         offs_t = tile_start + tl.arange(0, TILE_N)  # logical token positions of this tile
         token_mask = offs_t < end
-        # Follow the block table: the physical block of each token, then its row inside it.
-        # The block number is widened to int64 BEFORE multiplying by the block stride, because
-        # block * block_size * num_kv_heads * head_dim overflows int32 on a large cache.
+        # Each token's physical block, then its row in it. The block is widened to int64
+        # before the multiply, which overflows int32 on a large cache.
         block = tl.load(block_table_ptr + offs_t // BLOCK_SIZE, mask=token_mask, other=0)
         row = block.to(tl.int64) * stride_cb + (offs_t % BLOCK_SIZE) * stride_ct  # [TILE_N]
         kv_offs = kv_head_offset + row[:, None] + offs_d[None, :] * stride_cd  # [TILE_N, D]
@@ -101,11 +89,8 @@ def _load_query_group(
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
 ):
-    """The GROUP_SIZE query heads of `kv_head` as a [GROUP_PAD, HEAD_DIM_PAD] tile (padding = 0).
-
-    Also returns their head indices [GROUP_PAD] and the [GROUP_PAD, HEAD_DIM_PAD] mask of real
-    (head, dim) entries, for storing the result.
-    """
+    """The GROUP_SIZE query heads of `kv_head` as a [GROUP_PAD, HEAD_DIM_PAD] tile (padding = 0),
+    their head indices [GROUP_PAD], and the mask of real (head, dim) entries for the store."""
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     heads = kv_head * GROUP_SIZE + offs_g  # query heads kv_head*G .. kv_head*G + G - 1
@@ -114,12 +99,9 @@ def _load_query_group(
     return tl.load(query_ptr + offs, mask=mask, other=0.0), heads, mask
 
 
-# --------------------------------------------------------------------------------------------
-# v1: one pass. Grid (num_seqs, num_kv_heads); each program walks its sequence's whole context.
-# --------------------------------------------------------------------------------------------
-# Triton compiles a kernel again for each new value class of an int argument (== 1, a
-# multiple of 16, other). Arguments that change from batch to batch are exempt: otherwise a
-# run would stop to compile mid-way whenever a batch brings a new value class.
+# ---- v1: one pass. Grid (num_seqs, num_kv_heads); a program walks its whole context. ----
+# Triton compiles again for each value class of an int argument (1, a multiple of 16, other):
+# arguments that change per batch are exempt, so no run stops mid-way to compile.
 @triton.jit(do_not_specialize=["stride_bts"])
 def _paged_attention_v1_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr, seq_lens_ptr,
@@ -151,17 +133,12 @@ def _paged_attention_v1_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# --------------------------------------------------------------------------------------------
-# v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits); each program attends one slice of
-# the context and writes a partial output plus its log-sum-exp; the last program of each
-# (sequence, KV head) to finish merges them (see the module docstring).
-# --------------------------------------------------------------------------------------------
+# ---- v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits); a program attends one ----
+# slice of the context and writes a partial output and its log-sum-exp.
 @triton.jit
 def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
-    """Tokens per split for this sequence: seq_len / num_splits, rounded up to whole tiles.
-
-    Computed per sequence on the device (no host sync): a short sequence uses fewer splits.
-    """
+    """Tokens per split, seq_len / num_splits rounded up to whole tiles: per sequence, on the
+    device (no host sync), so a short sequence uses fewer splits."""
     return tl.cdiv(tl.cdiv(seq_len, num_splits), TILE_N) * TILE_N
 
 
@@ -174,11 +151,8 @@ def _merge_splits(
 ):
     """out = sum_s w_s * out_s, w_s = 2**lse_s / sum_s' 2**lse_s', for each query head of the group.
 
-    All of a head's splits are loaded at once ([SPLITS_PAD, HEAD_DIM_PAD]): one round trip to
-    L2 instead of one per split, which is what keeps the merge cheap at batch 1. Loads use
-    ".cg" (cache in L2 only): the partials were written by programs on other SMs, and a line
-    this SM's L1 kept from an earlier launch must not be read.
-    """
+    A head's splits load at once ([SPLITS_PAD, HEAD_DIM_PAD]), one L2 round trip. ".cg" skips
+    L1: other SMs wrote the partials, and this SM's L1 may hold a stale line of them."""
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     split_mask = offs_s < num_valid
@@ -241,9 +215,8 @@ def _paged_attention_v2_kernel(
         # log2 of this split's softmax denominator, in the same base-2 units as the scores.
         tl.store(partial_lse_ptr + rows + split, m_i + tl.log2(l_i), mask=row_mask)
 
-        # Count this split as done. The barrier makes every thread's stores above happen
-        # before the atomic (which one thread performs); "acq_rel" publishes them to the
-        # other programs (release) and lets the last one see theirs (acquire).
+        # The barrier orders every thread's stores before the atomic (one thread's); "acq_rel"
+        # publishes them (release) and shows the last program the others' (acquire).
         tl.debug_barrier()
         counter = counters_ptr + seq * NUM_KV_HEADS + kv_head
         arrived_before = tl.atomic_add(counter, 1, sem="acq_rel")  # returns the old value
@@ -251,14 +224,11 @@ def _paged_attention_v2_kernel(
             _merge_splits(out_ptr, partial_out_ptr, partial_lse_ptr, seq, kv_head, num_splits, num_valid,
                           stride_os, stride_oh, stride_od,
                           NUM_HEADS, GROUP_SIZE, SPLITS_PAD, HEAD_DIM, HEAD_DIM_PAD)
-            # Nobody else touches this counter in this launch: reset it for the next one
-            # (the next layer, or the next replay of a CUDA graph).
+            # No one else touches the counter now: zero it for the next layer or graph replay.
             tl.atomic_xchg(counter, 0, sem="relaxed")
 
 
-# --------------------------------------------------------------------------------------------
-# The Python side: validate, choose v1 or v2, launch.
-# --------------------------------------------------------------------------------------------
+# ---- The Python side: validate, choose v1 or v2, launch. ----
 @functools.lru_cache(maxsize=None)
 def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -269,10 +239,9 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """How many pieces to cut each sequence's context into (1 = the one-pass v1 kernel).
 
-    v1 runs num_seqs * num_kv_heads programs. When that already gives every SM several programs
-    (V1_MIN_PROGRAMS_PER_SM, large batch), splitting only adds the merge. When it does not
-    (batch 1, or a few very long sequences), split until the grid has ~TARGET_PROGRAMS_PER_SM
-    programs per SM, but keep each split at least MIN_TOKENS_PER_SPLIT tokens long.
+    v1 runs num_seqs * num_kv_heads programs: with V1_MIN_PROGRAMS_PER_SM per SM splitting only
+    adds the merge; with fewer, split to ~TARGET_PROGRAMS_PER_SM, each split at least
+    MIN_TOKENS_PER_SPLIT tokens long.
 
     >>> choose_num_kv_splits(num_seqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132)
     1
@@ -295,12 +264,8 @@ MIN_SPLIT_COUNTERS = 4096  # 16 KiB of int32: room for 512 sequences x 8 KV head
 
 def split_counters(device: torch.device, size: int) -> torch.Tensor:
     """A zeroed int32 workspace of >= `size` counters on `device`, one per (sequence, KV head),
-    for the v2 kernel's "last split merges" (the kernel leaves it zeroed after every launch).
-
-    Allocated once and reused by every layer and step. The first decode step of a CUDA-graph
-    capture runs eagerly as a warm-up (`CUDAGraphRunner.capture`), so the allocation (and its
-    zero fill) happens outside the captured graph.
-    """
+    reused by every layer and step. A CUDA-graph capture's eager warm-up step
+    (`CUDAGraphRunner.capture`) allocates it outside the graph."""
     workspaces = _SPLIT_COUNTERS.setdefault(device, [])
     if not workspaces or workspaces[-1].numel() < size:
         workspaces.append(torch.zeros(max(size, MIN_SPLIT_COUNTERS), dtype=torch.int32, device=device))
@@ -333,11 +298,9 @@ def paged_attention_decode(
     scale: float,
     num_kv_splits: int | None = None,
 ) -> torch.Tensor:
-    """Decode attention over the paged cache; v1 (one pass) or v2 (split-KV), see the module doc.
+    """out [num_seqs, num_heads, head_dim] in query's dtype, by v1 or v2 (split-KV).
 
-    num_kv_splits: None = choose from batch size, context length and SM count;
-    1 = force v1; > 1 = force v2 with that many splits per sequence.
-    Returns out [num_seqs, num_heads, head_dim] in query's dtype.
+    num_kv_splits: None = `choose_num_kv_splits`; 1 = v1; > 1 = v2 with that many splits.
     """
     _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits)
     num_seqs, num_heads, head_dim = query.shape
