@@ -33,6 +33,13 @@ def _check_utf8(text: str) -> str:
 Utf8Str = Annotated[str, AfterValidator(_check_utf8)]
 
 
+# Stop strings are matched against every new token's text and a chat's messages are rendered
+# one by one: thousands of either cost every other stream time on the shared step thread.
+MAX_STOP_STRINGS = 32
+MAX_STOP_TOKEN_IDS = 256
+MAX_CHAT_MESSAGES = 1024
+
+
 def random_uuid() -> str:
     return uuid.uuid4().hex
 
@@ -106,6 +113,12 @@ class SamplingRequestMixin(OpenAIBaseModel):
             raise InvalidParameterError("logit_bias", "logit_bias is not supported by minivllm.")
         if self.stream_options is not None and not self.stream:
             raise InvalidParameterError("stream_options", "stream_options can only be set when stream is true.")
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidParameterError("stop", f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stop)}.")
+        if len(self.stop_token_ids or []) > MAX_STOP_TOKEN_IDS:
+            raise InvalidParameterError("stop_token_ids", f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} "
+                                        f"ids, got {len(self.stop_token_ids)}.")
         if self.stream and (self.use_beam_search or (self.best_of or self.n) > self.n):
             # Beams are re-ranked until the very end, so there is no stable prefix to stream.
             raise InvalidParameterError("stream", "streaming is not supported with use_beam_search or best_of > n.")

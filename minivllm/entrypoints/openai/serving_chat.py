@@ -23,6 +23,7 @@ from minivllm.entrypoints.openai.protocol import (
     ChatResponseMessage,
     ChatTokenLogprob,
     ChatTopLogprob,
+    MAX_CHAT_MESSAGES,
     DeltaMessage,
     UsageInfo,
     random_uuid,
@@ -52,6 +53,9 @@ FALLBACK_CHAT_TEMPLATE = (
 class OpenAIServingChat(OpenAIServing):
     async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
         """Messages -> prompt token ids, through the tokenizer's chat template."""
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise OpenAIError(f"A chat may hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}.",
+                              param="messages")
         conversation = [{"role": m.role, "content": m.text()} for m in messages]
         template = None if getattr(self.tokenizer, "chat_template", None) else FALLBACK_CHAT_TEMPLATE
         try:

@@ -74,6 +74,10 @@ BAD_REQUESTS = [
     (CHAT, body(messages=HELLO, top_logprobs=2), 400, None),  # needs logprobs=true
     (CHAT, body(messages=HELLO, logit_bias={"5": 100}), 400, None),
     (CHAT, body(messages=HELLO, model="nope"), 404, "model"),
+    # Limits that keep one request from slowing every other stream.
+    (COMPLETIONS, body(prompt="x", stop=[f"s{i}" for i in range(1000)]), 400, "stop"),
+    (COMPLETIONS, body(prompt="x", stop_token_ids=list(range(1000))), 400, "stop_token_ids"),
+    (CHAT, body(messages=HELLO * 2000), 400, "messages"),
 ]
 
 
