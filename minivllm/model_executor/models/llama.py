@@ -1,23 +1,13 @@
-"""The Llama-family decoder: Llama 2/3, Mistral, Qwen2 and Qwen3 in one file.
+"""The Llama-family decoder (vLLM's `vllm/model_executor/models/llama.py`), read top down.
 
-Read it top down, like nanoGPT's model.py: attention, MLP, decoder layer, the stack, the
-causal-LM head, then the weight loader. What sets the families apart is small:
-
-    Llama 2/3, Mistral   the base design (Llama 3.1 adds rope scaling, a config matter)
+    Llama 2/3, Mistral   the base design (Llama 3.1's rope scaling is a config matter)
     Qwen2                biases on the q/k/v projections
     Qwen3                an RMSNorm on each query and key head, before RoPE
 
-Unlike Hugging Face's model, this one takes ONE flattened batch: every sequence's new tokens
-back to back (prompt chunks first, then one token per decoding sequence), their positions,
-and the metadata that tells the attention layer where each sequence's keys live in the
-paged KV cache. There is no [batch, seq_len] padding anywhere.
-
-Split over ranks (vLLM's scheme): with tensor parallelism every projection is a
-column-parallel / row-parallel pair (`layers/linear.py`: each rank holds its heads and MLP
-columns, two all-reduces per layer) and the embedding and LM head split the vocabulary
-(`layers/vocab_parallel_embedding.py`); with pipeline parallelism each stage builds only its
-layers (`get_pp_indices`), the others are `PPMissingLayer`s, and a stage that is not the last
-returns `IntermediateTensors` for the next. With one rank all of it is the plain model.
+The input is one flattened batch, no padding: input_ids and positions `[num_tokens]`
+(prefill chunks first, then one token per decode), and the `AttentionMetadata` that says
+where each sequence's keys live in the paged cache. With one rank the parallel layers are
+plain ones; a pipeline stage builds only its layers (`PPMissingLayer` for the others).
 """
 
 from __future__ import annotations
@@ -30,35 +20,31 @@ import torch
 from torch import nn
 
 from minivllm.attention import Attention, AttentionMetadata
-from minivllm.config import get_pp_indices
-from minivllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from minivllm.distributed import get_pp_group
 from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.layers.activation import SiluAndMul
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding, get_rope_parameters
 from minivllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.model_executor.models.utils import IntermediateTensors, PPMissingLayer, missing_layer_prefixes
+from minivllm.model_executor.models.utils import (IntermediateTensors, PPMissingLayer, make_layers,
+                                                  missing_layer_prefixes)
 from minivllm.model_executor.weight_utils import default_weight_loader
 
 
 class LlamaAttention(CustomOp):
-    """Project to q/k/v (one fused matmul), rotate q and k, attend over the paged cache.
+    """qkv_proj (one matmul), rotate q and k, attend over the paged cache, o_proj.
 
-    With TP ranks, this rank's heads only (`num_heads`, `num_kv_heads` are per rank): the
-    column-parallel qkv_proj makes them, o_proj (row-parallel) sums the ranks' outputs.
-
-    Written twice (a `CustomOp`): `forward_native` runs the steps one module at a time, the
-    readable spec; `forward_triton` does the q/k norms, rotary and the cache write in one
-    kernel: at batch 1 inside a CUDA graph a step's time is mostly its number of launches,
-    and these five (three without q/k norms) are a third of a layer's."""
+    `num_heads` and `num_kv_heads` are this tensor-parallel rank's. `forward_triton` fuses the
+    q/k norms, rotary and the cache write into one kernel: in a CUDA graph at batch 1 a
+    step's time is mostly its number of launches."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: str,
                  qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__(attn_backend)
         total_num_heads = config.num_attention_heads
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // total_num_heads
+        self.head_dim = rotary_emb.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
                                           bias=qkv_bias)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
@@ -66,8 +52,7 @@ class LlamaAttention(CustomOp):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size,
                                         bias=getattr(config, "attention_bias", False))
-        # Qwen3 normalizes each head's query and key: it keeps attention logits in range
-        # without the q/k biases Qwen2 used.
+        # Qwen3's per-head q/k norms keep the attention logits in range without q/k biases.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
         self.rotary_emb = rotary_emb  # one module shared by all layers: same positions, same angles
@@ -77,11 +62,8 @@ class LlamaAttention(CustomOp):
     def _project(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """hidden_states [num_tokens, hidden] -> q [num_tokens, num_heads, head_dim], k and v
         [num_tokens, num_kv_heads, head_dim]: views of one qkv output, no copies."""
-        num_tokens = hidden_states.shape[0]
-        q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.view(num_tokens, self.num_heads, self.head_dim),
-                k.view(num_tokens, self.num_kv_heads, self.head_dim),
-                v.view(num_tokens, self.num_kv_heads, self.head_dim))
+        qkv = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        return tuple(t.unflatten(-1, (-1, self.head_dim)) for t in qkv)
 
     def forward_native(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -95,10 +77,8 @@ class LlamaAttention(CustomOp):
 
     def forward_triton(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """forward_native with q_norm, k_norm, rotary and the cache write as one kernel
-        (`fused_ops.qk_norm_rope_and_cache`; fp32: the same numbers up to the order of the
-        norm's sum of squares). The memory-profiling run (no cache yet) and layouts the kernel
-        does not read take forward_native."""
+        """forward_native with `fused_ops.qk_norm_rope_and_cache`; the profile run (no cache)
+        and layouts the kernel does not read take forward_native."""
         from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
 
         q, k, v = self._project(hidden_states)
@@ -114,8 +94,7 @@ class LlamaAttention(CustomOp):
 
 
 class LlamaMLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul (column
-    parallel: each rank its columns of both) and down row-parallel (one all-reduce)."""
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused into one matmul."""
 
     def __init__(self, config: Any, backend: str = "torch") -> None:
         super().__init__()
@@ -132,11 +111,8 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)).
-
-    The residual add is folded into the next norm (see RMSNorm): the layer takes and returns
-    the pair (hidden_states, residual), where the true stream is their sum.
-    """
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)). The residual add is folded
+    into the next norm: (hidden_states, residual) in and out, the stream being their sum."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: str,
                  qkv_bias: bool, qk_norm: bool) -> None:
@@ -159,11 +135,8 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    """Embedding, the decoder layers, the final norm: on one pipeline stage, its share of them.
-
-    Stage s builds layers [start_layer, end_layer) (`get_pp_indices`); the first stage the
-    embedding, the last the final norm (and the embedding too when the LM head is tied to it).
-    """
+    """Embedding, decoder layers, final norm. A pipeline stage builds layers [start_layer,
+    end_layer); the first the embedding, the last the norm (and the embedding if tied)."""
 
     def __init__(self, config: Any, attn_backend: str, qkv_bias: bool, qk_norm: bool) -> None:
         super().__init__()
@@ -177,12 +150,8 @@ class LlamaModel(nn.Module):
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config),
                                      attn_backend)
-        self.start_layer, self.end_layer = get_pp_indices(config.num_hidden_layers, pp_group.rank_in_group,
-                                                          pp_group.world_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm)
-            if self.start_layer <= i < self.end_layer else PPMissingLayer()
-            for i in range(config.num_hidden_layers))
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers, lambda: LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend) if self.is_last_stage \
             else PPMissingLayer()
 
@@ -207,20 +176,17 @@ class LlamaModel(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """The decoder plus the LM head (tied to the embedding when the config says so).
 
-    forward(input_ids [num_tokens], positions [num_tokens], kv_caches (one
-    [2, num_blocks, block_size, num_kv_heads, head_dim] tensor per layer of this stage),
-    attn_metadata, intermediate_tensors (stages after the first)) -> hidden_states
-    [num_tokens, hidden] (the last stage) or `IntermediateTensors` (the others);
-    compute_logits(hidden_states [n, hidden]) -> fp32 logits [n, vocab] (None on TP ranks
-    other than 0). The model runner picks the rows it samples from before the LM head, so
-    the vocab-sized matmul runs only for them.
+    forward: input_ids, positions `[num_tokens]`, kv_caches (one `[2, num_blocks, block_size,
+    num_kv_heads, head_dim]` per layer of this stage) -> `[num_tokens, hidden]` (or
+    `IntermediateTensors` on a pipeline stage but the last). compute_logits: `[n, hidden]`
+    -> `[n, vocab]`, only for the rows the runner samples from.
     """
 
-    # Family switches; subclasses below flip them. None = read the config's attention_bias.
+    # Family switches, flipped by the subclasses below. None: the config's attention_bias.
     qkv_bias: bool | None = None
     qk_norm: bool = False
 
-    # Checkpoint name -> (our fused module, shard). vLLM calls this stacked_params_mapping.
+    # (our fused module, checkpoint name, shard id)
     stacked_params_mapping = [
         ("qkv_proj", "q_proj", "q"),
         ("qkv_proj", "k_proj", "k"),
@@ -248,24 +214,19 @@ class LlamaForCausalLM(nn.Module):
         return self.model(input_ids, positions, kv_caches, attn_metadata, intermediate_tensors)
 
     def compute_logits(self, hidden_states: torch.Tensor, upcast: bool = True) -> torch.Tensor:
-        """`[n, vocab]` logits, in fp32 for the sampler (a softmax over 150k bf16 logits loses
-        the small probabilities). `upcast=False` keeps the model's dtype, for readers that
-        accumulate in fp32 themselves (the greedy kernel: it spares a `[n, vocab]` fp32 copy)."""
+        """`[n, vocab]` logits in fp32 (a softmax over 150k bf16 logits loses the small
+        probabilities); `upcast=False` keeps the dtype for a reader that accumulates in fp32."""
         logits = self.lm_head(hidden_states)
         if logits is None:  # a TP rank other than 0: rank 0 gathered the logits and samples
             return None
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy (name, tensor) pairs from a Hugging Face checkpoint into the model.
+        """Copy a Hugging Face checkpoint's (name, tensor) pairs in, each through its
+        parameter's `weight_loader` (this rank's slice; other pipeline stages' layers skipped).
 
-        Names match ours except the fused projections: `...self_attn.q_proj.weight` goes into
-        rows of `...self_attn.qkv_proj.weight` (see stacked_params_mapping). Returns the names
-        of our parameters that were fully loaded (a fused one once all its parts arrived);
-        raises on a name we do not know.
-
-        Each parameter's `weight_loader` copies what this rank holds: a tensor-parallel layer
-        its slice; weights of layers on other pipeline stages are skipped.
+        Returns the names of our parameters fully loaded (a fused one once all its shards
+        arrived); raises ValueError on a name we do not know.
         """
         params = dict(self.named_parameters())
         loaded, shards_seen = set(), defaultdict(set)
@@ -273,25 +234,23 @@ class LlamaForCausalLM(nn.Module):
             if _is_ignored(name, self.config) or name.startswith(self._missing_prefixes):
                 continue
             target, shard_id = self.map_weight_name(name)
-            param = _lookup(params, target)
+            if target not in params:
+                raise ValueError(f"checkpoint weight {target!r} has no parameter in this model.")
+            param = params[target]
             weight_loader = getattr(param, "weight_loader", default_weight_loader)
             try:
-                if shard_id is None:
-                    weight_loader(param, tensor)
-                else:
-                    weight_loader(param, tensor, shard_id)
+                weight_loader(param, tensor, *(() if shard_id is None else (shard_id,)))
             except ValueError as err:
                 raise ValueError(f"{name}: {err}") from err
-            if shard_id is None:
-                loaded.add(target)
-                continue
-            shards_seen[target].add(shard_id)
-            if shards_seen[target] == set(self.get_submodule(target.rsplit(".", 1)[0]).shard_ids):
-                loaded.add(target)
+            if shard_id is not None:
+                shards_seen[target].add(shard_id)
+                if shards_seen[target] != set(self.get_submodule(target.rsplit(".", 1)[0]).shard_ids):
+                    continue
+            loaded.add(target)
         return loaded
 
     def map_weight_name(self, name: str) -> tuple[str, str | None]:
-        """Checkpoint name -> (our parameter name, shard id or None if not fused)."""
+        """`...self_attn.q_proj.weight` -> (`...self_attn.qkv_proj.weight`, "q"); unfused: None."""
         for fused, part, shard_id in self.stacked_params_mapping:
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused}."), shard_id
@@ -304,12 +263,6 @@ def _is_ignored(name: str, config: Any) -> bool:
     if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
         return True
     return name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
-
-
-def _lookup(params: dict[str, nn.Parameter], name: str) -> nn.Parameter:
-    if name not in params:
-        raise ValueError(f"checkpoint weight {name!r} has no parameter in this model.")
-    return params[name]
 
 
 class MistralForCausalLM(LlamaForCausalLM):

@@ -3,10 +3,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+
+from minivllm.config import get_pp_indices
+from minivllm.distributed import get_pp_group
 
 
 @dataclass
@@ -30,3 +34,12 @@ class PPMissingLayer(nn.Identity):
 def missing_layer_prefixes(model: nn.Module) -> tuple[str, ...]:
     """Names of the modules that live on other stages ("model.layers.0.", ...)."""
     return tuple(name + "." for name, module in model.named_modules() if isinstance(module, PPMissingLayer))
+
+
+def make_layers(num_layers: int, layer_fn: Callable[[], nn.Module]) -> tuple[int, int, nn.ModuleList]:
+    """(start_layer, end_layer, layers): this pipeline stage's layers built by `layer_fn`, the
+    others `PPMissingLayer`s, so every stage indexes layers as the checkpoint names them."""
+    pp_group = get_pp_group()
+    start, end = get_pp_indices(num_layers, pp_group.rank_in_group, pp_group.world_size)
+    layers = nn.ModuleList(layer_fn() if start <= i < end else PPMissingLayer() for i in range(num_layers))
+    return start, end, layers
