@@ -12,9 +12,12 @@ and the adapted layer computes W x + scaling * B (A x), scaling = lora_alpha / r
 (lora_alpha / sqrt(r) with `use_rslora`).
 
 Everything here is checked against the base model's config without torch (the safetensors
-header is JSON: shapes are read, not tensors), so the engine rejects a bad adapter with a
-ValueError naming the problem when a request arrives, never inside a model step. What is not
-supported says so: DoRA, trained biases, `modules_to_save`, the embedding and LM head.
+header is JSON: names, dtypes, shapes and byte ranges; the values are read as raw bits to
+find NaN and infinity), so the engine rejects a bad adapter with a ValueError naming the
+problem when it is loaded, never inside a model step. A path that holds no readable adapter
+config gets one message whatever the reason (missing, not a folder, unreadable), so an
+adapter-loading client learns nothing about the server's files. What is not supported says
+so: DoRA, trained biases, `modules_to_save`, the embedding and LM head.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # The projections an adapter may target (Hugging Face's names in a Llama-family layer).
@@ -34,6 +39,15 @@ SUPPORTED_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_pr
 _TENSOR_NAME = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(?:self_attn|mlp)\."
                           r"(\w+)\.lora_(A|B)\.weight$")
 _HEADER_LENGTH_BYTES = 8
+# Longer paths are refused before the file system sees them (Linux's PATH_MAX is 4096).
+MAX_LORA_PATH_CHARS = 1024
+# lora_alpha is a scale: past this, B (A x) swamps the base model's output.
+MAX_LORA_ALPHA = 4096.0
+# Floating-point safetensors dtypes -> (bytes per value, exponent-bit mask of the raw value):
+# a value is NaN or infinite exactly when all its exponent bits are set.
+_FLOAT_DTYPES = {"F64": (8, 0x7FF0000000000000), "F32": (4, 0x7F800000), "F16": (2, 0x7C00),
+                 "BF16": (2, 0x7F80)}
+_UINT_OF_SIZE = {8: np.uint64, 4: np.uint32, 2: np.uint16}
 
 
 @dataclass
@@ -77,35 +91,42 @@ def adapter_num_params(hf_config: Any, r: int, target_modules=SUPPORTED_MODULES)
 
 def load_peft_helper(lora_path: str, hf_config: Any, max_lora_rank: int) -> PEFTHelper:
     """Check the adapter at `lora_path` against the base model; ValueError naming the problem."""
-    folder = Path(lora_path).expanduser()
-    if not folder.is_dir():
-        raise ValueError(f"LoRA adapter {lora_path!r}: no such folder.")
-    config = _read_config(folder)
+    config = _read_config(lora_path)
     r, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
     if isinstance(r, bool) or not isinstance(r, int) or r < 1:
         raise ValueError(f"LoRA adapter {lora_path!r}: r must be a positive integer, got {r!r}.")
     if r > max_lora_rank:
         raise ValueError(f"LoRA adapter {lora_path!r} has rank {r}, above max_lora_rank={max_lora_rank}: "
                          "raise --max-lora-rank.")
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
-        raise ValueError(f"LoRA adapter {lora_path!r}: lora_alpha must be a number, got {alpha!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha <= MAX_LORA_ALPHA:
+        raise ValueError(f"LoRA adapter {lora_path!r}: lora_alpha must be a number in (0, {MAX_LORA_ALPHA:g}], "
+                         f"got {alpha!r}.")
+    use_rslora = config.get("use_rslora", False)
+    if not isinstance(use_rslora, bool):
+        raise ValueError(f"LoRA adapter {lora_path!r}: use_rslora must be true or false, got {use_rslora!r}.")
     _check_unsupported(config, lora_path)
     targets = _target_modules(config, lora_path)
-    tensors = _read_shapes(folder, lora_path)
+    folder = Path(lora_path).expanduser()
+    header, data_start = _read_header(folder, lora_path)
+    tensors = _read_shapes(header, lora_path)
     _check_shapes(tensors, r, module_shapes(hf_config), hf_config.num_hidden_layers, targets, lora_path)
-    return PEFTHelper(r, float(alpha), bool(config.get("use_rslora", False)), targets, tensors)
+    _check_values(folder / WEIGHTS_FILE, header, data_start, lora_path)
+    return PEFTHelper(r, float(alpha), use_rslora, targets, tensors)
 
 
-def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise ValueError(f"LoRA adapter {str(folder)!r} has no {CONFIG_FILE}: give a PEFT adapter folder.")
+def _read_config(lora_path: str) -> dict:
+    """adapter_config.json as a dict; one ValueError for every reason there is none."""
+    unreadable = ValueError(f"LoRA adapter {lora_path!r}: no such folder, or it has no {CONFIG_FILE} that can be "
+                            "read as a JSON object; give a PEFT adapter folder.")
+    if not isinstance(lora_path, str) or len(lora_path) > MAX_LORA_PATH_CHARS:
+        raise ValueError(f"LoRA adapter path must be text of at most {MAX_LORA_PATH_CHARS} characters.")
     try:
-        config = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        raise ValueError(f"{path}: not valid JSON ({error}).") from error
+        path = Path(lora_path).expanduser() / CONFIG_FILE
+        config = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RuntimeError):  # missing, a file, no permission, NUL byte, not JSON, ...
+        raise unreadable from None
     if not isinstance(config, dict):
-        raise ValueError(f"{path}: expected a JSON object.")
+        raise unreadable
     peft_type = config.get("peft_type", "LORA")
     if peft_type != "LORA":
         raise ValueError(f"{path}: peft_type {peft_type!r} is not a LoRA adapter.")
@@ -138,8 +159,8 @@ def _target_modules(config: dict, lora_path: str) -> tuple[str, ...]:
     return tuple(targets)
 
 
-def _read_shapes(folder: Path, lora_path: str) -> dict[str, tuple[int, str, str, tuple[int, ...]]]:
-    """The safetensors header (8-byte little-endian length, then JSON): names and shapes."""
+def _read_header(folder: Path, lora_path: str) -> tuple[dict, int]:
+    """The safetensors header (8-byte little-endian length, then JSON) and where the data starts."""
     path = folder / WEIGHTS_FILE
     if not path.is_file():
         found = sorted(p.name for p in folder.iterdir())
@@ -156,12 +177,17 @@ def _read_shapes(folder: Path, lora_path: str) -> dict[str, tuple[int, str, str,
             raise ValueError(f"{path}: not a safetensors file ({error}).") from error
     if not isinstance(header, dict):
         raise ValueError(f"{path}: not a safetensors file (its header is not a JSON object).")
+    return header, _HEADER_LENGTH_BYTES + length
+
+
+def _read_shapes(header: dict, lora_path: str) -> dict[str, tuple[int, str, str, tuple[int, ...]]]:
+    """safetensors name -> (layer, module, "A" or "B", shape), for the header's LoRA tensors."""
     tensors = {}
     for name, info in header.items():
         if name == "__metadata__":
             continue
         if not isinstance(info, dict) or not isinstance(info.get("shape"), list):
-            raise ValueError(f"{path}: tensor {name!r} has no shape in the safetensors header.")
+            raise ValueError(f"LoRA adapter {lora_path!r}: tensor {name!r} has no shape in the safetensors header.")
         match = _TENSOR_NAME.match(name)
         if match is None:
             raise ValueError(f"LoRA adapter {lora_path!r}: unexpected tensor {name!r} (expected "
@@ -193,3 +219,29 @@ def _check_shapes(tensors: dict, r: int, shapes: dict[str, tuple[int, int]], num
         if found != {"A", "B"}:
             raise ValueError(f"LoRA adapter {lora_path!r}: layer {layer} {module} has lora_{found.pop()} "
                              "without its partner.")
+
+
+def _check_values(path: Path, header: dict, data_start: int, lora_path: str) -> None:
+    """Each tensor: a floating-point dtype, a byte range that matches its shape and lies within
+    the file (a truncated file fails here), and finite values only."""
+    file_size = path.stat().st_size
+    with open(path, "rb") as f:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = info.get("dtype")
+            if dtype not in _FLOAT_DTYPES:
+                raise ValueError(f"LoRA adapter {lora_path!r}: {name} has dtype {dtype!r}; LoRA weights must be "
+                                 f"floating point ({', '.join(_FLOAT_DTYPES)}).")
+            itemsize, exponent_bits = _FLOAT_DTYPES[dtype]
+            offsets = info.get("data_offsets")
+            expected = math.prod(info["shape"]) * itemsize
+            if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
+                    or offsets[1] - offsets[0] != expected or offsets[0] < 0
+                    or data_start + offsets[1] > file_size):
+                raise ValueError(f"LoRA adapter {lora_path!r}: {name}'s data is truncated or does not match its "
+                                 f"shape {info['shape']} ({WEIGHTS_FILE} is damaged).")
+            f.seek(data_start + offsets[0])
+            bits = np.frombuffer(f.read(expected), dtype=_UINT_OF_SIZE[itemsize])
+            if np.any((bits & exponent_bits) == exponent_bits):
+                raise ValueError(f"LoRA adapter {lora_path!r}: {name} holds NaN or infinite values.")

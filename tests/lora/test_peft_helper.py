@@ -133,3 +133,84 @@ def test_a_damaged_weights_file(lora_base, adapters, tmp_path, content):
     (Path(path) / "adapter_model.safetensors").write_bytes(content)
     with pytest.raises(ValueError, match="not a safetensors file"):
         load_peft_helper(path, lora_base[1].config, 8)
+
+
+def _no_config_readable(root: Path, adapter: str) -> dict[str, str]:
+    """Paths that hold no adapter config, each for another reason."""
+    (root / "a-file").write_text("x")
+    (root / "empty").mkdir()
+    (root / "config-is-a-folder" / "adapter_config.json").mkdir(parents=True)
+    not_json = Path(copy_adapter(adapter, root / "not-json"))
+    (not_json / "adapter_config.json").write_bytes(b"\xff{")
+    return {"missing": str(root / "nothing-here"), "a file": str(root / "a-file"), "no config": str(root / "empty"),
+            "unreadable config": str(root / "config-is-a-folder"), "not json": str(not_json),
+            "nul byte": str(root / "x\x00y")}
+
+
+def test_every_path_without_a_readable_config_gets_the_same_message(lora_base, adapters, tmp_path):
+    """No existence oracle: a client loading adapters cannot tell a missing folder from one
+    without adapter_config.json or an unreadable one."""
+    messages = {}
+    for reason, path in _no_config_readable(tmp_path, adapters["all"].path).items():
+        with pytest.raises(ValueError) as error:
+            load_peft_helper(path, lora_base[1].config, 8)
+        messages[reason] = str(error.value).replace(repr(path), "<path>")
+    assert len(set(messages.values())) == 1, messages
+    with pytest.raises(ValueError, match="at most 1024 characters"):
+        load_peft_helper("/" + "a" * 5000, lora_base[1].config, 8)
+
+
+def _with_value(value: float, dtype=torch.float32):
+    def change(tensors):
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name].to(dtype)
+        tensors[name].view(-1)[3] = value
+        return tensors
+    return change
+
+
+def _retyped(tensors):
+    name = sorted(tensors)[0]
+    tensors[name] = tensors[name].to(torch.int32)
+    return tensors
+
+
+BAD_WEIGHTS = {
+    "nan": (_with_value(float("nan")), "NaN or infinite"),
+    "inf-bf16": (_with_value(float("inf"), torch.bfloat16), "NaN or infinite"),
+    "-inf-fp16": (_with_value(float("-inf"), torch.float16), "NaN or infinite"),
+    "integers": (_retyped, "dtype 'I32'; LoRA weights must be floating point"),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_WEIGHTS))
+def test_bad_weight_values_are_refused_at_load(lora_base, adapters, tmp_path, kind):
+    change, match = BAD_WEIGHTS[kind]
+    path = copy_adapter(adapters["all"].path, tmp_path / kind, tensors=change)
+    with pytest.raises(ValueError, match=match):
+        load_peft_helper(path, lora_base[1].config, 8)
+
+
+def test_a_truncated_weights_file_is_refused_at_load(lora_base, adapters, tmp_path):
+    path = copy_adapter(adapters["all"].path, tmp_path / "truncated")
+    weights = Path(path) / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-64])
+    with pytest.raises(ValueError, match="truncated"):
+        load_peft_helper(path, lora_base[1].config, 8)
+
+
+@pytest.mark.parametrize("change,match", [({"lora_alpha": 0}, "lora_alpha must be a number in"),
+                                          ({"lora_alpha": -16}, "lora_alpha must be a number in"),
+                                          ({"lora_alpha": 1e9}, "lora_alpha must be a number in"),
+                                          ({"lora_alpha": "16"}, "lora_alpha must be a number in"),
+                                          ({"use_rslora": "yes"}, "use_rslora must be true or false"),
+                                          ({"r": 8.0}, "r must be a positive integer")])
+def test_adapter_settings_out_of_range(lora_base, adapters, tmp_path, change, match):
+    path = copy_adapter(adapters["all"].path, tmp_path / "settings", change)
+    with pytest.raises(ValueError, match=match):
+        load_peft_helper(path, lora_base[1].config, 8)
+
+
+def test_the_shipped_adapters_pass_every_check(lora_base, adapters):
+    for adapter in adapters.values():
+        assert load_peft_helper(adapter.path, lora_base[1].config, 8).tensors
