@@ -23,6 +23,8 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor) -> N
     param.data.copy_(loaded_weight)
 
 
-def set_weight_loader(param: nn.Parameter, weight_loader) -> nn.Parameter:
+def loaded_parameter(*shape: int, weight_loader) -> nn.Parameter:
+    """An uninitialized frozen `[*shape]` parameter that `weight_loader` fills."""
+    param = nn.Parameter(torch.empty(*shape), requires_grad=False)
     param.weight_loader = weight_loader
     return param

@@ -1,23 +1,13 @@
 """Linear layers split over tensor-parallel ranks (vLLM's `vllm/model_executor/layers/linear.py`).
 
-Megatron-LM's pairing, which a transformer layer uses twice (attention: qkv then o; MLP:
-gate_up then down):
+    ColumnParallelLinear   W `[out, in]` split by output rows: rank r computes its slice of the
+                           output features (its heads, its MLP columns); no communication.
+    RowParallelLinear      W split by input columns: rank r multiplies the slice a column layer
+                           left on it; one all-reduce sums the ranks' partial outputs.
 
-    ColumnParallelLinear   W split by OUTPUT rows:  rank r computes y_r = x @ W_r^T, its own
-                           slice of the output features (its heads, its MLP columns). x is
-                           the full input, already on every rank. No communication.
-    RowParallelLinear      W split by INPUT columns: rank r gets the slice x_r that the column
-                           layer left on it and computes a partial sum x_r @ W_r^T; the full
-                           output is the sum over ranks: ONE all-reduce.
-
-So between the two, everything (attention per head, SiLU-and-mul per column) stays local,
-and each pair costs one all-reduce of `[num_tokens, hidden]`: two per decoder layer.
-
-    x [T, H] --column--> [T, out/tp] on each rank --local op--> --row--> partial [T, H]
-                                                                   --all-reduce--> [T, H]
-
-Each weight carries a `weight_loader` that copies its rank's slice out of the full
-checkpoint tensor. With one rank every layer is one `F.linear`: no copy, no collective.
+A decoder layer uses the pair twice (qkv -> o, gate_up -> down): two all-reduces of
+`[num_tokens, hidden]`. Each weight's `weight_loader` copies its rank's slice of the
+checkpoint tensor. With one rank every layer is one `F.linear`.
 """
 
 from __future__ import annotations
@@ -33,21 +23,12 @@ from minivllm.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from minivllm.model_executor.weight_utils import check_shape, set_weight_loader
+from minivllm.model_executor.weight_utils import check_shape, loaded_parameter
 
 
 class ColumnParallelLinear(nn.Module):
-    """y = x W^T + b with W `[output_size, input_size]` split along its output rows.
-
-    Args:
-        input_size, output_size: the full (unsplit) layer's sizes.
-        bias: a bias, split with its rows.
-        gather_output: all-gather the slices so every rank gets the whole `[.., output_size]`
-            (False in a transformer: a RowParallelLinear consumes the slices).
-
-    Shapes: x `[num_tokens, input_size]` -> `[num_tokens, output_size / tp]` (or
-    `[num_tokens, output_size]` with gather_output).
-    """
+    """x `[num_tokens, input_size]` -> `[num_tokens, output_size / tp]`, W and bias split by
+    rows (sizes are the whole layer's); gather_output: all-gather to `[.., output_size]`."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False) -> None:
         super().__init__()
@@ -57,12 +38,8 @@ class ColumnParallelLinear(nn.Module):
         self.in_features = input_size
         self.out_features = divide(output_size, self.tp_size)  # this rank's rows
         self.gather_output = gather_output
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(self.out_features, input_size), requires_grad=False),
-                                        self.weight_loader)
-        self.bias = None
-        if bias:
-            self.bias = set_weight_loader(nn.Parameter(torch.empty(self.out_features), requires_grad=False),
-                                          self.weight_loader)
+        self.weight = loaded_parameter(self.out_features, input_size, weight_loader=self.weight_loader)
+        self.bias = loaded_parameter(self.out_features, weight_loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Copy this rank's rows: rows [rank * out/tp, (rank + 1) * out/tp) of the full tensor."""
@@ -82,13 +59,8 @@ class ColumnParallelLinear(nn.Module):
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel layers with the same input in one matmul (gate and up).
-
-    `output_sizes` are the full parts, e.g. [intermediate, intermediate]. Each part is split
-    over the ranks on its own, so rank r holds [gate_r, up_r] back to back and SiLU-and-mul
-    pairs the right columns without any communication. A checkpoint's separate `gate_proj`
-    / `up_proj` land in it by shard id (0, 1: vLLM's ids).
-    """
+    """Column-parallel layers of one input in one matmul: `output_sizes` [gate, up], shard ids
+    0, 1. Each part is split on its own, so rank r holds [gate_r, up_r] back to back."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True,
                  gather_output: bool = False) -> None:
@@ -121,16 +93,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(MergedColumnParallelLinear):
-    """q, k and v projections in one column-parallel matmul, split by heads.
-
-    Rank r gets query heads [r * H/tp, (r + 1) * H/tp) and their KV heads. With more ranks
-    than KV heads (tp > num_kv_heads) each KV head cannot be split further: it is
-    REPLICATED on tp / num_kv_heads consecutive ranks, exactly the ranks whose query heads
-    use it (GQA groups query heads by consecutive index). KV-cache memory per rank then stops
-    shrinking: this is why the number of KV heads limits useful TP.
-
-    Shards: "q", "k", "v" (vLLM's ids).
-    """
+    """q, k and v in one column-parallel matmul, split by heads; shard ids "q", "k", "v".
+    With tp > num_kv_heads each KV head is replicated on the tp / num_kv_heads consecutive
+    ranks whose query heads use it."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
                  bias: bool = True) -> None:
@@ -157,16 +122,8 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W `[output_size, input_size]` split along its input columns.
-
-    Args:
-        input_size, output_size: the full layer's sizes.
-        bias: added once, after the all-reduce (each rank adding it would count it tp times).
-        reduce_results: all-reduce the partial sums (True in a transformer).
-
-    Shapes: x `[num_tokens, input_size / tp]` (this rank's slice, as a column-parallel layer
-    left it) -> `[num_tokens, output_size]`, identical on every rank.
-    """
+    """x `[num_tokens, input_size / tp]` -> `[num_tokens, output_size]`, W split by columns;
+    the bias is added once, after the all-reduce (reduce_results) of the partial sums."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True) -> None:
         super().__init__()
@@ -176,12 +133,8 @@ class RowParallelLinear(nn.Module):
         self.in_features = divide(input_size, self.tp_size)  # this rank's columns
         self.out_features = output_size
         self.reduce_results = reduce_results
-        self.weight = set_weight_loader(nn.Parameter(torch.empty(output_size, self.in_features), requires_grad=False),
-                                        self.weight_loader)
-        self.bias = None
-        if bias:
-            self.bias = set_weight_loader(nn.Parameter(torch.empty(output_size), requires_grad=False),
-                                          self.weight_loader)
+        self.weight = loaded_parameter(output_size, self.in_features, weight_loader=self.weight_loader)
+        self.bias = loaded_parameter(output_size, weight_loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         """Weight: this rank's columns; bias: whole (it is added after the reduction)."""

@@ -1,18 +1,10 @@
 """The embedding and the LM head split over tensor-parallel ranks by vocabulary rows
 (vLLM's `vllm/model_executor/layers/vocab_parallel_embedding.py`).
 
-Rank r holds rows [r * V/tp, (r + 1) * V/tp) of the `[vocab, hidden]` table:
-
-    VocabParallelEmbedding   each rank looks up the ids that fall in its rows, writes zeros
-                             for the others, and an all-reduce sums the ranks: every id was
-                             found on exactly one rank.
-    ParallelLMHead           each rank computes the logits of its vocabulary slice
-                             (hidden @ W_r^T); a gather concatenates them on TP rank 0, the
-                             rank that samples (the other ranks get None).
-
-The vocabulary is padded up to a multiple of the TP size (zero rows, logits trimmed off);
-vLLM pads further, to a multiple of 64, for GPU-friendly shapes. With one rank: a plain
-lookup and a plain matmul, no padding.
+Rank r holds rows [r * V/tp, (r + 1) * V/tp) of the `[vocab, hidden]` table, the vocabulary
+padded to a multiple of tp (vLLM: of 64 too). The embedding looks up the ids in its rows,
+zeros for the others, and an all-reduce sums the ranks; the LM head's logit slices are
+gathered on rank 0, which samples. With one rank: a plain lookup and matmul.
 """
 
 from __future__ import annotations
@@ -27,7 +19,7 @@ from minivllm.distributed import (
     tensor_model_parallel_all_reduce,
     tensor_model_parallel_gather,
 )
-from minivllm.model_executor.weight_utils import check_shape, set_weight_loader
+from minivllm.model_executor.weight_utils import check_shape, loaded_parameter
 
 
 def pad_vocab_size(vocab_size: int, multiple: int) -> int:
@@ -47,9 +39,8 @@ class VocabParallelEmbedding(nn.Module):
         # This rank's real rows: [start, end); the last rank may own padding rows past end.
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = min(self.vocab_start_index + self.num_embeddings_per_partition, num_embeddings)
-        self.weight = set_weight_loader(
-            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False),
-            self.weight_loader)
+        self.weight = loaded_parameter(self.num_embeddings_per_partition, embedding_dim,
+                                       weight_loader=self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
         check_shape(loaded_weight.shape, (self.num_embeddings, self.embedding_dim))
@@ -71,11 +62,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """hidden `[n, hidden]` -> logits `[n, vocab]` on TP rank 0, None on the others.
-
-    vLLM computes this in a separate `LogitsProcessor`; here the head does it itself
-    (`forward`). Tie it to the embedding by sharing the weight (same split, same rows).
-    """
+    """hidden `[n, hidden]` -> logits `[n, vocab]` on TP rank 0, None on the others (vLLM's
+    `LogitsProcessor` does this). Tied to the embedding by sharing its weight."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         logits = F.linear(hidden_states, self.weight)  # [n, vocab / tp]
