@@ -2,7 +2,7 @@
 # Regenerate the stored outputs of the notebooks, in place (they are committed with outputs, so
 # GitHub shows every figure):
 #
-#   scripts/run_notebooks.sh                                 # every notebooks/*.ipynb, in order
+#   scripts/run_notebooks.sh                                 # every notebook, then the Chinese twins (notebooks/zh/)
 #   scripts/run_notebooks.sh notebooks/01_kv_cache_math.ipynb  # just the ones named
 #
 # On a machine without a CUDA GPU the Triton kernels run in Triton's interpreter, which has to
@@ -11,7 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 if [ "$#" -eq 0 ]; then
-    set -- notebooks/*.ipynb
+    # The Chinese twins (notebooks/zh/, scripts/zh_twins.py) run their own code cells, so their
+    # outputs are their own.
+    shopt -s nullglob
+    set -- notebooks/*.ipynb notebooks/zh/*.ipynb
+    shopt -u nullglob
 fi
 if [ -z "${TRITON_INTERPRET:-}" ] && ! python -c "import sys, torch; sys.exit(not torch.cuda.is_available())"; then
     export TRITON_INTERPRET=1

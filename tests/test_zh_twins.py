@@ -1,0 +1,98 @@
+"""The Chinese twins (notebooks/zh/) carry their English notebooks' code cells unchanged.
+
+scripts/zh_twins.py holds the rule; this runs its `check` on every twin (no execution: nbval runs
+the twins like any other notebook) and shows that the check catches drift and `sync` repairs it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("zh_twins", REPO / "scripts" / "zh_twins.py")
+zh_twins = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(zh_twins)
+
+TWINS = zh_twins.all_twins()
+
+
+def test_there_are_twins_and_each_has_an_english_notebook():
+    assert TWINS, "no notebooks/zh/NN_*.ipynb"
+    assert [t.name for t in TWINS if not zh_twins.english_of(t).exists()] == []
+
+
+@pytest.mark.parametrize("twin", TWINS, ids=[t.stem for t in TWINS])
+def test_twin_has_the_english_code_and_chinese_prose(twin):
+    assert zh_twins.drift(twin) == []
+
+
+@pytest.fixture
+def copied_twin(tmp_path):
+    """A twin and its English notebook copied to tmp_path/ and tmp_path/zh/."""
+    twin = TWINS[0]
+    (tmp_path / "zh").mkdir()
+    shutil.copy(zh_twins.english_of(twin), tmp_path / twin.name)
+    shutil.copy(twin, tmp_path / "zh" / twin.name)
+    return tmp_path / "zh" / twin.name, tmp_path / twin.name
+
+
+def _code_indices(nb):
+    return [i for i, c in enumerate(nb.cells) if c.cell_type == "code"]
+
+
+def test_check_lists_each_drifted_code_cell_and_sync_restores_it(copied_twin):
+    twin, english = copied_twin
+    nb = nbformat.read(twin, as_version=4)
+    first, last = _code_indices(nb)[0], _code_indices(nb)[-1]
+    nb.cells[first].source += "\nx = 1"
+    nb.cells[last].source = "print('edited in the twin')"
+    nbformat.write(nb, twin)
+
+    problems = zh_twins.drift(twin, english)
+    assert [p.split(": ")[1] for p in problems] == [f"cell {first}", f"cell {last}"]
+    assert all("code differs from the English cell" in p for p in problems)
+
+    changed = zh_twins.sync(twin, english)
+    assert len(changed) == 2
+    synced = nbformat.read(twin, as_version=4)
+    assert [c.source for c in synced.cells if c.cell_type == "code"] == \
+           [c.source for c in nbformat.read(english, as_version=4).cells if c.cell_type == "code"]
+    # The re-taken cells lose their outputs: the twin must be re-run before it checks clean.
+    assert [p.split(": ")[1:] for p in zh_twins.drift(twin, english)] == \
+           [[f"cell {i}", "not run (scripts/run_notebooks.sh " + str(twin) + ")"] for i in (first, last)]
+
+
+def test_sync_inserts_new_english_cells_and_check_asks_for_their_translation(copied_twin):
+    twin, english = copied_twin
+    translated = [c.source for c in nbformat.read(twin, as_version=4).cells if c.cell_type == "markdown"]
+    en = nbformat.read(english, as_version=4)
+    at = _code_indices(en)[1]
+    en.cells.insert(at, nbformat.v4.new_code_cell("y = 2"))
+    en.cells.insert(at, nbformat.v4.new_markdown_cell("A new explanation."))
+    nbformat.write(en, english)
+    assert "cells, the English notebook has" in zh_twins.drift(twin, english)[0]
+
+    zh_twins.sync(twin, english)
+    problems = zh_twins.drift(twin, english)
+    assert [p.split(": ", 1)[1] for p in problems] == [
+        f"cell {at}: markdown not written in Chinese ('A new explanation.')",
+        f"cell {at + 1}: not run (scripts/run_notebooks.sh {twin})",
+    ]
+    nb = nbformat.read(twin, as_version=4)
+    assert [c.cell_type for c in nb.cells] == [c.cell_type for c in en.cells]
+    # Every translated markdown cell is still there, in order.
+    assert [c.source for c in nb.cells if c.cell_type == "markdown" and c.source != "A new explanation."] == translated
+
+
+def test_a_twin_links_to_its_english_notebook(copied_twin):
+    twin, english = copied_twin
+    nb = nbformat.read(twin, as_version=4)
+    nb.cells[0].source = nb.cells[0].source.replace(f"](../{english.name})", "](elsewhere.ipynb)")
+    nbformat.write(nb, twin)
+    assert zh_twins.drift(twin, english) == [
+        f"{twin}: cell 0: no link to the English notebook (../{english.name})"]
