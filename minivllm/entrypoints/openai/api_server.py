@@ -5,7 +5,7 @@ Mirrors `vllm/entrypoints/openai/api_server.py` (v0, ~0.6). Routes:
     POST /v1/completions        POST /v1/chat/completions      (JSON, or SSE with "stream": true)
     GET  /v1/models             GET  /health                   GET  /metrics  (Prometheus text)
     POST /tokenize              POST /detokenize
-    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (with --enable-lora; see serving_models.py)
+    POST /v1/load_lora_adapter  POST /v1/unload_lora_adapter   (--enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING)
 
 Any OpenAI client works against it:
 
@@ -62,7 +62,11 @@ from minivllm.entrypoints.openai.protocol import (
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import OpenAIError, internal_error
-from minivllm.entrypoints.openai.serving_models import LoRAModulePath, OpenAIServingModels
+from minivllm.entrypoints.openai.serving_models import (
+    LoRAModulePath,
+    OpenAIServingModels,
+    runtime_lora_updating_allowed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +119,7 @@ def build_app(
     _add_error_handlers(app)
     completion = OpenAIServingCompletion(engine, names, max_prompts_per_request, models)
     _add_openai_routes(app, completion, OpenAIServingChat(engine, names, models=models))
-    if models.lora_enabled:
+    if models.lora_enabled and runtime_lora_updating_allowed(os.environ):
         _add_lora_routes(app, models)
     _add_server_routes(app, engine, stat_logger)
     # The last one added runs first: Host, then CORS (its preflight carries no key), then the key.
@@ -174,11 +178,11 @@ def _add_lora_routes(app: FastAPI, models: OpenAIServingModels) -> None:
     """vLLM's run-time adapter routes (plain-text answers, as vLLM's)."""
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> Response:
-        return Response(models.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
+        return Response(await models.load_lora_adapter(request.lora_name, request.lora_path), media_type="text/plain")
 
     @app.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> Response:
-        return Response(models.unload_lora_adapter(request.lora_name), media_type="text/plain")
+        return Response(await models.unload_lora_adapter(request.lora_name), media_type="text/plain")
 
 
 def _answer(result) -> Response:

@@ -351,12 +351,12 @@ class ModelCard(OpenAIBaseModel):
 
 
 class LoadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str | None = None
-    lora_path: str | None = None
+    lora_name: Utf8Str | None = None
+    lora_path: Utf8Str | None = None
 
 
 class UnloadLoRAAdapterRequest(OpenAIBaseModel):
-    lora_name: str | None = None
+    lora_name: Utf8Str | None = None
     lora_int_id: int | None = None
 
 
