@@ -57,7 +57,7 @@ def test_a_small_model_runs_on_one_cpu_thread_unless_the_user_chose(llama_dir, m
     """A tiny model's ops are too small to split: threads only wait for each other."""
     from types import SimpleNamespace
 
-    from minivllm.worker.worker import _limit_cpu_threads
+    from minivllm.worker.cpu_threads import limit_cpu_threads
 
     threads = torch.get_num_threads()
     try:
@@ -71,7 +71,7 @@ def test_a_small_model_runs_on_one_cpu_thread_unless_the_user_chose(llama_dir, m
         assert torch.get_num_threads() == 2
         monkeypatch.delenv("OMP_NUM_THREADS")
         big = SimpleNamespace(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, vocab_size=151_936)
-        _limit_cpu_threads(SimpleNamespace(hf_config=big))  # a Qwen3-0.6B shape keeps its threads
+        limit_cpu_threads(SimpleNamespace(hf_config=big))  # a Qwen3-0.6B shape keeps its threads
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(threads)
