@@ -1,20 +1,17 @@
-"""PagedAttention kernels, imported as `minivllm.kernels` (see pyproject's package-dir).
+"""The attention and cache ops, imported as `minivllm.kernels` (pyproject's package-dir).
 
-Five ops, each written twice with the same signature:
+Five ops, each with one signature for every backend:
 
-    reshape_and_cache        write new keys/values into their slots of the paged cache
+    reshape_and_cache        new keys/values into their slots of the paged cache
     paged_attention_decode   one query token per sequence over its cached keys (v1 / v2 split-KV)
-    paged_prefill_attention  new tokens over cached context + themselves (causal)
+    paged_prefill_attention  new tokens over their cached context and themselves (causal)
     copy_blocks              copy-on-write of whole blocks, every layer
-    swap_blocks              move blocks between the GPU and CPU pools
+    swap_blocks              blocks between the GPU and CPU pools
 
-`reference.py` holds the PyTorch versions (the spec, and the CPU backend); the other modules
-hold the Triton kernels. `get_ops(backend)` hands out one set or the other.
-
-Importing this package never imports triton: Triton is Linux/GPU only (macOS learners have
-none), and on a CPU-only machine it must run in its interpreter, which is switched on by
-`TRITON_INTERPRET=1` *before* triton is first imported. So the Triton modules are imported
-lazily, inside `get_ops("triton")`.
+Backend "torch" is `reference.py` (the spec, and the CPU backend), "triton" the Triton kernels.
+Those are imported inside `get_ops("triton")`, never here: a CPU-only machine runs them in
+Triton's interpreter, which `TRITON_INTERPRET=1` switches on only before triton's first import,
+and a Mac has no triton at all.
 """
 
 from __future__ import annotations
@@ -23,18 +20,12 @@ import importlib
 from types import SimpleNamespace
 
 BACKENDS = ("torch", "triton")  # built in; `register_backend` adds more by name
-# name -> module defining the five ops, for backends registered from outside minivllm.
-_REGISTERED_BACKENDS: dict[str, str] = {}
-# Backends whose ops a CUDA graph can capture: no host synchronisation, no shapes that depend
-# on the data. The PyTorch references fail both (boolean masks, loops over sequences).
+OP_NAMES = ("reshape_and_cache", "paged_attention_decode", "paged_prefill_attention", "copy_blocks",
+            "swap_blocks")
+_REGISTERED_BACKENDS: dict[str, str] = {}  # name -> the module holding its five ops
+# Backends a CUDA graph can capture: no host synchronisation, no shapes that depend on the
+# data. The PyTorch references fail both (boolean masks, loops over sequences).
 _GRAPH_SAFE_BACKENDS = {"triton"}
-OP_NAMES = (
-    "reshape_and_cache",
-    "paged_attention_decode",
-    "paged_prefill_attention",
-    "copy_blocks",
-    "swap_blocks",
-)
 
 
 def register_backend(name: str, module_path: str, cuda_graphs: bool = False) -> None:
@@ -51,7 +42,6 @@ def register_backend(name: str, module_path: str, cuda_graphs: bool = False) -> 
 
 
 def supports_cuda_graphs(backend: str) -> bool:
-    """Whether a CUDA graph can capture `backend`'s ops (the worker runs eagerly otherwise)."""
     return backend in _GRAPH_SAFE_BACKENDS
 
 
@@ -60,34 +50,22 @@ def available_backends() -> tuple[str, ...]:
 
 
 def get_ops(backend: str) -> SimpleNamespace:
-    """The five kernel ops of `backend` ("torch" = PyTorch references, "triton" = Triton kernels).
-
-    >>> ops = get_ops("torch")
-    >>> sorted(vars(ops)) == sorted(OP_NAMES)
-    True
-    """
-    if backend == "torch":
-        from minivllm.kernels import reference as module
-
-        return SimpleNamespace(**{name: getattr(module, name) for name in OP_NAMES})
+    """The five ops of `backend`, by name (`OP_NAMES`)."""
     if backend == "triton":
-        # Imported here, not at the top: see the module docstring.
         from minivllm.kernels.cache_ops import copy_blocks, swap_blocks
         from minivllm.kernels.paged_attention import paged_attention_decode
         from minivllm.kernels.prefill_attention import paged_prefill_attention
         from minivllm.kernels.reshape_and_cache import reshape_and_cache
 
         return SimpleNamespace(
-            reshape_and_cache=reshape_and_cache,
-            paged_attention_decode=paged_attention_decode,
-            paged_prefill_attention=paged_prefill_attention,
-            copy_blocks=copy_blocks,
-            swap_blocks=swap_blocks,
-        )
-    if backend in _REGISTERED_BACKENDS:
-        module = importlib.import_module(_REGISTERED_BACKENDS[backend])
-        missing = [name for name in OP_NAMES if not hasattr(module, name)]
-        if missing:
-            raise ValueError(f"backend {backend!r} ({module.__name__}) lacks ops {missing}.")
-        return SimpleNamespace(**{name: getattr(module, name) for name in OP_NAMES})
-    raise ValueError(f"unknown kernel backend {backend!r}; choose one of {available_backends()}")
+            reshape_and_cache=reshape_and_cache, paged_attention_decode=paged_attention_decode,
+            paged_prefill_attention=paged_prefill_attention, copy_blocks=copy_blocks,
+            swap_blocks=swap_blocks)
+    if backend not in available_backends():
+        raise ValueError(
+            f"unknown kernel backend {backend!r}; choose one of {available_backends()}")
+    module = importlib.import_module(_REGISTERED_BACKENDS.get(backend, f"{__name__}.reference"))
+    missing = [name for name in OP_NAMES if not hasattr(module, name)]
+    if missing:
+        raise ValueError(f"backend {backend!r} ({module.__name__}) lacks ops {missing}.")
+    return SimpleNamespace(**{name: getattr(module, name) for name in OP_NAMES})

@@ -1,42 +1,28 @@
-"""PyTorch references of the PagedAttention ops and of sampling: the spec every Triton kernel
-must match.
+"""The specification in plain PyTorch: every attention, cache and sampling op that a Triton
+kernel implements, with exactly that kernel's signature (`get_ops`, `kernels/sampling.py`).
 
-Plain, readable PyTorch (no triton import), so this module runs anywhere, macOS included, and
-is the `"torch"` attention backend on CPU. Each function has exactly the signature of its
-Triton twin in `minivllm.kernels` (see `get_ops`).
+No triton import: it runs anywhere (a Mac included), is the "torch" backend on a CPU, and is what
+`tests/kernels/` checks every Triton kernel against. One KV-cache tensor per layer:
 
-The KV cache layout, shared by every op (one tensor per layer):
+    kv_cache                                   [2, num_blocks, block_size, num_kv_heads, head_dim]
+    key_cache, value_cache = kv_cache          [num_blocks, block_size, num_kv_heads, head_dim]
 
-    kv_cache     [2, num_blocks, block_size, num_kv_heads, head_dim]
-    key_cache  = kv_cache[0]   [num_blocks, block_size, num_kv_heads, head_dim]
-    value_cache = kv_cache[1]  [num_blocks, block_size, num_kv_heads, head_dim]
-
-Token t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`,
-i.e. row `slot` of the cache viewed as `[num_blocks * block_size, num_kv_heads, head_dim]`.
+Token t of a sequence lives in slot `block_table[t // block_size] * block_size + t % block_size`:
+row `slot` of the cache viewed as `[num_blocks * block_size, num_kv_heads, head_dim]`.
 """
 
 from __future__ import annotations
 
 import torch
 
-# slot_mapping entries equal to this are padding tokens: nothing is written for them.
-PAD_SLOT_ID = -1
+PAD_SLOT_ID = -1  # a slot_mapping entry of a padding token: nothing is written for it
+_MASK64 = (1 << 64) - 1
 
 
-def reshape_and_cache(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-) -> None:
-    """Write each new token's key and value into its slot of the paged cache, in place.
-
-    key, value:     [num_tokens, num_kv_heads, head_dim]
-    key_cache,
-    value_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-    slot_mapping:   [num_tokens] int64, slot = block_number * block_size + offset; -1 = skip.
-    """
+def reshape_and_cache(key: torch.Tensor, value: torch.Tensor, key_cache: torch.Tensor,
+                      value_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write key, value `[num_tokens, num_kv_heads, head_dim]` into their slots of the paged
+    cache, in place. slot_mapping: `[num_tokens]` int64, block number x block_size + offset."""
     num_kv_heads, head_dim = key.shape[1], key.shape[2]
     valid = slot_mapping != PAD_SLOT_ID
     slots = slot_mapping[valid]
@@ -45,32 +31,24 @@ def reshape_and_cache(
     value_cache.view(-1, num_kv_heads, head_dim)[slots] = value[valid].to(value_cache.dtype)
 
 
-def qk_norm_rope_and_cache(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    positions: torch.Tensor,
-    cos_sin_cache: torch.Tensor,
-    q_norm_weight: torch.Tensor | None = None,
-    k_norm_weight: torch.Tensor | None = None,
-    eps: float = 1e-6,
-) -> torch.Tensor:
-    """The spec of `fused_ops.qk_norm_rope_and_cache`: what a decoder layer does between its
-    qkv projection and attention, step by step, with the layers' exact arithmetic (RMSNorm,
-    RotaryEmbedding, then reshape_and_cache), so fp32 results match them bit for bit.
+def qk_norm_rope_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, positions: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, q_norm_weight: torch.Tensor | None = None,
+                           k_norm_weight: torch.Tensor | None = None,
+                           eps: float = 1e-6) -> torch.Tensor:
+    """The spec of `fused_ops.qk_norm_rope_and_cache`: a decoder layer between its qkv projection
+    and attention in the layers' own arithmetic (RMSNorm, RotaryEmbedding, reshape_and_cache), so
+    fp32 results match them bit for bit. Returns the normed, rotated query; the normed, rotated
+    key and the value go into the caches.
 
-    query [num_tokens, num_heads, head_dim]; key, value [num_tokens, num_kv_heads, head_dim];
-    positions, slot_mapping [num_tokens] int64 (slot -1 = write nothing); cos_sin_cache
-    [max_position, head_dim] (cos of each pair's angle, then its sin); q/k_norm_weight
-    [head_dim] for Qwen3's per-head RMSNorm, None (both) to skip it.
-    Returns the normed, rotated query [num_tokens, num_heads, head_dim]; the normed, rotated
-    key and the value are written into the caches, in place.
+    query `[num_tokens, num_heads, head_dim]`; key, value `[num_tokens, num_kv_heads, head_dim]`;
+    positions, slot_mapping `[num_tokens]` int64; cos_sin_cache `[max_position, head_dim]` (each
+    pair's cos, then its sin); q/k_norm_weight `[head_dim]` (Qwen3's per-head RMSNorm; None: none).
     """
     if q_norm_weight is not None:
-        query, key = _head_rms_norm(query, q_norm_weight, eps), _head_rms_norm(key, k_norm_weight, eps)
+        query = _head_rms_norm(query, q_norm_weight, eps)
+        key = _head_rms_norm(key, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim / 2]
     cos, sin = cos.unsqueeze(1).to(query.dtype), sin.unsqueeze(1).to(query.dtype)  # over heads
     query, key = _rotate_pairs(query, cos, sin), _rotate_pairs(key, cos, sin)
@@ -91,17 +69,10 @@ def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def gather_kv(
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_table: torch.Tensor,
-    seq_len: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Read one sequence's first `seq_len` keys and values back out of the paged cache.
-
-    block_table: [max_blocks] physical block numbers of this sequence (only the first
-    ceil(seq_len / block_size) are used). Returns two contiguous `[seq_len, num_kv_heads, head_dim]`.
-    """
+def gather_kv(key_cache: torch.Tensor, value_cache: torch.Tensor, block_table: torch.Tensor,
+              seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sequence's first `seq_len` keys and values, read back out of the paged cache through
+    its block_table `[max_blocks]`: two contiguous `[seq_len, num_kv_heads, head_dim]`."""
     block_size, num_kv_heads, head_dim = key_cache.shape[1:]
     num_blocks = (seq_len + block_size - 1) // block_size
     blocks = block_table[:num_blocks].long()
@@ -111,53 +82,31 @@ def gather_kv(
     return keys, values
 
 
-def _attention(
-    query: torch.Tensor,
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    scale: float,
-    num_context: int,
-) -> torch.Tensor:
-    """Grouped-query attention of `query_len` new tokens over `seq_len` keys, in fp32.
-
-    query [query_len, num_heads, D]; keys/values [seq_len, num_kv_heads, D]. The new tokens are
-    the last `query_len` positions, so query i may see keys 0 .. num_context + i (causal over
-    the new tokens, full over the `num_context` cached ones).
-    """
+def _attention(query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+               num_context: int) -> torch.Tensor:
+    """Grouped-query attention in fp32 of query `[query_len, num_heads, D]` over keys, values
+    `[seq_len, num_kv_heads, D]`. The queries are the last `query_len` positions: query i sees
+    keys 0 .. num_context + i (all `num_context` cached ones, causal over the new ones)."""
     query_len, num_heads, _ = query.shape
     seq_len, num_kv_heads, _ = keys.shape
     group_size = num_heads // num_kv_heads  # query heads that share one KV head
     k = keys.float().repeat_interleave(group_size, dim=1)  # [seq_len, num_heads, D]
     v = values.float().repeat_interleave(group_size, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [num_heads, query_len, seq_len]
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [heads, query_len, seq_len]
     query_pos = num_context + torch.arange(query_len, device=query.device)
     key_pos = torch.arange(seq_len, device=query.device)
     visible = key_pos[None, :] <= query_pos[:, None]  # [query_len, seq_len]
     scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("hqk,khd->qhd", probs, v)
-    return out.to(query.dtype)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
 
 
-def paged_attention_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_kv_splits: int | None = None,
-) -> torch.Tensor:
-    """Attention of one new token per sequence over all of that sequence's cached keys.
-
-    query:          [num_seqs, num_heads, head_dim]
-    key_cache,
-    value_cache:    [num_blocks, block_size, num_kv_heads, head_dim]
-    block_tables:   [num_seqs, max_blocks] int32
-    seq_lens:       [num_seqs] int32, number of cached tokens (the new one included)
-    num_kv_splits:  ignored here (a tuning knob of the Triton kernel); kept for the same signature.
-    Returns out:    [num_seqs, num_heads, head_dim], dtype of query.
-    """
+def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_kv_splits: int | None = None) -> torch.Tensor:
+    """Attention of one new token per sequence, query `[num_seqs, num_heads, head_dim]`, over
+    its seq_lens `[num_seqs]` int32 cached tokens (the new one included) through block_tables
+    `[num_seqs, max_blocks]` int32. num_kv_splits tunes the Triton kernel, ignored here."""
     out = torch.empty_like(query)
     for i, seq_len in enumerate(seq_lens.tolist()):
         keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
@@ -166,26 +115,15 @@ def paged_attention_decode(
     return out
 
 
-def paged_prefill_attention(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    max_query_len: int | None = None,
-) -> torch.Tensor:
-    """Attention of each sequence's new tokens over its whole cached context plus themselves.
-
-    query:            [num_tokens, num_heads, head_dim], the sequences' new tokens back to back
-    query_start_loc:  [num_seqs + 1] int32, sequence i's tokens are query[start[i]:start[i+1]]
-    seq_lens:         [num_seqs] int32, context (already cached) + new tokens
-    Every key and value is read from the paged cache, so reshape_and_cache must have written
-    the new tokens first. Query i of a sequence with context c sees keys 0 .. c + i.
-    max_query_len:    ignored here (sizes the Triton kernel's grid); kept for the same signature.
-    Returns out:      [num_tokens, num_heads, head_dim], dtype of query.
-    """
+def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
+                            value_cache: torch.Tensor, block_tables: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                            max_query_len: int | None = None) -> torch.Tensor:
+    """Attention of each sequence's new tokens over its cached context and themselves: query
+    `[num_tokens, num_heads, head_dim]`, sequence i's at `query[query_start_loc[i]:
+    query_start_loc[i + 1]]`; seq_lens `[num_seqs]` int32, context + new tokens, every key read
+    from the cache (reshape_and_cache writes the new ones first). max_query_len sizes the Triton
+    kernel's grid, ignored here."""
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -197,111 +135,84 @@ def paged_prefill_attention(
 
 
 def copy_blocks(kv_caches: list[torch.Tensor], block_mapping: torch.Tensor) -> None:
-    """Copy-on-write: copy whole blocks within each layer's cache, keys and values, in place.
-
-    kv_caches:      one `[2, num_blocks, block_size, num_kv_heads, head_dim]` tensor per layer
-    block_mapping:  [num_pairs, 2] int64 rows of (src_block, dst_block), same device as the caches
-    """
+    """Copy-on-write: whole blocks, keys and values, within each layer's `kv_cache`, in place.
+    block_mapping: `[num_pairs, 2]` int64 rows of (src_block, dst_block) on the caches' device."""
     src, dst = block_mapping[:, 0].long(), block_mapping[:, 1].long()
     for kv_cache in kv_caches:
         kv_cache[:, dst] = kv_cache[:, src]
 
 
-def swap_blocks(
-    src_kv_cache: torch.Tensor,
-    dst_kv_cache: torch.Tensor,
-    block_mapping: torch.Tensor,
-) -> None:
-    """Copy blocks of one layer between two pools (GPU -> CPU swap-out, CPU -> GPU swap-in).
-
-    src_kv_cache, dst_kv_cache: [2, num_blocks_*, block_size, num_kv_heads, head_dim], may live
-    on different devices. block_mapping: [num_pairs, 2] rows of (src_block, dst_block).
-    """
-    mapping = block_mapping.cpu().tolist()
-    for src_block, dst_block in mapping:
+def swap_blocks(src_kv_cache: torch.Tensor, dst_kv_cache: torch.Tensor,
+                block_mapping: torch.Tensor) -> None:
+    """Copy blocks of one layer between two pools, which may live on different devices (swap-out
+    to the CPU, swap-in back). block_mapping: `[num_pairs, 2]` rows of (src_block, dst_block)."""
+    for src_block, dst_block in block_mapping.cpu().tolist():
         dst_kv_cache[:, dst_block].copy_(src_kv_cache[:, src_block])
 
 
 # --------------------------------------------------------------------------- sampling
-_MASK64 = (1 << 64) - 1
-
-
 def check_sample_tokens_args(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
                              top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
                              offsets: torch.Tensor) -> None:
-    """ValueError with the reason unless the arguments fit `sample_tokens`' contract (shapes,
-    dtypes and devices only: values are never read, so this never syncs with the device)."""
+    """ValueError unless the arguments fit `sample_tokens`' contract: shapes, dtypes and devices
+    only (values are never read, so this never waits for the device)."""
     if logits.dim() != 2 or (logits.shape[1] > 1 and logits.stride(1) != 1):
         raise ValueError(f"logits must be 2-D with unit stride on the vocabulary, got shape "
                          f"{tuple(logits.shape)} and strides {logits.stride()}.")
     if not logits.is_floating_point():
         raise ValueError(f"logits must be a float tensor, got {logits.dtype}.")
-    rows = logits.shape[0]
-    params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds, offsets=offsets)
+    params = dict(temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seeds=seeds,
+                  offsets=offsets)
     for name, value in params.items():
-        if value.shape != (rows,):
-            raise ValueError(f"{name} must have shape ({rows},) (one per logits row), got {tuple(value.shape)}.")
+        if value.shape != logits.shape[:1]:
+            raise ValueError(f"{name} must have shape ({logits.shape[0]},) (one per logits row), "
+                             f"got {tuple(value.shape)}.")
         if value.device != logits.device:
             raise ValueError(f"{name} is on {value.device}, the logits on {logits.device}.")
         wants_float = name in ("temperature", "top_p", "min_p")
         if value.is_floating_point() != wants_float or value.is_complex():
-            raise ValueError(f"{name} must be {'a float' if wants_float else 'an integer'} tensor, got {value.dtype}.")
+            kind = "a float" if wants_float else "an integer"
+            raise ValueError(f"{name} must be {kind} tensor, got {value.dtype}.")
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
-                  needs_truncation: bool | None = None,
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
+                  top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor,
+                  offsets: torch.Tensor, *, needs_truncation: bool | None = None,
                   num_candidates: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob: the spec of `sampling.sample_tokens` (same contract).
-
-    z = logits / T (T = 1 where temperature is 0: greedy); kept = `kept_mask(z, ...)`. Greedy
-    rows take the arg-max of z (first index among ties); the others the arg-max of kept z +
-    noise, noise = -log(E), E ~ Exp(1) a function of (seed, offset, token id) alone (the
-    exponential race: a draw from softmax(z) over the kept set, whatever the row's batch).
-    logprob = z[token] - logsumexp(z over the kept set). The noise here comes from a torch
-    generator seeded by (seed, offset), the Triton kernel's from Philox: the same distribution,
-    not the same tokens; greedy tokens and logprobs agree.
-
-    Args:
-        logits: `[rows, vocab]` float, unit stride on the vocabulary.
-        temperature, top_p, min_p: `[rows]` float (0 = greedy; 1.0 = off; 0.0 = off).
-        top_k: `[rows]` int (<= 0 or >= vocab = off).  seeds, offsets: `[rows]` int64.
-        needs_truncation, num_candidates: speed hints of the Triton version; ignored here.
-    Returns:
-        tokens `[rows]` int64 and logprobs `[rows]` fp32, on the logits' device.
+    """One token per row, `[rows]` int64, and its logprob, `[rows]` fp32 (the spec of
+    `sampling.sample_tokens`, whose hints needs_truncation and num_candidates are ignored here):
+    logits `[rows, vocab]` float, unit stride on the vocabulary; temperature, top_p, min_p `[rows]`
+    float (0 = greedy; 1.0, 0.0 = off); top_k `[rows]` int (<= 0 or >= vocab = off); seeds, offsets
+    `[rows]` int64. z = logits / T (T = 1 for greedy rows), kept = `kept_mask(z, ...)`; greedy rows
+    take the arg-max of z (the first among ties), the others that of kept z + `_race_noise` (a draw
+    from softmax over the kept set). logprob = z[token] - logsumexp(kept z). Triton's noise comes
+    from Philox: the same distribution, not the same tokens (greedy tokens and logprobs agree).
     """
     check_sample_tokens_args(logits, temperature, top_k, top_p, min_p, seeds, offsets)
     greedy = temperature == 0
     z = logits.float() / torch.where(greedy, 1.0, temperature.float()).unsqueeze(1)
     kept = kept_mask(z, top_k, top_p, min_p)
     kept_z = z.masked_fill(~kept, -float("inf"))
-    noise = torch.stack([_race_noise(int(s), int(o), z.shape[1], z.device)
-                         for s, o in zip(seeds.tolist(), offsets.tolist())]) if len(z) else z.double()
+    pairs = zip(seeds.tolist(), offsets.tolist())
+    noise = [_race_noise(seed, offset, z.shape[1], z.device) for seed, offset in pairs]
+    noise = torch.stack(noise) if noise else z.double()
     # E = 0 makes the noise +inf, and -inf + inf is NaN, which would win the arg-max: a token of
     # probability 0 (dropped, or -inf from the start) keeps score -inf whatever its noise.
-    random_tokens = torch.where(kept_z > -float("inf"), kept_z.double() + noise, -float("inf")).argmax(dim=-1)
+    finite = kept_z > -float("inf")
+    random_tokens = torch.where(finite, kept_z.double() + noise, -float("inf")).argmax(-1)
     tokens = torch.where(greedy, z.argmax(dim=-1), random_tokens)
     logprobs = z.gather(1, tokens.unsqueeze(1)).squeeze(1) - torch.logsumexp(kept_z, dim=-1)
     return tokens, logprobs
 
 
 def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                    repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-    """Repetition, frequency and presence penalties from token statistics: the spec of
-    `sampling.apply_penalties` (same contract).
-
-    repetition (CTRL, transformers): a token seen in the prompt or the output has its logit
-    divided by the penalty when positive, multiplied when negative. frequency: minus penalty x
-    its count in the output. presence: minus penalty once if it is in the output (OpenAI's).
-
-    Args:
-        logits: `[rows, vocab]` float (any float dtype).
-        prompt_mask: `[rows, vocab]` bool, the tokens of each row's prompt.
-        output_counts: `[rows, vocab]` fp32, how often each token is in each row's output.
-        repetition, frequency, presence: `[rows]` fp32 (1.0, 0.0, 0.0 = off).
-    Returns:
-        `[rows, vocab]` fp32 logits, a new tensor.
-    """
+                    repetition: torch.Tensor, frequency: torch.Tensor,
+                    presence: torch.Tensor) -> torch.Tensor:
+    """New `[rows, vocab]` fp32 logits (the spec of `sampling.apply_penalties`). Repetition
+    (CTRL's): a logit of a prompt or output token divided by the penalty if positive, else
+    multiplied; frequency: minus penalty x the token's output count; presence: minus penalty if
+    it is in the output. logits `[rows, vocab]` any float; prompt_mask, output_counts `[rows,
+    vocab]` bool, fp32; repetition, frequency, presence `[rows]` fp32 (1.0, 0.0, 0.0 = off)."""
     logits = logits.float()
     in_output = output_counts > 0
     penalty = repetition.unsqueeze(1)
@@ -311,9 +222,10 @@ def apply_penalties(logits: torch.Tensor, prompt_mask: torch.Tensor, output_coun
     return logits - presence.unsqueeze(1) * in_output.to(logits.dtype)
 
 
-def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
-    """`[rows, vocab]` bool: the tokens of z `[rows, vocab]` that survive top-k (ties at the
-    k-th value kept), then top-p (the smallest most-likely set with mass >= p over the top-k
+def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+              min_p: torch.Tensor) -> torch.Tensor:
+    """`[rows, vocab]` bool: the tokens of z `[rows, vocab]` that survive top-k (ties at the k-th
+    value kept), then top-p (the smallest most-likely set with mass >= p over the top-k
     survivors; the most likely token always kept), then min-p (prob >= min_p x max prob)."""
     vocab_size = z.shape[1]
     values, order = z.sort(dim=-1, descending=True)
@@ -331,9 +243,8 @@ def kept_mask(z: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, min_p: 
 
 
 def race_noise(seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-    """The noise `sample_tokens` adds to z: `[rows, num_tokens]` fp32 -log(E) of token ids
-    0..num_tokens - 1 of rows with `seeds`, `offsets` `[rows]` int64. The spec of
-    `sampling.race_noise` (same contract, Philox noise)."""
+    """The noise `sample_tokens` adds to z (the spec of `sampling.race_noise`): `[rows,
+    num_tokens]` fp32 for token ids 0..num_tokens - 1 of the rows' seeds, offsets `[rows]` int64."""
     noise = torch.empty(len(seeds), num_tokens, device=seeds.device)
     for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist())):
         noise[row] = _race_noise(seed, offset, num_tokens, seeds.device)
