@@ -134,10 +134,17 @@ def make_parser() -> argparse.ArgumentParser:
 
 
 def _add_proxy_args(parser: argparse.ArgumentParser) -> None:
+    from minivllm.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES  # light: no FastAPI
+
     parser.add_argument("--prefill", required=True, help="the prefill server's URL (kv_role kv_producer)")
     parser.add_argument("--decode", required=True, help="the decode server's URL (kv_role kv_consumer)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default: %(default)s)")
     parser.add_argument("--port", type=int, default=8000, help="port to bind (default: %(default)s)")
+    parser.add_argument("--allowed-hosts", nargs="+", default=None,
+                        help="Host header values to accept, against DNS rebinding (default: the loopback names "
+                             "when bound to loopback, else any; '*' accepts any)")
+    parser.add_argument("--max-request-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                        help="larger request bodies get a 413 (default: %(default)s)")
 
 
 def _run_proxy(args: argparse.Namespace) -> int:
