@@ -1,21 +1,17 @@
-"""What the attention layers need to know about one flattened batch, as in vLLM v0's
-`AttentionMetadata`.
+"""What the attention layers know of one flattened batch (vLLM v0's `AttentionMetadata`).
 
-A step's tokens are laid out back to back, prefills first, then decodes:
+A step's tokens lie back to back, prefill chunks first, then one token per decode:
 
     tokens:  [ p0 p0 p0 p0 | p1 p1 | d2 | d3 | d4 ]     num_prefills=2, num_prefill_tokens=6
     seqs:       seq 0        seq 1   seq 2 ...           num_decode_tokens=3
 
-A prefill is a prompt chunk (maybe the whole prompt, maybe continuing after a cached prefix
-or an earlier chunk); a decode is one new token of a running sequence. The same metadata is
-read by every layer, so it is built once per step (by the model runner) and passed down
-explicitly, never through a global.
+Built once per step by the model runner and passed down to every layer, never a global.
 """
 
 from __future__ import annotations
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 import numpy as np
@@ -32,8 +28,7 @@ class AttentionMetadata:
     query_start_loc  [num_seqs + 1] int32 cumulative new-token counts: sequence i's tokens are
                                           rows query_start_loc[i]:query_start_loc[i+1]
     block_tables     [num_seqs, max_blocks] int32  physical block numbers, row per sequence
-    max_query_len, max_seq_len            python ints, so kernels size their grids with no
-                                          device-to-host copy
+    max_query_len, max_seq_len            python ints: kernel grids sized with no host sync
     """
 
     num_prefills: int
@@ -47,18 +42,14 @@ class AttentionMetadata:
     max_seq_len: int
 
     def __post_init__(self) -> None:
-        num_seqs = self.num_prefills + self.num_decode_tokens  # a decode is one token
+        num_seqs = self.num_seqs
         if self.seq_lens.shape != (num_seqs,) or self.query_start_loc.shape != (num_seqs + 1,):
-            raise ValueError(
-                f"expected {num_seqs} sequences ({self.num_prefills} prefills + "
-                f"{self.num_decode_tokens} decodes), got seq_lens {tuple(self.seq_lens.shape)} "
-                f"and query_start_loc {tuple(self.query_start_loc.shape)}."
-            )
+            raise ValueError(f"expected {num_seqs} sequences ({self.num_prefills} prefills + "
+                             f"{self.num_decode_tokens} decodes), got seq_lens {tuple(self.seq_lens.shape)} "
+                             f"and query_start_loc {tuple(self.query_start_loc.shape)}.")
         if self.slot_mapping.shape != (self.num_tokens,):
-            raise ValueError(
-                f"slot_mapping must have one entry per token ({self.num_tokens}), "
-                f"got shape {tuple(self.slot_mapping.shape)}."
-            )
+            raise ValueError(f"slot_mapping must have one entry per token ({self.num_tokens}), "
+                             f"got shape {tuple(self.slot_mapping.shape)}.")
 
     @property
     def num_tokens(self) -> int:
@@ -66,7 +57,7 @@ class AttentionMetadata:
 
     @property
     def num_seqs(self) -> int:
-        return self.num_prefills + self.num_decode_tokens
+        return self.num_prefills + self.num_decode_tokens  # a decode is one token
 
     # The two halves are views (no copies), built once per step and shared by every layer.
     @cached_property
@@ -77,17 +68,9 @@ class AttentionMetadata:
         if self.num_decode_tokens == 0:
             return self
         n, t = self.num_prefills, self.num_prefill_tokens
-        return AttentionMetadata(
-            num_prefills=n,
-            num_prefill_tokens=t,
-            num_decode_tokens=0,
-            slot_mapping=self.slot_mapping[:t],
-            seq_lens=self.seq_lens[:n],
-            query_start_loc=self.query_start_loc[: n + 1],
-            block_tables=self.block_tables[:n],
-            max_query_len=self.max_query_len,
-            max_seq_len=self.max_seq_len,
-        )
+        return replace(
+            self, num_decode_tokens=0, slot_mapping=self.slot_mapping[:t], seq_lens=self.seq_lens[:n],
+            query_start_loc=self.query_start_loc[: n + 1], block_tables=self.block_tables[:n])
 
     @cached_property
     def decode_metadata(self) -> AttentionMetadata | None:
@@ -97,45 +80,28 @@ class AttentionMetadata:
         if self.num_prefills == 0:
             return self  # no new tensors: a captured CUDA graph keeps reading the same buffers
         n, t = self.num_prefills, self.num_prefill_tokens
-        return AttentionMetadata(
-            num_prefills=0,
-            num_prefill_tokens=0,
-            num_decode_tokens=self.num_decode_tokens,
-            slot_mapping=self.slot_mapping[t:],
-            seq_lens=self.seq_lens[n:],
-            query_start_loc=self.query_start_loc[n:] - t,
-            block_tables=self.block_tables[n:],
-            max_query_len=1,
-            max_seq_len=self.max_seq_len,
-        )
+        return replace(
+            self, num_prefills=0, num_prefill_tokens=0, slot_mapping=self.slot_mapping[t:],
+            seq_lens=self.seq_lens[n:], query_start_loc=self.query_start_loc[n:] - t,
+            block_tables=self.block_tables[n:], max_query_len=1)
 
 
 def slot_of(block_number, position, block_size: int):
-    """The cache slot of the token at `position`, whose block (the block table's entry
-    `position // block_size`) is `block_number`: row `block_number * block_size +
-    position % block_size` of the cache viewed as `[num_blocks * block_size, ...]`.
-
-    The one place this formula lives; it works on ints and on tensors alike (the batch
-    builder below, the multi-step runner's `advance_step` on the device).
-    """
+    """The cache slot of the token at `position` in block `block_number` (its block table's
+    entry `position // block_size`); ints or tensors (the multi-step runner's `advance_step`)."""
     return block_number * block_size + position % block_size
 
 
-def build_attn_metadata(
-    block_tables: list[list[int]],
-    context_lens: list[int],
-    query_lens: list[int],
-    num_prefills: int,
-    block_size: int,
-    device: torch.device | str = "cpu",
-) -> AttentionMetadata:
-    """Build the metadata from plain python lists, one entry per sequence (prefills first).
+def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
+                        num_prefills: int, block_size: int,
+                        device: torch.device | str = "cpu") -> AttentionMetadata:
+    """The metadata from python lists, one entry per sequence (prefills first).
 
     block_tables[i]  physical blocks of sequence i, enough for context + new tokens
     context_lens[i]  tokens of sequence i already in the cache (cached prefix, earlier chunks)
     query_lens[i]    new tokens of sequence i in this step (1 for a decode)
 
-    Example (block_size=4): one sequence with 5 cached tokens and 2 new ones in blocks [7, 2]
+    Example (block_size=4): 5 cached tokens and 2 new ones in blocks [7, 2]
     -> slot_mapping [2*4+1, 2*4+2] = [9, 10], seq_lens [7], query_start_loc [0, 2].
     """
     if not len(block_tables) == len(context_lens) == len(query_lens):
@@ -146,10 +112,8 @@ def build_attn_metadata(
     slot_mapping = []
     for table, context_len, query_len in zip(block_tables, context_lens, query_lens):
         if len(table) * block_size < context_len + query_len:
-            raise ValueError(
-                f"block table {table} holds {len(table) * block_size} tokens, "
-                f"fewer than {context_len + query_len}."
-            )
+            raise ValueError(f"block table {table} holds {len(table) * block_size} tokens, "
+                             f"fewer than {context_len + query_len}.")
         slot_mapping.extend(slot_of(table[pos // block_size], pos, block_size)
                             for pos in range(context_len, context_len + query_len))
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
@@ -169,13 +133,8 @@ def build_attn_metadata(
 
 
 def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
-    """`[num_seqs, max_blocks]` int32, rows padded with block 0 (the kernels never read past a
-    sequence's seq_len).
-
-    Vectorized because it is the builder's biggest job: 256 decodes of 4k-token contexts hold
-    65k block numbers, and one numpy scatter of them all costs a fraction of a per-row loop
-    (`benchmarks/host_overhead.py` measures the builder inside an engine step).
-    """
+    """`[num_seqs, max_blocks]` int32, rows padded with block 0 (never read past seq_len).
+    One numpy scatter: 256 decodes of 4k tokens hold 65k block numbers, too many for a loop."""
     lengths = np.array([len(t) for t in block_tables], dtype=np.int64)
     max_blocks = int(lengths.max(initial=0))
     padded = np.zeros((len(block_tables), max_blocks), dtype=np.int32)
