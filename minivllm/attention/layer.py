@@ -1,7 +1,5 @@
-"""The attention layer of the model: write the new keys/values into the paged cache, then
-attend over it. As in vLLM v0, the model's attention module knows nothing about blocks; this
-layer hides the cache behind `forward(q, k, v, kv_cache, attn_metadata)`.
-"""
+"""The attention layer (vLLM v0's `vllm/attention/layer.py`): write the new keys and values
+into the paged cache, then attend over it; the model above it knows nothing of blocks."""
 
 from __future__ import annotations
 
@@ -14,13 +12,8 @@ from minivllm.kernels import get_ops
 
 
 class Attention(nn.Module):
-    """Grouped-query attention over a paged KV cache.
-
-    Args:
-        num_heads: query heads. num_kv_heads: key/value heads (divides num_heads; each KV head
-        is shared by num_heads // num_kv_heads query heads). head_dim: size of one head.
-        scale: the softmax scale, usually head_dim ** -0.5. backend: "torch" or "triton".
-    """
+    """Grouped-query attention over a paged KV cache: each of the num_kv_heads KV heads serves
+    num_heads // num_kv_heads query heads. scale: usually head_dim ** -0.5."""
 
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int,
                  backend: str = "torch") -> None:
@@ -37,13 +30,9 @@ class Attention(nn.Module):
         """q [num_tokens, num_heads, head_dim], k/v [num_tokens, num_kv_heads, head_dim],
         kv_cache [2, num_blocks, block_size, num_kv_heads, head_dim] -> [num_tokens, num_heads, head_dim].
 
-        k and v None: this step's keys and values are already in the cache (a fused kernel
-        wrote them, rotating the keys on the way: `fused_ops.qk_norm_rope_and_cache`). Such a
-        model still calls the module, never `forward_over_cache` directly: hooks on this
-        module (a KV connector's per-layer load wait and save) must run on every path.
-
-        An empty kv_cache (`kv_cache.numel() == 0`, the worker's memory-profiling run, made
-        before the cache exists) means: no context, plain causal attention within each sequence.
+        k and v None: a fused kernel (`fused_ops.qk_norm_rope_and_cache`) already wrote them;
+        the model still calls the module, so hooks on it (a KV connector's) run on every path.
+        An empty kv_cache (the profile run): causal attention within each sequence.
         """
         if kv_cache.numel() == 0:
             return self._forward_without_cache(q, k, v, attn_metadata)
@@ -54,8 +43,8 @@ class Attention(nn.Module):
 
     def forward_over_cache(self, q: torch.Tensor, kv_cache: torch.Tensor,
                            attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Attention of q `[num_tokens, num_heads, head_dim]` over a cache that already holds this
-        step's new keys and values (`forward` writes them just before, or a fused kernel did)."""
+        """Attention of q `[num_tokens, num_heads, head_dim]` over a cache that already holds
+        this step's keys and values."""
         key_cache, value_cache = kv_cache[0], kv_cache[1]
         prefill, decode = attn_metadata.prefill_metadata, attn_metadata.decode_metadata
         num_prefill_tokens = attn_metadata.num_prefill_tokens
@@ -71,8 +60,7 @@ class Attention(nn.Module):
                 decode.seq_lens, self.scale))
         if not outputs:  # an empty batch
             return torch.empty_like(q)
-        # A pure-prefill or pure-decode batch (the common cases) needs no concatenation.
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # no copy for one kind
 
     def _forward_without_cache(self, q, k, v, attn_metadata: AttentionMetadata) -> torch.Tensor:
         """Causal attention of each sequence's tokens over themselves (no cached context)."""

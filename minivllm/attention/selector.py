@@ -1,10 +1,7 @@
-"""Choose the attention backend: which implementation of the PagedAttention ops runs.
+"""Which implementation of the PagedAttention ops runs (vLLM v0's `get_attn_backend`):
 
     "triton"  the Triton kernels (`kernels/*.py`): the default on a GPU
     "torch"   the PyTorch references (`kernels/reference.py`): the default on a CPU
-
-vLLM v0's `get_attn_backend` picks between FlashAttention, XFormers, FlashInfer, ...; we have
-two backends with one contract, so a learner can swap them and compare outputs.
 """
 
 from __future__ import annotations
@@ -15,8 +12,7 @@ import torch
 
 from minivllm.kernels import available_backends
 
-# Triton compiles for GPUs; on a CPU it only runs in its interpreter, which is switched on by
-# this environment variable before triton is first imported.
+# On a CPU Triton runs only in its interpreter, switched on by this before triton is imported.
 TRITON_INTERPRET_ENV = "TRITON_INTERPRET"
 
 
@@ -33,9 +29,7 @@ def get_attn_backend(name: str | None, device: torch.device | str) -> str:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {available_backends()} "
                          "(minivllm.kernels.register_backend adds one).")
     if name == "triton" and device_type != "cuda" and os.environ.get(TRITON_INTERPRET_ENV) != "1":
-        raise ValueError(
-            "the triton backend needs a CUDA device; on a CPU it runs only in Triton's "
-            f"interpreter: set {TRITON_INTERPRET_ENV}=1 before importing triton "
-            "(slow, for learning), or use the 'torch' backend."
-        )
+        raise ValueError(f"the triton backend needs a CUDA device; on a CPU it runs only in Triton's "
+                         f"interpreter: set {TRITON_INTERPRET_ENV}=1 before importing triton "
+                         "(slow, for learning), or use the 'torch' backend.")
     return name
