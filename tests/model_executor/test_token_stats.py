@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minivllm.model_executor.sampling_metadata import (SamplingTensors, SequenceGroupToSample, TokenStatsCache,
-                                                      token_counts)
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
+from minivllm.model_executor.token_stats import TokenStatsCache, token_counts
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SequenceData
 

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.model_executor.layers.sampling_ops import ApplyPenalties, SampleTokens
-from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, TokenStatsCache, sampled_seq_ids
+from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample, sampled_seq_ids
+from minivllm.model_executor.token_stats import TokenStatsCache
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceOutput
 

@@ -33,8 +33,13 @@ _GOLDEN_GAMMA = 0x9E3779B97F4A7C15  # an odd 64-bit step: sibling seeds far apar
 def is_parallel(group: SequenceGroupToSample) -> bool:
     """Beam search, a fan-out, or a seeded request with several sequences."""
     params = group.sampling_params
-    return (params.sampling_type == SamplingType.BEAM or (params.best_of > 1 and group.is_first_sample)
+    return (params.sampling_type == SamplingType.BEAM or (params.best_of > 1 and _is_first_sample(group))
             or (params.seed is not None and len(sampled_seq_ids(group)) > 1))
+
+
+def _is_first_sample(group: SequenceGroupToSample) -> bool:
+    """The request's first token: one prompt row fans out into `best_of` samples."""
+    return group.is_prompt and all(d.get_output_len() == 0 for d in group.seq_data.values())
 
 
 def sibling_seed(seed: int, index: int) -> int:
@@ -55,7 +60,7 @@ def sample_parallel(sampler: DeviceSampler, logits: torch.Tensor, groups: list[S
 
 def _sample_siblings(sampler: DeviceSampler, logits: torch.Tensor, groups: tuple, outputs: tuple) -> None:
     """A fan-out becomes `best_of` copies of its prompt row (all children of its one sequence)."""
-    rows = [_fanned_out(g) if g.sampling_params.best_of > 1 and g.is_first_sample else g for g in groups]
+    rows = [_fanned_out(g) if g.sampling_params.best_of > 1 and _is_first_sample(g) else g for g in groups]
     t = sampler.prepare(rows, logits.shape[-1], logits.device)
     seeds = [sibling_seed(g.sampling_params.seed, j) for g in rows for j in range(len(g.sample_indices))
              if g.sampling_params.seed is not None]
@@ -95,7 +100,7 @@ def _beam_search(sampler: DeviceSampler, logits: torch.Tensor, groups: tuple, ou
 def _beam_search_candidates(group: SequenceGroupToSample, logprobs: torch.Tensor) -> tuple[list[int], list[int]]:
     """The 2 x beam_width best (parent row, token) pairs by cumulative logprob."""
     num_candidates = _BEAM_CANDIDATE_FACTOR * group.sampling_params.best_of
-    if group.is_first_sample:
+    if _is_first_sample(group):
         # All beams start from the same prompt: take the best tokens of its single row.
         tokens = torch.topk(logprobs[0], num_candidates).indices.tolist()
         return [0] * num_candidates, tokens
