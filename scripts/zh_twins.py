@@ -77,6 +77,8 @@ def drift(twin: Path, english: Path | None = None) -> list[str]:
                 problems.append(f"cell {i}: tags {_tags(t)}, the English cell has {_tags(e)}")
             elif t.get("execution_count") is None:
                 problems.append(f"cell {i}: not run (scripts/run_notebooks.sh {_rel(twin)})")
+            elif any(out.get("output_type") == "error" for out in t.get("outputs", [])):
+                problems.append(f"cell {i}: its stored output is an error (re-run the twin)")
         elif e.cell_type == "markdown" and (_source(t) == _source(e) or not _CJK.search(_source(t))):
             problems.append(f"cell {i}: markdown not written in Chinese ({_first_line(_source(t))!r})")
     if tw.cells and f"](../{english.name})" not in _source(tw.cells[0]):
