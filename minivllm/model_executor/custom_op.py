@@ -1,14 +1,11 @@
-"""A layer written twice, one version chosen once: `CustomOp`.
-
-Mirrors `vllm/model_executor/custom_op.py`. The small ops of a decoder layer (RMSNorm,
-SiLU-and-mul, rotary embedding) and the sampling ops (`layers/sampling_ops.py`) each have
+"""A layer written twice, one version chosen once: `CustomOp` (vLLM's
+`vllm/model_executor/custom_op.py`).
 
     forward_native   plain PyTorch: the readable spec, what runs on a CPU
     forward_triton   one fused Triton kernel (`kernels/fused_ops.py`, `kernels/sampling.py`)
 
-and `forward` is bound to one of them when the layer is built, from the same backend
-setting as attention ("torch" or "triton", see `minivllm.attention.get_attn_backend`). No
-flag is read per call: a model built for the "torch" backend never touches Triton.
+`forward` is bound to one of them at construction, by the attention backend ("torch" or
+"triton"): no flag is read per call.
 """
 
 from __future__ import annotations

@@ -1,10 +1,5 @@
-"""RMSNorm (Zhang & Sennrich, 2019), the normalization of every Llama-family model.
-
-    y = x / sqrt(mean(x^2) + eps) * weight
-
-No mean subtraction and no bias, unlike LayerNorm. The statistics are taken in fp32 even for
-bf16/fp16 activations (a sum of squares over 4096 features overflows fp16's range).
-"""
+"""RMSNorm (vLLM's `vllm/model_executor/layers/layernorm.py`): y = x / sqrt(mean(x^2) + eps)
+* weight, the statistics in fp32 (a sum of squares of 4096 features overflows fp16)."""
 
 from __future__ import annotations
 
@@ -15,13 +10,8 @@ from minivllm.model_executor.custom_op import CustomOp
 
 
 class RMSNorm(CustomOp):
-    """RMSNorm over the last dimension, with vLLM's fused residual add.
-
-    `forward(x)` returns the normalized x. `forward(x, residual)` first adds the residual
-    stream, `residual = x + residual`, and returns `(norm(residual), residual)`: each decoder
-    layer hands its output and the running residual to the next layer's input norm, which
-    does the add, so the add and the norm are one step (one kernel in vLLM).
-    """
+    """RMSNorm over the last dimension, with vLLM's fused residual add: `forward(x)` -> norm(x);
+    `forward(x, residual)` -> (norm(x + residual), x + residual), one kernel on "triton"."""
 
     def __init__(self, hidden_size: int, eps: float = 1e-6, backend: str = "torch") -> None:
         super().__init__(backend)
@@ -31,8 +21,7 @@ class RMSNorm(CustomOp):
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        # Cast back before scaling, as Hugging Face does, so logits match bit for bit in fp32
-        # and closely in bf16.
+        # Cast back before scaling, as Hugging Face does: logits match bit for bit in fp32.
         return self.weight * x32.to(x.dtype)
 
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):

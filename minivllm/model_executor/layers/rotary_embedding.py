@@ -1,13 +1,8 @@
-"""Rotary position embedding (RoPE, Su et al. 2021), with Llama 3's long-context scaling.
+"""Rotary position embedding, with Llama 3's long-context scaling (vLLM's
+`vllm/model_executor/layers/rotary_embedding.py`).
 
-RoPE encodes position by rotating pairs of query/key features: the pair (x_i, x_{i+d/2}) of a
-token at position p is turned by the angle p * inv_freq[i], where
-inv_freq[i] = theta ** (-2i / d). The dot product of a rotated query (position m) and key
-(position n) then depends only on m - n, so attention sees relative positions, and a key
-rotated once when it is written to the KV cache never has to change again.
-
-Pairs are (i, i + d/2), the "NeoX" layout Hugging Face's Llama code uses (its conversion
-script permutes Meta's interleaved weights to match), so features split into two halves.
+The feature pair (x_i, x_{i+d/2}) of a token at position p turns by p * inv_freq[i],
+inv_freq[i] = theta ** (-2i / d): Hugging Face's "NeoX" layout of pairs, two halves.
 """
 
 from __future__ import annotations
@@ -23,19 +18,11 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
 def get_rope_parameters(hf_config: Any) -> dict:
-    """The rope settings of a Hugging Face config as one dict with `rope_type` and `rope_theta`.
-
-    transformers >= 5 keeps them in `config.rope_parameters` (theta included); 4.x keeps
-    `config.rope_theta` and an optional `config.rope_scaling` dict (whose type key was once
-    "type"). Both layouts give the same dict here.
-    """
-    params = getattr(hf_config, "rope_parameters", None)
-    if not params:  # transformers 4.x
-        params = dict(getattr(hf_config, "rope_scaling", None) or {})
-        params.setdefault("rope_theta", getattr(hf_config, "rope_theta", _DEFAULT_ROPE_THETA))
-    params = dict(params)
+    """A Hugging Face config's rope settings as one dict with `rope_type` and `rope_theta`,
+    from `rope_parameters` (transformers >= 5) or `rope_theta` and `rope_scaling` (4.x)."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", _DEFAULT_ROPE_THETA))
     params["rope_type"] = params.get("rope_type", params.get("type")) or "default"
-    params.setdefault("rope_theta", _DEFAULT_ROPE_THETA)
     return params
 
 
@@ -55,13 +42,9 @@ def compute_inv_freq(head_dim: int, rope_parameters: dict) -> torch.Tensor:
 
 
 def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
-    """Llama 3.1's frequency-dependent scaling for a longer context.
-
-    Features that turn fast (wavelength shorter than original_context / high_freq_factor)
-    carry local word order and stay as they are; slow ones (wavelength longer than
-    original_context / low_freq_factor) would see angles never met in training, so they slow
-    down by `factor`; those in between blend smoothly.
-    """
+    """Llama 3.1's scaling: features with wavelengths under original_context / high_freq_factor
+    stay, those over original_context / low_freq_factor slow down by `factor`, those between
+    blend."""
     factor, low, high = params["factor"], params["low_freq_factor"], params["high_freq_factor"]
     original_context = params["original_max_position_embeddings"]
     wavelen = 2 * math.pi / inv_freq
@@ -73,11 +56,8 @@ def _llama3_scale(inv_freq: torch.Tensor, params: dict) -> torch.Tensor:
 
 
 class RotaryEmbedding(CustomOp):
-    """Rotate queries and keys by their positions.
-
-    A cache of cos/sin for every position up to `max_position` is computed once (fp32), so
-    a step only gathers rows by `positions`, whatever mix of prefills and decodes it holds.
-    """
+    """Rotate queries and keys by their positions, gathering rows of a cos/sin table of every
+    position up to `max_position`, computed once in fp32."""
 
     def __init__(self, head_dim: int, max_position: int, rope_parameters: dict, backend: str = "torch") -> None:
         super().__init__(backend)
@@ -85,8 +65,7 @@ class RotaryEmbedding(CustomOp):
         self.rope_type = rope_parameters["rope_type"]
         inv_freq = compute_inv_freq(head_dim, rope_parameters)
         angles = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq)
-        # [max_position, head_dim]: cos of every pair's angle, then its sin. Not saved with
-        # the weights (persistent=False): it is derived from the config.
+        # [max_position, head_dim]: cos of every pair's angle, then its sin; not a weight.
         cache = torch.cat([angles.cos(), angles.sin()], dim=-1)
         self.register_buffer("cos_sin_cache", cache, persistent=False)
 
@@ -101,11 +80,8 @@ class RotaryEmbedding(CustomOp):
 
     def forward_triton(self, positions: torch.Tensor, query: torch.Tensor,
                        key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """One kernel per tensor (`kernels/fused_ops.py`). fp32: forward_native's result; bf16:
-        it rounds once per output where forward_native also rounds each product, so it may
-        differ by one bf16 step (tests/model_executor/test_fused_ops.py). With a KV cache, a
-        "triton" Llama-family attention skips this module: its one-kernel prologue
-        (`fused_ops.qk_norm_rope_and_cache`) rotates q and k and writes the cache."""
+        """One kernel per tensor (`kernels/fused_ops.py`): forward_native's result in fp32,
+        within one rounding step in bf16 (it rounds once per output, not per product)."""
         from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
 
         if not fused_ops.rotary_supported(self.head_dim) or query.stride(-1) != 1 or key.stride(-1) != 1:
