@@ -1,11 +1,8 @@
-"""Build a model from a Hugging Face checkpoint: pick the class, pick the dtype, load weights.
+"""A model from a Hugging Face checkpoint: the class, the dtype, the weights (vLLM's
+`vllm/model_executor/model_loader/`). `get_model(ModelConfig("path/or/hub-id"), "cpu")`.
 
-    model = get_model(ModelConfig("path/or/hub-id"), device="cpu")
-
-The config comes from `model_config.hf_config` (transformers' AutoConfig, read by
-ModelConfig); the weights from `*.safetensors` files in a local directory, or in the
-Hugging Face cache after `snapshot_download` (which needs the network the first time).
-Sharded checkpoints list their files in `model.safetensors.index.json`.
+Weights come from `*.safetensors` in a local directory or the Hugging Face cache
+(`snapshot_download`); a sharded checkpoint lists its files in `model.safetensors.index.json`.
 """
 
 from __future__ import annotations
@@ -34,20 +31,15 @@ _HUB_PATTERNS = ["*.json", "*.safetensors", "*.model", "*.txt"]
 
 def get_model(model_config: Any, device: torch.device | str = "cpu",
               dtype: torch.dtype | str | None = None, attn_backend: str | None = None) -> nn.Module:
-    """The model of `model_config`, weights loaded, in eval mode, on `device`.
-
-    dtype: a torch dtype, a name ("float32", "bfloat16", ...), or "auto"/None to use
-    `model_config.dtype` (see `resolve_dtype`). attn_backend: "torch", "triton", or None for
-    the device's default (see `get_attn_backend`).
-    """
+    """The model of `model_config`, weights loaded, in eval mode, on `device`. dtype: None for
+    `model_config.dtype` (`resolve_dtype`); attn_backend: None for the device's default."""
     device = torch.device(device)
     hf_config = model_config.hf_config
     dtype = resolve_dtype(model_config.dtype if dtype is None else dtype, hf_config, device)
     backend = get_attn_backend(attn_backend, device)
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     _warn_unsupported_features(hf_config, model_config.max_model_len)
-    # Build the modules straight on the device and in the target dtype (the rotary cos/sin
-    # table asks for fp32 explicitly and stays fp32).
+    # Built straight on the device in the target dtype (the rotary table asks for fp32).
     with _default_dtype(dtype), device:
         model = model_class(hf_config, attn_backend=backend)
     model_dir = resolve_model_dir(model_config.model, model_config.revision)
@@ -60,13 +52,9 @@ def get_model(model_config: Any, device: torch.device | str = "cpu",
 
 def resolve_dtype(dtype: torch.dtype | str | None, hf_config: Any,
                   device: torch.device | str) -> torch.dtype:
-    """The dtype to run in. An explicit dtype wins. "auto" (or None) means:
-
-    - on a CPU, float32: CPUs have no fast bf16/fp16 matmul, and fp32 gives exact parity with
-      transformers in tests and notebooks;
-    - on a GPU, the checkpoint's dtype (config `dtype`, `torch_dtype` before transformers 5),
-      except that fp32 checkpoints run in bf16 (fp16 if the GPU has no bf16), as vLLM does.
-    """
+    """An explicit dtype (or its name) wins. "auto" or None: float32 on a CPU (no fast bf16
+    matmul; exact parity with transformers); on a GPU the checkpoint's dtype, but bf16 (fp16
+    without bf16) for an fp32 checkpoint, as vLLM does."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype not in (None, "auto"):
@@ -75,17 +63,11 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config: Any,
         return getattr(torch, dtype)
     if torch.device(device).type == "cpu":
         return torch.float32
-    checkpoint_dtype = _config_dtype(hf_config)
-    if checkpoint_dtype in (None, torch.float32):
+    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)  # transformers 4.x
+    checkpoint_dtype = getattr(torch, value, None) if isinstance(value, str) else value
+    if not isinstance(checkpoint_dtype, torch.dtype) or checkpoint_dtype == torch.float32:
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return checkpoint_dtype
-
-
-def _config_dtype(hf_config: Any) -> torch.dtype | None:
-    value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) else None
 
 
 @contextmanager
@@ -109,10 +91,8 @@ def resolve_model_dir(model: str, revision: str | None = None) -> Path:
         # Online it downloads what is missing; offline it falls back to the local cache.
         return Path(snapshot_download(model, revision=revision, allow_patterns=_HUB_PATTERNS))
     except Exception as err:  # network, auth, not-found: one clear message for all
-        raise ValueError(
-            f"cannot load model {model!r}: it is not a local directory, and the Hugging Face "
-            f"hub could not provide it (offline and not in the cache, or no such repo): {err}"
-        ) from err
+        raise ValueError(f"cannot load model {model!r}: it is not a local directory, and the Hugging Face hub "
+                         f"could not provide it (offline and not in the cache, or no such repo): {err}") from err
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -123,10 +103,8 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         return [model_dir / name for name in sorted(set(weight_map.values()))]
     if (model_dir / SAFETENSORS_SINGLE).is_file():
         return [model_dir / SAFETENSORS_SINGLE]
-    raise ValueError(
-        f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {model_dir}; minivllm loads "
-        "safetensors checkpoints only (convert a .bin one with transformers' save_pretrained)."
-    )
+    raise ValueError(f"no {SAFETENSORS_SINGLE} or {SAFETENSORS_INDEX} in {model_dir}; minivllm loads "
+                     "safetensors checkpoints only (convert a .bin one with transformers' save_pretrained).")
 
 
 def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
