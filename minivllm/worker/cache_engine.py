@@ -1,18 +1,10 @@
-"""The paged KV cache itself: one tensor per layer on the device, and a CPU swap pool.
-
-Mirrors `vllm/worker/cache_engine.py` (v0). The block manager only hands out block *numbers*;
-this module owns the memory those numbers index:
+"""The memory the block manager's block numbers index (vLLM's `vllm/worker/cache_engine.py`):
 
     gpu_cache[layer]  [2, num_gpu_blocks, block_size, num_kv_heads, head_dim]   on the device
     cpu_cache[layer]  [2, num_cpu_blocks, block_size, num_kv_heads, head_dim]   in host RAM
 
-Index 0 of the first dimension holds keys, 1 holds values. Block b, slot s of a layer holds
-the key of the token whose `slot_mapping` entry is b * block_size + s.
-
-The scheduler's three memory moves become tensor copies here:
-    swap_out  GPU block -> CPU block (preemption by swapping)
-    swap_in   CPU block -> GPU block (the preempted request resumes)
-    copy      GPU block -> GPU block (copy-on-write when forked sequences diverge)
+Index 0 holds keys, 1 values; block b, slot s holds the token whose `slot_mapping` entry is
+b * block_size + s. swap_out, swap_in and copy (copy-on-write) move whole blocks.
 """
 
 from __future__ import annotations
@@ -29,15 +21,9 @@ KV_PAIR = 2
 class CacheEngine:
     """Allocates the per-layer KV caches and moves blocks between and within the pools.
 
-    Args:
-        cache_config: block size and the block counts (`num_gpu_blocks`, `num_cpu_blocks`,
-            already filled in by `Worker.determine_num_available_blocks`).
-        model_config: layers, KV heads and head size.
-        device: where the "GPU" pool lives (a CUDA device, or the CPU when there is no GPU).
-        dtype: the cache's element type (the model's dtype).
-        attn_backend: "torch" or "triton": whose `copy_blocks` / `swap_blocks` to call.
-        parallel_config: with tensor / pipeline parallelism, this worker's share: its
-            stage's layers and its KV heads (None: the whole model).
+    cache_config carries the block counts `Worker.determine_num_available_blocks` found;
+    device holds the "GPU" pool (the CPU when there is no GPU); parallel_config, if given,
+    sizes this rank's share (its stage's layers, its KV heads).
     """
 
     def __init__(
@@ -63,9 +49,8 @@ class CacheEngine:
         # Zeros: a kernel may load a whole tile of a block and mask the unused slots, and a
         # masked probability of 0 times a garbage NaN value would still be NaN.
         self.gpu_cache = self._allocate(self.num_gpu_blocks, self.device, torch.zeros)
-        # The swap pool is only read after swap_out wrote it, so its pages need no zeroing
-        # (and stay untouched, costing no RAM, until used). Pinned (page-locked) host memory
-        # lets the GPU copy blocks by DMA, asynchronously.
+        # The swap pool is read only after swap_out wrote it: no zeroing, so its pages cost no
+        # RAM until used. Pinned host memory lets the GPU copy blocks by DMA, asynchronously.
         pin = self.device.type == "cuda"
         self.cpu_cache = self._allocate(self.num_cpu_blocks, torch.device("cpu"), torch.empty, pin_memory=pin)
 
@@ -93,11 +78,8 @@ class CacheEngine:
     @staticmethod
     def get_cache_block_size(block_size: int, model_config: ModelConfig, dtype: torch.dtype,
                              parallel_config: ParallelConfig | None = None) -> int:
-        """Bytes one block takes across all layers (of this worker): keys and values of
-        `block_size` tokens.
-
-        = 2 x num_layers x block_size x num_kv_heads x head_size x bytes per element.
-        """
+        """Bytes of one block over this worker's layers:
+        2 x num_layers x block_size x num_kv_heads x head_size x bytes per element."""
         element_size = torch.tensor([], dtype=dtype).element_size()
         per_token_per_layer = KV_PAIR * model_config.get_num_kv_heads(parallel_config) * model_config.get_head_size()
         return per_token_per_layer * model_config.get_num_layers(parallel_config) * block_size * element_size

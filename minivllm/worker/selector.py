@@ -1,14 +1,10 @@
-"""Which worker and which model runner serve an engine: every optional mode is chosen here, once.
-
-vLLM v0 makes the same choices in `ParallelConfig.worker_cls` and `Worker.__init__`; here
-they sit side by side so the plain `Worker` and `ModelRunner` read as if no mode existed.
+"""Which worker and model runner serve an engine: every optional mode chosen here, once
+(vLLM v0: `ParallelConfig.worker_cls` and `Worker.__init__`).
 
     worker      Worker | MultiStepWorker | PipelineStageWorker | SpecDecodeWorker
                 (+ KVConnectorWorkerMixin with a KV connector)
     runner      ModelRunner | CUDAGraphModelRunner | PipelineStageModelRunner
                 (+ KVConnectorModelRunnerMixin, LoRAModelRunnerMixin as configured)
-
-The configs reject the combinations no class serves (`EngineConfig.__post_init__`).
 """
 
 from __future__ import annotations
@@ -64,15 +60,14 @@ def worker_class(engine_config: EngineConfig) -> type:
 
 
 def _use_cuda_graphs(engine_config: EngineConfig, device: torch.device) -> bool:
-    """Decode steps replay CUDA graphs on a GPU unless told to run eagerly, and not with the
-    PyTorch reference ops (they synchronise with the host). Graphs hold the TP all-reduces."""
+    """On a GPU unless enforce_eager, and not with the reference ops (they sync with the host)."""
     backend = get_attn_backend(engine_config.attention_backend, device)
     return device.type == "cuda" and not engine_config.enforce_eager and supports_cuda_graphs(backend)
 
 
 @functools.cache
 def _compose(mixins: tuple[type, ...], base: type) -> type:
-    """`base` with `mixins` in front of it, one class per combination ("LoRA" + "CUDAGraphModelRunner")."""
+    """`base` with `mixins` in front, one class per combination ("LoRA" + "CUDAGraphModelRunner")."""
     if not mixins:
         return base
     prefix = "".join(mixin.__name__.removesuffix("Mixin").removesuffix("ModelRunner").removesuffix("Worker")
