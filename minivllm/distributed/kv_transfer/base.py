@@ -80,7 +80,9 @@ class KVConnectorMetadata:
 @dataclass
 class KVTransferStats:
     """Cumulative counts of one worker's connector (tokens, bytes, seconds), vLLM's kind of
-    connector metrics. `num_load_errors`: blocks whose load failed and were recomputed."""
+    connector metrics. `num_load_errors`: blocks whose load failed and were recomputed;
+    `num_key_mismatches`: those of them whose stored value named another key (another model,
+    dtype, layout or prefix)."""
 
     num_tokens_loaded: int = 0
     num_tokens_saved: int = 0
@@ -89,6 +91,7 @@ class KVTransferStats:
     load_time_s: float = 0.0
     save_time_s: float = 0.0
     num_load_errors: int = 0
+    num_key_mismatches: int = 0
 
     def copy(self) -> KVTransferStats:
         return replace(self)

@@ -26,11 +26,14 @@ import torch
 
 from minivllm.distributed.kv_transfer.base import (KVConnectorBase, KVConnectorMetadata, KVConnectorRole, ReqMeta,
                                                    Timer)
-from minivllm.distributed.kv_transfer.keys import block_digests, model_identity, request_root
+from minivllm.distributed.kv_transfer.keys import block_digests, request_root
 from minivllm.distributed.kv_transfer.layerwise import LayerwiseConnectorMixin, LayerwiseTransfer
 from minivllm.sequence import SequenceStatus
 
 _DEFAULT_NUM_CPU_BLOCKS = 512
+# The chain's root: the pool lives and dies with one engine, so with one model; only adapters
+# (`request_root`) need telling apart.
+_POOL_ROOT = "host-pool"
 
 
 class CPUOffloadConnector(LayerwiseConnectorMixin, KVConnectorBase):
@@ -41,7 +44,7 @@ class CPUOffloadConnector(LayerwiseConnectorMixin, KVConnectorBase):
         self.num_cpu_blocks = int(self.extra_config.get("num_cpu_blocks", _DEFAULT_NUM_CPU_BLOCKS))
         if self.num_cpu_blocks < 1:
             raise ValueError(f"num_cpu_blocks must be at least 1, got {self.num_cpu_blocks}.")
-        self.root = model_identity(engine_config)
+        self.root = _POOL_ROOT
         # Scheduler side: digest -> slot, least recently used first.
         self.index: OrderedDict[str, int] = OrderedDict()
         self.free_slots = list(range(self.num_cpu_blocks))

@@ -19,21 +19,30 @@ full key adds the shard: "<identity>/tp<rank>of<size>/<digest>".
 from __future__ import annotations
 
 import hashlib
+import json
 from typing import TYPE_CHECKING, Any
+
+from minivllm.distributed.kv_transfer.fingerprint import checkpoint_folder, weights_fingerprint
 
 if TYPE_CHECKING:
     from minivllm.config import EngineConfig
 
 _DIGEST_CHARS = 32  # 128 bits of SHA-256: no collision in any store's lifetime
+# Config entries that name where or by which library version, not what the model computes.
+_CONFIG_NOT_MODEL = ("_name_or_path", "transformers_version")
 
 
 def model_identity(engine_config: EngineConfig) -> str:
-    """A short digest of what makes KV bytes comparable: the checkpoint, its revision, the
-    dtype setting, the device type ("auto" dtype means fp32 on a CPU, the checkpoint's on a
-    GPU) and the block size (a block's shape)."""
-    model = engine_config.model_config
-    parts = [str(model.model), str(model.revision), model.dtype, engine_config.device_config.device_type,
-             str(engine_config.cache_config.block_size)]
+    """A short digest of what makes KV bytes comparable: the weights' contents (never their
+    path: `fingerprint.py`), the model config, the dtype setting, the device type ("auto"
+    dtype means fp32 on a CPU, the checkpoint's on a GPU), the block size (a block's shape)
+    and the tensor/pipeline layout (each rank's share of the heads and layers)."""
+    model, parallel = engine_config.model_config, engine_config.parallel_config
+    config = {k: v for k, v in model.hf_config.to_dict().items() if k not in _CONFIG_NOT_MODEL}
+    parts = [weights_fingerprint(checkpoint_folder(model.model, model.revision)),
+             json.dumps(config, sort_keys=True, default=str), model.dtype,
+             engine_config.device_config.device_type, str(engine_config.cache_config.block_size),
+             f"tp{parallel.tensor_parallel_size}", f"pp{parallel.pipeline_parallel_size}"]
     return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
 
 

@@ -31,14 +31,16 @@ class RedisKVStore(KVStore):
     def exists(self, keys: list[str]) -> bool:
         return self.client.exists(*[_KEY_PREFIX + key for key in keys]) == len(keys)
 
-    def get(self, key: str) -> bytes | None:
-        return self.client.get(_KEY_PREFIX + key)
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        data = self.client.getrange(_KEY_PREFIX + key, 0, max_bytes)  # at most max_bytes + 1 bytes
+        return data if 0 < len(data) <= max_bytes else None  # b"": no such key
 
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
+    def put_many(self, items: list[tuple[str, bytes]]) -> int:
         pipe = self.client.pipeline(transaction=False)
         for key, data in items:
             pipe.set(_KEY_PREFIX + key, data, ex=None if self.ttl_s is None else int(self.ttl_s))
-        pipe.execute()
+        pipe.execute()  # raises if any write failed
+        return len(items)
 
 
 class RedisConnector(StoreConnector):

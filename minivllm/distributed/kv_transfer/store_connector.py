@@ -3,17 +3,21 @@
 Scheduler side: a request's prompt blocks get their chain keys (`keys.block_digests`); the
 leading ones that every tensor-parallel shard has in the store are matches; the blocks a step
 computes are listed for saving. Worker side: each block is one value, all of this rank's
-layers, framed with a checksum:
+layers, framed with its own key and a checksum:
 
-    b"MVKVBLK1" | payload length (u64) | crc32 of payload (u32) | payload (raw K/V bytes)
+    b"MVKVBLK2" | key length (u16) | payload length (u64) | crc32 of key + payload (u32)
+                | key (utf-8) | payload (raw K/V bytes)
 
-A value that is missing, short, or fails its checksum is a load error: the block is
-recomputed, with a warning. A store that stops answering (a dead Redis, a full disk) is
-skipped for `retry_interval_s` seconds at a time: requests recompute, the engine goes on.
+A value that is missing, short, too long, or fails its checksum is a load error; one whose key
+is not the key asked for (a block file swapped or copied in, a store of another model, dtype
+or layout) is a load error counted as `num_key_mismatches`. Either way the block is recomputed,
+with a warning. A store that stops answering (a dead Redis, a full disk) is skipped for
+`retry_interval_s` seconds at a time: requests recompute, the engine goes on.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import struct
 import time
@@ -30,26 +34,48 @@ from minivllm.distributed.kv_transfer.layerwise import LayerwiseConnectorMixin, 
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"MVKVBLK1"
-_HEADER = struct.Struct("<QI")  # payload length, crc32
+MAGIC = b"MVKVBLK2"
+_HEADER = struct.Struct("<HQI")  # key length, payload length, crc32 of key + payload
+_MAX_KEY_BYTES = 1024  # a key is three short parts; a longer one is not ours
 _DEFAULT_RETRY_INTERVAL_S = 5.0
 
 
-def encode_block(block: torch.Tensor) -> bytes:
-    """One block [num_layers, 2, block_size, heads, head_dim] -> framed bytes."""
+def encode_block(block: torch.Tensor, key: str) -> bytes:
+    """One block [num_layers, 2, block_size, heads, head_dim] and its store key -> framed bytes."""
     payload = block.contiguous().view(torch.uint8).numpy().tobytes()
-    return MAGIC + _HEADER.pack(len(payload), zlib.crc32(payload)) + payload
+    key_bytes = key.encode()
+    header = _HEADER.pack(len(key_bytes), len(payload), zlib.crc32(payload, zlib.crc32(key_bytes)))
+    return MAGIC + header + key_bytes + payload
 
 
-def decode_block(data: bytes | None, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
-    """Framed bytes -> the block, or None if they are not a whole, intact block of `shape`."""
+def framed_bytes(shape: tuple[int, ...], dtype: torch.dtype, key: str) -> int:
+    """The size of a framed block: what a store reads at most for one value."""
+    return len(MAGIC) + _HEADER.size + len(key.encode()) + torch.Size(shape).numel() * dtype.itemsize
+
+
+def unframe(data: bytes | None) -> tuple[str, bytes] | None:
+    """Framed bytes -> (the key they name, the payload), or None if not whole and intact."""
     head = len(MAGIC) + _HEADER.size
     if data is None or len(data) < head or data[:len(MAGIC)] != MAGIC:
         return None
-    length, crc = _HEADER.unpack(data[len(MAGIC):head])
-    payload = data[head:]
-    expected = torch.Size(shape).numel() * torch.tensor([], dtype=dtype).element_size()
-    if length != expected or len(payload) != expected or zlib.crc32(payload) != crc:
+    key_length, length, crc = _HEADER.unpack(data[len(MAGIC):head])
+    key_bytes, payload = data[head:head + key_length], data[head + key_length:]
+    if key_length > _MAX_KEY_BYTES or len(payload) != length or zlib.crc32(payload, zlib.crc32(key_bytes)) != crc:
+        return None
+    try:
+        return key_bytes.decode(), payload
+    except UnicodeDecodeError:
+        return None
+
+
+def decode_block(data: bytes | None, key: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+    """Framed bytes -> the block, or None unless they are a whole, intact block of `shape`
+    stored under `key` (the frame's own key: a file swapped or copied in names another)."""
+    framed = unframe(data)
+    if framed is None or framed[0] != key:
+        return None
+    payload = framed[1]
+    if len(payload) != torch.Size(shape).numel() * dtype.itemsize:
         return None
     return torch.frombuffer(bytearray(payload), dtype=torch.uint8).view(dtype).reshape(shape)
 
@@ -64,12 +90,14 @@ class KVStore:
         """Do all `keys` exist?"""
 
     @abstractmethod
-    def get(self, key: str) -> bytes | None:
-        """The value, or None if there is none (a read also counts as a use, for LRU)."""
+    def get(self, key: str, max_bytes: int) -> bytes | None:
+        """The value, or None if there is none or it is longer than `max_bytes` (never read
+        whole then); a read also counts as a use, for LRU."""
 
     @abstractmethod
-    def put_many(self, items: list[tuple[str, bytes]]) -> None:
-        """Store every (key, value); a key already there is only marked as used."""
+    def put_many(self, items: list[tuple[str, bytes]]) -> int:
+        """Store every (key, value); a key already there is only marked as used. Returns how
+        many are now in the store (a write it refused or that failed is not counted)."""
 
 
 class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
@@ -77,7 +105,6 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
 
     def __init__(self, engine_config: Any, role: KVConnectorRole) -> None:
         super().__init__(engine_config, role)
-        self.root = model_identity(engine_config)
         parallel = engine_config.parallel_config
         self.shards = [shard_name(r, parallel.tensor_parallel_size) for r in range(parallel.tensor_parallel_size)]
         self.shard = shard_name(parallel.tp_rank, parallel.tensor_parallel_size)  # the worker's own
@@ -94,6 +121,12 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
     @abstractmethod
     def make_store(self) -> KVStore:
         """The store this connector talks to."""
+
+    @functools.cached_property
+    def root(self) -> str:
+        """The model's identity (`keys.model_identity`), hashed from its weights on first use:
+        the workers have loaded (and, for a hub id, downloaded) them by then."""
+        return model_identity(self.engine_config)
 
     # ------------------------------------------------------------------ store calls
     def _call(self, what: str, fn, *args, default=None):
@@ -178,23 +211,31 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
 
     def start_load_kv(self) -> None:
         self._load_errors = set()
-        block_ids, blocks = [], []
+        block_ids, blocks, mismatches = [], [], 0
         with Timer(self.stats, "load_time_s"):
             for r in self._get_connector_metadata().requests:
                 for block_id, (_, digest) in zip(r.load_block_ids, r.load):
-                    block = decode_block(self._call("get", self.store.get, self._key(self.shard, digest)),
-                                         self.transfer.block_shape, self.transfer.dtype)
+                    key = self._key(self.shard, digest)
+                    max_bytes = framed_bytes(self.transfer.block_shape, self.transfer.dtype, key)
+                    data = self._call("get", self.store.get, key, max_bytes)
+                    block = decode_block(data, key, self.transfer.block_shape, self.transfer.dtype)
                     if block is None:
                         self._load_errors.add(block_id)
+                        framed = unframe(data)
+                        mismatches += framed is not None and framed[0] != key
                     else:
                         block_ids.append(block_id)
                         blocks.append(block)
-            if self._load_errors:
+            if mismatches:
+                logger.warning("%d KV block(s) in the store hold another key (another model, dtype, layout "
+                               "or prefix: a file swapped or copied in): recomputing them", mismatches)
+            if len(self._load_errors) > mismatches:
                 logger.warning("%d KV block(s) missing or damaged in the store: recomputing them",
-                               len(self._load_errors))
+                               len(self._load_errors) - mismatches)
             if blocks:
                 self.transfer.start_load(block_ids, torch.stack(blocks, dim=1))
         self.stats.num_load_errors += len(self._load_errors)
+        self.stats.num_key_mismatches += mismatches
         self._count_loaded(len(block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:
@@ -205,6 +246,6 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
             blocks = self.transfer.finish_save()
             if blocks is None:
                 return
-            items = [(key, encode_block(blocks[:, i])) for i, key in enumerate(self._save_keys)]
-            self._call("put", self.store.put_many, items)
-        self._count_saved(len(items))
+            items = [(key, encode_block(blocks[:, i], key)) for i, key in enumerate(self._save_keys)]
+            saved = self._call("put", self.store.put_many, items, default=0)
+        self._count_saved(saved)

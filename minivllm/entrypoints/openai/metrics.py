@@ -39,6 +39,7 @@ KV_TRANSFER_GAUGES = {
     "load_time_s": "Seconds spent loading KV (reading the store, issuing copies).",
     "save_time_s": "Seconds spent saving KV (waiting for copies, writing the store).",
     "num_load_errors": "KV blocks whose load failed (missing, damaged, store down) and were recomputed.",
+    "num_key_mismatches": "KV blocks refused: the stored value named another key (model, dtype, layout, prefix).",
 }
 
 

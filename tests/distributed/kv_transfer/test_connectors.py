@@ -142,9 +142,9 @@ class VanishingStore(FileKVStore):
     """Every file disappears between the scheduler's lookup and the worker's read: another
     engine's eviction, at the worst moment."""
 
-    def get(self, key):
+    def get(self, key, max_bytes):
         self.path(key).unlink(missing_ok=True)
-        return super().get(key)
+        return super().get(key, max_bytes)
 
 
 class VanishingStorageConnector(SharedStorageConnector):
