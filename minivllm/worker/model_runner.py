@@ -1,9 +1,6 @@
-"""Turn a scheduled batch into tensors, run the model, sample: `ModelRunner`.
-
-Mirrors `vllm/worker/model_runner.py` (v0). The scheduler hands over a list of
-`SequenceGroupMetadata`, prefills first; the model wants one flat stream of tokens.
-`prepare_model_input` flattens it (the attention layer splits the batch where the decodes
-start):
+"""Turn a scheduled batch into tensors, run the model, sample (vLLM's
+`vllm/worker/model_runner.py`, v0). `prepare_model_input` flattens the scheduler's
+`SequenceGroupMetadata` list, prefills first, into one stream of tokens:
 
     seq:           A (prefill, 3 cached + 4 new)   B (decode)   C (decode)
     input_ids      a3 a4 a5 a6                     b9           c5
@@ -12,17 +9,12 @@ start):
     seq_lens       7                               10           6       (context + new)
     query_start_loc 0                  4            5            6      (cumulative new)
 
-Then `execute_model` runs the model over all tokens, keeps the hidden states of the rows
-that need logits (`SamplingMetadata`), and samples: one `SamplerOutput` per step.
-
-This is the plain, eager, one-step runner. The optional modes extend it, each in a file of
-its own, picked once by `selector.py`: CUDA graphs, LoRA, pipeline stages, a KV connector,
-multi-step runs.
+`execute_model` runs the model over all tokens and samples the rows that need logits.
+The optional modes extend this plain runner from files of their own (`selector.py`).
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -36,40 +28,23 @@ from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import SamplerOutput, SequenceData, SequenceGroupMetadata
 
-logger = logging.getLogger(__name__)
-
 # Placeholder block of the profile run's sequences (it runs before the cache exists).
 _PROFILE_BLOCK = 0
 
 
 @dataclass
 class ModelInput:
-    """One flattened batch, ready for the model.
-
-    Attributes:
-        input_ids: `[num_tokens]` int64.
-        positions: `[num_tokens]` int64, each token's position in its sequence.
-        attn_metadata: slot_mapping, seq_lens, query_start_loc, block_tables, ...
-        sampling_metadata: which rows get logits and how each request samples.
-    """
+    """One flattened batch: input_ids and positions `[num_tokens]` int64, the attention
+    metadata, and the sampling metadata (which rows get logits, how each request samples)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn_metadata: AttentionMetadata
     sampling_metadata: SamplingMetadata
 
-    @property
-    def num_tokens(self) -> int:
-        return self.input_ids.shape[0]
-
 
 class ModelRunner:
-    """Builds batches, runs the model, samples.
-
-    Args:
-        engine_config: the engine's configs (model, cache, scheduler, attention backend).
-        device: where to run (default: the device config's).
-    """
+    """Builds batches, runs the model, samples; on `device` (default: the device config's)."""
 
     def __init__(self, engine_config: EngineConfig, device: torch.device | str | None = None) -> None:
         self.engine_config = engine_config
@@ -113,8 +88,7 @@ class ModelRunner:
                                             self.block_size, self.device)
         # Every sequence of a group computes as many tokens (the group's chunk, or 1).
         group_query_lens = [m.token_chunk_size if m.is_prompt else 1 for m in seq_group_metadata_list]
-        sampling_metadata = SamplingMetadata.prepare(
-            seq_group_metadata_list, group_query_lens, self.device)
+        sampling_metadata = SamplingMetadata.prepare(seq_group_metadata_list, group_query_lens, self.device)
         return ModelInput(
             input_ids=to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
             positions=to_device(torch.tensor(positions, dtype=torch.long), self.device),
@@ -141,8 +115,8 @@ class ModelRunner:
         return self.model(input_ids, positions, kv_caches, attn_metadata)
 
     def sample(self, hidden_states: torch.Tensor, sampling_metadata: SamplingMetadata) -> SamplerOutput:
-        """Logits for the rows that need them (`[num_selected, vocab]`), then the sampler. A
-        tensor-parallel rank other than 0 gets no logits (rank 0 gathered them): nothing to sample."""
+        """Logits `[num_selected, vocab]` for the rows that need them, then the sampler (a
+        tensor-parallel rank other than 0 gets no logits: nothing to sample)."""
         logits = self.model.compute_logits(hidden_states[sampling_metadata.selected_token_indices])
         if logits is None:
             return SamplerOutput([])
@@ -153,8 +127,7 @@ class ModelRunner:
         self.sampler.device_sampler.release(finished_requests_ids)
 
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
-        """Prepare for serving once the KV cache exists. Nothing to do when running eagerly;
-        `CUDAGraphModelRunner` captures its graphs here."""
+        """Once the KV cache exists: nothing when eager; `CUDAGraphModelRunner` captures here."""
 
     # ------------------------------------------------------------------ profiling
     @torch.inference_mode()
@@ -165,9 +138,8 @@ class ModelRunner:
             torch.cuda.synchronize()
 
     def profile_batch(self) -> list[SequenceGroupMetadata]:
-        """`max_num_batched_tokens` prompt tokens spread over `max_num_seqs` sequences (each at
-        most `max_model_len`), every one sampled, so the activations, the logits rows and the
-        sampler's temporaries all reach their maximum."""
+        """`max_num_batched_tokens` prompt tokens over `max_num_seqs` sequences (each at most
+        `max_model_len`), all sampled: activations, logits and sampler temporaries at their peak."""
         max_tokens = self.scheduler_config.max_num_batched_tokens
         max_model_len = self.scheduler_config.max_model_len
         num_seqs = max(min(self.scheduler_config.max_num_seqs, max_tokens), -(-max_tokens // max_model_len))
