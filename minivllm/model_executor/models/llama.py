@@ -143,17 +143,16 @@ class LlamaModel(nn.Module):
         pp_group = get_pp_group()
         self.is_first_stage, self.is_last_stage = pp_group.is_first_rank, pp_group.is_last_rank
         tied = getattr(config, "tie_word_embeddings", False)
-        if self.is_first_stage or (tied and self.is_last_stage):
-            self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        else:
-            self.embed_tokens = PPMissingLayer()
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+                             if self.is_first_stage or (tied and self.is_last_stage) else PPMissingLayer())
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         rotary_emb = RotaryEmbedding(head_dim, config.max_position_embeddings, get_rope_parameters(config),
                                      attn_backend)
         self.start_layer, self.end_layer, self.layers = make_layers(
-            config.num_hidden_layers, lambda: LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend) if self.is_last_stage \
-            else PPMissingLayer()
+            config.num_hidden_layers,
+            lambda: LlamaDecoderLayer(config, rotary_emb, attn_backend, qkv_bias, qk_norm))
+        self.norm = (RMSNorm(config.hidden_size, config.rms_norm_eps, attn_backend) if self.is_last_stage
+                     else PPMissingLayer())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,
