@@ -28,7 +28,8 @@ class TokenStatsCache:
         self.num_counted: dict[tuple[str, int], int] = {}  # ... -> output tokens already counted
         self.free_slots: list[int] = []
 
-    def rows(self, rows: list[tuple[SequenceGroupToSample, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    def rows(self, rows: list[tuple[SequenceGroupToSample, int]]
+             ) -> tuple[torch.Tensor, torch.Tensor]:
         """`[rows, vocab]` prompt masks and output counts of these (group, sequence id) rows
         (copies: a multi-step run may add to its counts without touching the pool)."""
         prompt_rows, prompt_tokens, count_rows, count_tokens = [], [], [], []
@@ -47,7 +48,8 @@ class TokenStatsCache:
             self.prompt_mask[self._index(prompt_rows), self._index(prompt_tokens)] = True
         if count_tokens:
             ones = torch.ones(len(count_tokens), device=self.device)
-            self.output_counts.index_put_((self._index(count_rows), self._index(count_tokens)), ones, accumulate=True)
+            index = (self._index(count_rows), self._index(count_tokens))
+            self.output_counts.index_put_(index, ones, accumulate=True)
         slots = self._index([self.slots[(group.request_id, seq_id)] for group, seq_id in rows])
         return self.prompt_mask[slots], self.output_counts[slots]
 
@@ -59,7 +61,8 @@ class TokenStatsCache:
     def release_dropped_sequences(self, request_id: str, live_seq_ids: set[int]) -> None:
         """Give back the rows of a running request's sequences that are gone (beam search
         replaces its beams by new sequences every step; the request itself runs on)."""
-        self._free([key for key in self.slots if key[0] == request_id and key[1] not in live_seq_ids])
+        dropped = [key for key in self.slots if key[0] == request_id and key[1] not in live_seq_ids]
+        self._free(dropped)
 
     def _free(self, keys: list[tuple[str, int]]) -> None:
         for key in keys:
@@ -70,8 +73,9 @@ class TokenStatsCache:
         if not self.free_slots:  # grow the pool: double it (rows are copied once per doubling)
             old = self.prompt_mask.shape[0]
             new = max(2 * old, 16)
-            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(new - old, self.vocab_size)])
-            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(new - old, self.vocab_size)])
+            more = (new - old, self.vocab_size)
+            self.prompt_mask = torch.cat([self.prompt_mask, self.prompt_mask.new_zeros(more)])
+            self.output_counts = torch.cat([self.output_counts, self.output_counts.new_zeros(more)])
             self.free_slots = list(range(new - 1, old - 1, -1))
         slot = self.free_slots.pop()
         self.prompt_mask[slot] = False

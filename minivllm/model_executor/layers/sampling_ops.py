@@ -1,74 +1,55 @@
-"""The sampling spec as layers: `SampleTokens`, `ApplyPenalties` and `RaceNoise` (`CustomOp`s).
-
-    forward_native   `kernels/reference.py`: the PyTorch spec, what runs on a CPU
-    forward_triton   `kernels/sampling.py`: the same contract in Triton kernels, on a GPU
-
-Every path that draws a token reaches the spec through these: the `Sampler` (and its
-`DeviceSampler`), parallel sampling and beam search through `SampleTokens`; speculative
-decoding's `RejectionSampler` and draft proposer through `RaceNoise`. There is one
-random-number scheme: a row's draw is arg-max(z + noise), the noise a function of (seed,
-offset, token id) alone, so no generator state is kept and a seeded request's tokens do not
-depend on its batch.
+"""The sampling spec as layers (`CustomOp`s): `forward_native` calls `kernels/reference.py`,
+the PyTorch spec that runs on a CPU, `forward_triton` the same contract's Triton kernels
+(`kernels/sampling.py`). Every token drawn goes through them: `SampleTokens` for the `Sampler`,
+parallel sampling and beam search; `RaceNoise`, the noise `SampleTokens` adds (a function of
+(seed, offset, token id) alone), for speculative decoding's `RejectionSampler` and proposer.
 """
 
 from __future__ import annotations
 
 import torch
 
+from minivllm.kernels import reference
 from minivllm.model_executor.custom_op import CustomOp
 
 
 class SampleTokens(CustomOp):
-    """`sample_tokens(logits [rows, vocab], temperature, top_k, top_p, min_p, seeds, offsets)`
-    -> tokens `[rows]` int64 and their logprobs `[rows]` fp32 (contract: `reference.sample_tokens`)."""
+    """`(logits [rows, vocab], temperature, top_k, top_p, min_p, seeds, offsets [rows], *,
+    needs_truncation, num_candidates)` -> tokens `[rows]` int64, logprobs `[rows]` fp32."""
 
-    def forward_native(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
-                       needs_truncation: bool | None = None, num_candidates: int | None = None):
-        from minivllm.kernels import reference
+    def forward_native(self, *args, **hints) -> tuple[torch.Tensor, torch.Tensor]:
+        return reference.sample_tokens(*args, **hints)
 
-        return reference.sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets)
+    def forward_triton(self, *args, **hints) -> tuple[torch.Tensor, torch.Tensor]:
+        from minivllm.kernels import sampling  # imports triton: only once this backend is chosen
 
-    def forward_triton(self, logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor,
-                       top_p: torch.Tensor, min_p: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tensor, *,
-                       needs_truncation: bool | None = None, num_candidates: int | None = None):
-        from minivllm.kernels import sampling  # imports triton: only when this backend is chosen
-
-        return sampling.sample_tokens(logits, temperature, top_k, top_p, min_p, seeds, offsets,
-                                      needs_truncation=needs_truncation, num_candidates=num_candidates)
+        return sampling.sample_tokens(*args, **hints)
 
 
 class ApplyPenalties(CustomOp):
-    """`apply_penalties(logits [rows, vocab], prompt_mask, output_counts, repetition, frequency,
-    presence)` -> new `[rows, vocab]` fp32 logits (contract: `reference.apply_penalties`)."""
+    """`(logits [rows, vocab], prompt_mask, output_counts [rows, vocab], repetition, frequency,
+    presence [rows])` -> new `[rows, vocab]` fp32 logits."""
 
-    def forward_native(self, logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                       repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
-        from minivllm.kernels import reference
+    def forward_native(self, *args) -> torch.Tensor:
+        return reference.apply_penalties(*args)
 
-        return reference.apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence)
-
-    def forward_triton(self, logits: torch.Tensor, prompt_mask: torch.Tensor, output_counts: torch.Tensor,
-                       repetition: torch.Tensor, frequency: torch.Tensor, presence: torch.Tensor) -> torch.Tensor:
+    def forward_triton(self, *args) -> torch.Tensor:
         from minivllm.kernels import sampling
 
-        return sampling.apply_penalties(logits, prompt_mask, output_counts, repetition, frequency, presence)
-
+        return sampling.apply_penalties(*args)
 
 
 class RaceNoise(CustomOp):
-    """`race_noise(seeds [rows], offsets [rows], num_tokens)` -> `[rows, num_tokens]` fp32, the
-    noise `SampleTokens` adds to z for token ids 0..num_tokens - 1 (contract: `reference.race_noise`)."""
+    """`(seeds [rows], offsets [rows], num_tokens)` -> `[rows, num_tokens]` fp32, the noise
+    `SampleTokens` adds to z for token ids 0..num_tokens - 1."""
 
-    def forward_native(self, seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
-        from minivllm.kernels import reference
+    def forward_native(self, *args) -> torch.Tensor:
+        return reference.race_noise(*args)
 
-        return reference.race_noise(seeds, offsets, num_tokens)
-
-    def forward_triton(self, seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    def forward_triton(self, *args) -> torch.Tensor:
         from minivllm.kernels import sampling
 
-        return sampling.race_noise(seeds, offsets, num_tokens)
+        return sampling.race_noise(*args)
 
 
 def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
