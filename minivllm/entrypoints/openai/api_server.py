@@ -13,9 +13,10 @@ Any OpenAI client works against it:
     client.completions.create(model="tiny-shakespeare", prompt="ROMEO:", max_tokens=16)
 
 Errors come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`
-(400 bad request, 401, 404, 413, 500 with only a request id); a request never brings the
-server down. `build_app`'s keywords (`minivllm serve`'s flags) `api_key`, `allowed_hosts`,
-`allowed_origins`, `max_body_bytes` and `max_prompts_per_request` make it safe to share.
+(400 bad request, 401, 404, 413, 500 with only a request id, 503 while the engine process is
+dead or frozen); a request never brings the server down. `build_app`'s keywords (`minivllm serve`'s flags) `api_key`, `allowed_hosts`,
+`allowed_origins`, `max_body_bytes`, `max_prompts_per_request` and `max_seqs_per_request`
+make it safe to share.
 """
 
 from __future__ import annotations
@@ -43,8 +44,13 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import AsyncLLMEngine, EngineStepError
+from minivllm.engine.multiprocessing import MQEngineDeadError
 from minivllm.engine.protocol import EngineClient
-from minivllm.entrypoints.openai.cli_args import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_PROMPTS_PER_REQUEST
+from minivllm.entrypoints.openai.cli_args import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    DEFAULT_MAX_SEQS_PER_REQUEST,
+)
 from minivllm.entrypoints.openai.metrics import PrometheusStatLogger
 from minivllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -88,6 +94,8 @@ def build_app(
     allowed_origins: Sequence[str] = (),
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     max_prompts_per_request: int = DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    max_seqs_per_request: int = DEFAULT_MAX_SEQS_PER_REQUEST,
+    max_seqs_in_flight_per_request: int | None = None,
     lora_modules: Sequence[LoRAModulePath] = (),
 ) -> FastAPI:
     """A FastAPI app serving `engine`; registers a Prometheus stat logger on the engine.
@@ -117,8 +125,10 @@ def build_app(
     app.state.engine = engine
     app.state.stat_logger = stat_logger
     _add_error_handlers(app)
-    completion = OpenAIServingCompletion(engine, names, max_prompts_per_request, models)
-    _add_openai_routes(app, completion, OpenAIServingChat(engine, names, models=models))
+    limits = dict(max_seqs_per_request=max_seqs_per_request, max_seqs_in_flight=max_seqs_in_flight_per_request)
+    completion = OpenAIServingCompletion(engine, names, max_prompts_per_request, models, **limits)
+    chat = OpenAIServingChat(engine, names, models=models, **limits)
+    _add_openai_routes(app, completion, chat)
     if models.lora_enabled and runtime_lora_updating_allowed(os.environ):
         _add_lora_routes(app, models)
     _add_server_routes(app, engine, stat_logger)
@@ -233,6 +243,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(EngineStepError)
     async def engine_error(_, exc: EngineStepError):  # the engine failed, not the request
         return _internal_error_response(exc)
+
+    @app.exception_handler(MQEngineDeadError)
+    async def engine_dead(_, exc: MQEngineDeadError):  # gone or frozen: no request can be served
+        return _error_response(503, str(exc), "service_unavailable")
 
     @app.exception_handler(Exception)
     async def unexpected_error(_, exc: Exception):  # a bug of ours: log it, tell only an id
@@ -404,6 +418,8 @@ def app_options(args: argparse.Namespace, environ) -> dict:
         logger.warning("serving on %s without an API key: anyone who can reach it may use it", args.host)
     return dict(api_key=api_key, allowed_hosts=_allowed_hosts(args), allowed_origins=args.allowed_origins,
                 max_body_bytes=args.max_request_body_bytes, max_prompts_per_request=args.max_prompts_per_request,
+                max_seqs_per_request=args.max_seqs_per_request,
+                max_seqs_in_flight_per_request=args.max_seqs_in_flight_per_request,
                 lora_modules=args.lora_modules or [])
 
 

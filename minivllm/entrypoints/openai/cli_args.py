@@ -17,6 +17,8 @@ DEFAULT_PORT = 8000
 # 4 MiB: a full context of token ids as JSON for any model here, with room to spare.
 DEFAULT_MAX_BODY_BYTES = 4 * 2**20
 DEFAULT_MAX_PROMPTS_PER_REQUEST = 64
+# Prompts x n (or best_of) of one request: one full step of the default max_num_seqs.
+DEFAULT_MAX_SEQS_PER_REQUEST = 256
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -39,6 +41,13 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="larger request bodies get a 413 (default: %(default)s)")
     group.add_argument("--max-prompts-per-request", type=int, default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
                        help="most prompts one /v1/completions request may carry (default: %(default)s)")
+    group.add_argument("--max-seqs-per-request", type=int, default=DEFAULT_MAX_SEQS_PER_REQUEST,
+                       help="most sequences one request may ask for, prompts x n (or best_of); more get a 400 "
+                            "(default: %(default)s)")
+    group.add_argument("--max-seqs-in-flight-per-request", type=int, default=None,
+                       help="most sequences of one request in the engine at once; its other prompts wait and "
+                            "queue as earlier ones finish, so later requests start meanwhile "
+                            "(default: half of --max-num-seqs)")
     group.add_argument(
         "--served-model-name",
         nargs="+",

@@ -51,8 +51,10 @@ FALLBACK_CHAT_TEMPLATE = (
 
 
 class OpenAIServingChat(OpenAIServing):
-    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool) -> list[int]:
-        """Messages -> prompt token ids, through the tokenizer's chat template."""
+    async def render_chat(self, messages: list[ChatMessage], add_generation_prompt: bool,
+                          check_length: bool = False) -> list[int]:
+        """Messages -> prompt token ids, through the tokenizer's chat template (`check_length`:
+        a text far past the context is refused from its beginning, as `encode_prompt`)."""
         if len(messages) > MAX_CHAT_MESSAGES:
             raise OpenAIError(f"A chat may hold at most {MAX_CHAT_MESSAGES} messages, got {len(messages)}.",
                               param="messages")
@@ -69,13 +71,15 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:  # a template may reject a conversation (e.g. roles out of order)
             raise OpenAIError(f"The chat template could not render the messages: {e}", param="messages") from e
         # The template writes any BOS token itself; adding special tokens again would double it.
-        return await self.encode(text, add_special_tokens=False)
+        encode = self.encode_prompt if check_length else self.encode
+        return await encode(text, add_special_tokens=False)
 
     async def create_chat_completion(
         self, request: ChatCompletionRequest, receive
     ) -> ChatCompletionResponse | AsyncIterator[str]:
         lora_request = self.check_model(request.model)
-        prompt_ids = await self.render_chat(request.messages, request.add_generation_prompt)
+        self.check_num_seqs(request, 1)
+        prompt_ids = await self.render_chat(request.messages, request.add_generation_prompt, check_length=True)
         params = self.build_sampling_params(request, len(prompt_ids))
         request_id = f"chatcmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, [prompt_ids], [params], request.priority, lora_request)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import time
 from collections.abc import AsyncIterator
 
-from minivllm.engine.async_llm_engine import AsyncStream
 from minivllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -34,6 +33,7 @@ from minivllm.entrypoints.openai.serving_engine import (
     DeltaTracker,
     OpenAIError,
     OpenAIServing,
+    StagedStream,
     collect_final_outputs,
     merge_streams,
     reported_logprob,
@@ -50,7 +50,7 @@ class OpenAIServingCompletion(OpenAIServing):
         `receive` is the ASGI receive channel, used to notice a client that hangs up.
         """
         lora_request = self.check_model(request.model)
-        prompts = await self._prompts_token_ids(request.prompt)
+        prompts = await self._prompts_token_ids(request)
         params = [self.build_sampling_params(request, len(ids)) for ids in prompts]
         request_id = f"cmpl-{random_uuid()}"
         streams = await self.add_requests(request_id, prompts, params, request.priority, lora_request)
@@ -60,8 +60,9 @@ class OpenAIServingCompletion(OpenAIServing):
         finals = await collect_final_outputs(streams, receive, self.engine.abort)
         return self._response(request, request_id, model, prompts, finals)
 
-    async def _prompts_token_ids(self, prompt: str | list) -> list[list[int]]:
+    async def _prompts_token_ids(self, request: CompletionRequest) -> list[list[int]]:
         """OpenAI's four prompt shapes -> one list of token ids per prompt."""
+        prompt = request.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
         # An empty text would still tokenize to a lone BOS; refuse it as the engine does.
@@ -70,7 +71,9 @@ class OpenAIServingCompletion(OpenAIServing):
         if len(prompt) > self.max_prompts_per_request:
             raise OpenAIError(
                 f"A request may carry at most {self.max_prompts_per_request} prompts, got {len(prompt)}.", param="prompt")
-        prompts = [await self.encode(p, add_special_tokens=True) if isinstance(p, str) else list(p) for p in prompt]
+        self.check_num_seqs(request, len(prompt))
+        prompts = [await self.encode_prompt(p, add_special_tokens=True) if isinstance(p, str) else list(p)
+                   for p in prompt]
         for token_ids in prompts:
             self.check_token_ids(token_ids)
         return prompts
@@ -116,7 +119,7 @@ class OpenAIServingCompletion(OpenAIServing):
         return result
 
     # -------------------------------------------------------------- stream
-    async def _events(self, request, request_id, model, prompts, streams: list[AsyncStream]) -> AsyncIterator[str]:
+    async def _events(self, request, request_id, model, prompts, streams: list[StagedStream]) -> AsyncIterator[str]:
         created = int(time.time())
         tracker = DeltaTracker()
         # Per choice, where its next token's text starts (legacy logprobs' text_offset): counted

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minivllm.engine.async_llm_engine import AsyncStream
+from minivllm.engine.multiprocessing import MQEngineDeadError
 from minivllm.engine.protocol import EngineClient
 from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, SamplingRequestMixin
 from minivllm.outputs import CompletionOutput, Logprob, RequestOutput
@@ -32,8 +33,19 @@ MAX_LOGPROBS = 20
 # JSON has no -inf; like vLLM, report an impossible token with a very negative number.
 _MIN_REPORTED_LOGPROB = -9999.0
 # Threads that tokenize prompts (each with its own tokenizer copy). More than one, so that a
-# megabyte prompt being tokenized does not hold up every other request's short one.
+# long prompt being tokenized does not hold up every other request's short one.
 NUM_TOKENIZER_THREADS = 4
+# A text prompt longer than this many characters per context token is first tokenized only
+# that far: if the part already overflows the context, the rest is never read (a megabyte of
+# text costs the tokenizer seconds and hundreds of MiB). Without a vocabulary to bound a
+# token's length, 16 characters (about four times English text's average).
+DEFAULT_MAX_CHARS_PER_TOKEN = 16
+# Tokens a cut through the middle of a word may add to the part tokenized (it ends in pieces).
+_CUT_WORD_TOKENS = 32
+# By default one request's sequences in the engine at once are at most max_num_seqs / this: its
+# other prompts wait here and join the engine's queue as its earlier ones finish, behind
+# whatever arrived meanwhile, and a step always has room for a request that arrives later.
+IN_FLIGHT_SHARE = 2
 
 
 class OpenAIError(Exception):
@@ -77,19 +89,22 @@ class OpenAIServing:
 
     def __init__(
         self, engine: EngineClient, served_model_names: list[str], max_prompts_per_request: int = 64,
-        models=None,
+        models=None, max_seqs_per_request: int = 256, max_seqs_in_flight: int | None = None,
     ) -> None:
         self.engine = engine
         self.served_model_names = served_model_names
         self.models = models  # an `OpenAIServingModels` (the LoRA adapters' names too), or None
-        # One request may carry a batch of prompts; without a cap, one client could queue
-        # thousands ahead of everybody else's requests.
+        # One request may carry a batch of prompts, each with n (best_of) sequences; without a
+        # cap, one client could queue thousands ahead of everybody else's requests.
         self.max_prompts_per_request = max_prompts_per_request
+        self.max_seqs_per_request = max_seqs_per_request
         self.max_model_len = engine.model_config.max_model_len
         self.max_num_seqs = engine.scheduler_config.max_num_seqs
+        self.max_seqs_in_flight = max_seqs_in_flight or max(1, self.max_num_seqs // IN_FLIGHT_SHARE)
         # A private copy: the step thread detokenizes with the engine's tokenizer at the same
         # time as the server tokenizes new prompts.
         self.tokenizer = copy.deepcopy(engine.get_tokenizer())
+        self.max_prompt_chars = self.max_model_len * max_chars_per_token(self.tokenizer)
         # Tokenizing a long prompt takes a while (seconds for megabytes of text); in a pool of
         # threads it never stalls the event loop, which streams everybody else's tokens, nor
         # the other prompts. Each thread gets its own copy: a fast tokenizer is not meant to be
@@ -108,6 +123,18 @@ class OpenAIServing:
 
     async def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return await self.run_in_tokenizer_thread("encode", text, add_special_tokens=add_special_tokens)
+
+    async def encode_prompt(self, text: str, add_special_tokens: bool) -> list[int]:
+        """`encode`, but a text far longer than the context is refused from its beginning alone."""
+        if len(text) > self.max_prompt_chars:
+            head = await self.encode(text[:self.max_prompt_chars], add_special_tokens)
+            if len(head) > self.max_model_len + _CUT_WORD_TOKENS:
+                raise OpenAIError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, the "
+                    f"prompt's first {self.max_prompt_chars} of its {len(text)} characters already hold "
+                    f"{len(head)} tokens. Please reduce the length of the prompt.",
+                    param="prompt", code="context_length_exceeded")
+        return await self.encode(text, add_special_tokens)
 
     async def run_in_tokenizer_thread(self, method: str, *args, **kwargs):
         """`tokenizer.<method>(*args, **kwargs)` on a tokenizer thread's own copy."""
@@ -155,6 +182,16 @@ class OpenAIServing:
                 code="context_length_exceeded",
             )
 
+    def check_num_seqs(self, request: SamplingRequestMixin, num_prompts: int) -> None:
+        """Prompts x best_of (or n) sequences: at most `max_seqs_per_request` (-> 400)."""
+        per_prompt = max(request.n, request.best_of or 0)
+        total = num_prompts * per_prompt
+        if total > self.max_seqs_per_request:
+            raise OpenAIError(
+                f"This request asks for {num_prompts} prompt(s) x {per_prompt} sequences = {total} sequences; "
+                f"the server allows at most {self.max_seqs_per_request} per request (--max-seqs-per-request).",
+                param="best_of" if per_prompt > request.n else "n")
+
     def _check_fan_out(self, request: SamplingRequestMixin) -> None:
         # A request with more sequences than a step can hold could never be scheduled.
         for name in ("n", "best_of"):
@@ -169,26 +206,36 @@ class OpenAIServing:
     async def add_requests(
         self, request_id: str, prompts_token_ids: list[list[int]], params: list[SamplingParams], priority: int,
         lora_request=None,
-    ) -> list[AsyncStream]:
-        """Add one engine request per prompt; if one is refused, abort the others (-> 400)."""
-        streams: list[AsyncStream] = []
+    ) -> list[StagedStream]:
+        """One engine request per prompt, `max_seqs_in_flight` sequences at a time: the first
+        ones are added now (one refused: the others are aborted, -> 400), each later one when
+        its turn comes, as its stream is read."""
+        slots = InFlightSlots(self.max_seqs_in_flight)
+
+        def adder(i: int, token_ids: list[int], sampling_params: SamplingParams):
+            return functools.partial(self.engine.add_request, f"{request_id}-{i}", {"prompt_token_ids": token_ids},
+                                     sampling_params, priority=priority, lora_request=lora_request)
+
+        streams = [StagedStream(f"{request_id}-{i}", adder(i, ids, p), self.engine.abort, slots,
+                                max(p.n, p.best_of or 0)) for i, (ids, p) in enumerate(zip(prompts_token_ids, params))]
         try:
-            for i, (token_ids, sampling_params) in enumerate(zip(prompts_token_ids, params)):
-                prompt = {"prompt_token_ids": token_ids}
-                streams.append(await self.engine.add_request(f"{request_id}-{i}", prompt, sampling_params,
-                                                             priority=priority, lora_request=lora_request))
+            for stream in streams:
+                if not await stream.start_if_free():
+                    break
         except BaseException as e:
-            await self.engine.abort([stream.request_id for stream in streams])
+            await self.engine.abort([stream.request_id for stream in streams if stream.started])
             if isinstance(e, ValueError):
                 raise OpenAIError.from_value_error(e) from e
             raise
         return streams
 
-    async def abort_unfinished(self, streams: Sequence[AsyncStream]) -> None:
-        await self.engine.abort([s.request_id for s in streams if not s.finished])
+    async def abort_unfinished(self, streams: Sequence[StagedStream]) -> None:
+        for stream in streams:
+            stream.close()  # one not started yet never will be
+        await self.engine.abort([s.request_id for s in streams if s.started and not s.finished])
 
     async def sse_stream(
-        self, request_id: str, events: AsyncIterator[str], streams: Sequence[AsyncStream]
+        self, request_id: str, events: AsyncIterator[str], streams: Sequence[StagedStream]
     ) -> AsyncIterator[str]:
         """What every Server-Sent-Events response shares around its own `events`.
 
@@ -201,6 +248,8 @@ class OpenAIServing:
             async with contextlib.aclosing(events):
                 async for event in events:
                     yield event
+        except MQEngineDeadError as e:  # not a bug here: the client may hear what happened
+            yield sse_event(OpenAIError(str(e), 503).to_response())
         except Exception:
             logger.exception("request %s failed while streaming", request_id)
             yield sse_event(internal_error(request_id).to_response())
@@ -214,6 +263,86 @@ class OpenAIServing:
         if logprob.decoded_token is not None:
             return logprob.decoded_token
         return self.tokenizer.decode([token_id])
+
+
+class InFlightSlots:
+    """A budget of sequences in the engine, for one HTTP request's prompts (a counting
+    semaphore whose units are sequences). A prompt wider than the whole budget runs alone."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self._changed = asyncio.Condition()
+
+    def try_take(self, num_seqs: int) -> bool:
+        if self.used and self.used + num_seqs > self.capacity:
+            return False
+        self.used += num_seqs
+        return True
+
+    async def take(self, num_seqs: int) -> None:
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.try_take(num_seqs))
+
+    async def give_back(self, num_seqs: int) -> None:
+        self.used -= num_seqs
+        async with self._changed:
+            self._changed.notify_all()
+
+
+class StagedStream:
+    """One prompt's engine request, added when the request's `InFlightSlots` has room; reads
+    like the `AsyncStream` it wraps (`request_id`, `finished`, `generator()`).
+
+    `close()` (the client left) stops one not yet added from ever being added.
+    """
+
+    def __init__(self, request_id: str, add, abort, slots: InFlightSlots, num_seqs: int) -> None:
+        self.request_id, self._add, self._abort = request_id, add, abort
+        self._slots, self._num_seqs = slots, num_seqs
+        self._stream: AsyncStream | None = None
+        self._closed = False
+
+    @property
+    def started(self) -> bool:
+        return self._stream is not None
+
+    @property
+    def finished(self) -> bool:
+        return self._stream is not None and self._stream.finished
+
+    def close(self) -> None:
+        self._closed = True
+
+    async def start_if_free(self) -> bool:
+        """Add the request now if the slots have room; False if not."""
+        if not self._slots.try_take(self._num_seqs):
+            return False
+        try:
+            self._stream = await self._add()
+        except BaseException:
+            await self._slots.give_back(self._num_seqs)
+            raise
+        return True
+
+    async def generator(self) -> AsyncIterator[RequestOutput]:
+        if self._stream is None:
+            await self._slots.take(self._num_seqs)
+            if self._closed:
+                await self._slots.give_back(self._num_seqs)
+                return
+            try:
+                self._stream = await self._add()
+            except BaseException:
+                await self._slots.give_back(self._num_seqs)
+                raise
+            if self._closed:  # the client left while it was being added
+                await self._abort([self.request_id])
+        try:
+            async for output in self._stream.generator():
+                yield output
+        finally:
+            # Shielded: a cancelled reader must still hand its sequences to the next prompt.
+            await asyncio.shield(self._slots.give_back(self._num_seqs))
 
 
 @dataclass
@@ -269,7 +398,7 @@ def top_entries(step_logprobs: dict[int, Logprob], num: int) -> list[tuple[int, 
     return ranked[:num]
 
 
-async def merge_streams(streams: Sequence[AsyncStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+async def merge_streams(streams: Sequence[StagedStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
     """Interleave several requests' outputs as they arrive: yields (stream index, output)."""
     if len(streams) == 1:  # the common case needs no tasks
         async for output in streams[0].generator():
@@ -309,11 +438,11 @@ async def wait_until_disconnected(receive) -> None:
 
 
 async def collect_final_outputs(
-    streams: Sequence[AsyncStream], receive, abort
+    streams: Sequence[StagedStream], receive, abort
 ) -> list[RequestOutput | None]:
     """Wait for every request's last output; if the client hangs up first, abort them all."""
 
-    async def last_output(stream: AsyncStream) -> RequestOutput | None:
+    async def last_output(stream: StagedStream) -> RequestOutput | None:
         final = None
         async for output in stream.generator():
             final = output
@@ -324,9 +453,23 @@ async def collect_final_outputs(
     try:
         await asyncio.wait([gathered, watcher], return_when=asyncio.FIRST_COMPLETED)
         if not gathered.done():  # the client left: free its blocks, answer nobody
-            await abort([s.request_id for s in streams])
+            for stream in streams:
+                stream.close()
+            await abort([s.request_id for s in streams if s.started])
         return await gathered
     finally:
         watcher.cancel()
         # One request failed, or we were cancelled: the others must not run on unobserved.
-        await abort([s.request_id for s in streams if not s.finished])
+        for stream in streams:
+            stream.close()
+        await abort([s.request_id for s in streams if s.started and not s.finished])
+
+
+def max_chars_per_token(tokenizer) -> int:
+    """The most characters one token of `tokenizer` stands for (its longest vocabulary entry),
+    or DEFAULT_MAX_CHARS_PER_TOKEN when the vocabulary does not say."""
+    try:
+        longest = max(len(token) for token in tokenizer.get_vocab())
+    except (AttributeError, TypeError, ValueError, NotImplementedError):
+        return DEFAULT_MAX_CHARS_PER_TOKEN
+    return max(longest, 1)
