@@ -25,12 +25,6 @@ from minivllm.sequence import SequenceData, SequenceGroupMetadata
 if TYPE_CHECKING:
     from minivllm.model_executor.token_stats import TokenStatsCache
 
-# Candidates the sampling kernel keeps per row when some truncating row has no top-k: a top-p
-# nucleus bigger than this is still exact, through the kernel's slower fallback.
-_NUCLEUS_CANDIDATES = 1024
-_TIE_SLACK = 32  # extra candidates past the largest top-k, for ties at the k-th value
-
-
 @dataclass
 class SequenceGroupToSample:
     """One request's share of the selected logits rows.
@@ -193,6 +187,12 @@ def _min_tokens(params: list[SamplingParams], datas: list[SequenceData], vocab_s
         if n > 0:
             stop_mask[row, [i for i in p.all_stop_token_ids if i < vocab_size]] = True
     return to_device(torch.tensor(left, dtype=torch.int64), device), to_device(stop_mask, device)
+
+
+# Candidates the sampling kernel keeps per row when some truncating row has no top-k: a top-p
+# nucleus bigger than this is still exact, through the kernel's slower fallback.
+_NUCLEUS_CANDIDATES = 1024
+_TIE_SLACK = 32  # extra candidates past the largest top-k, for ties at the k-th value
 
 
 def _num_candidates(top_k: list[int], truncating: list[bool], vocab_size: int) -> int | None:

@@ -3,9 +3,8 @@
 
 min_tokens is a stop-token mask, the penalties one `ApplyPenalties` call over the rows' token
 statistics (`TokenStatsCache`), steps 3-6 one `SampleTokens` call; top-N logprobs and ranks only
-for rows that asked (`logprobs.py`). `step` lets the multi-step runner feed each step's tokens
-straight into the next forward pass (positions and pending min_tokens follow it; `record` counts
-the tokens on the device).
+for rows that asked (`logprobs.py`). Multi-step feeds each step's tokens to the next forward
+pass: `step` advances positions and pending min_tokens, `record` counts the tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +55,8 @@ class DeviceSample:
         for group in groups:
             outputs.append([])
             for seq_id in sampled_seq_ids(group):
-                entry, rank, num_logprobs = {tokens[row]: logprobs[row]}, None, t.num_logprobs[row]
+                entry, rank = {tokens[row]: logprobs[row]}, None
+                num_logprobs = t.num_logprobs[row]
                 if num_logprobs is not None:
                     rank = ranks[row]
                     top = zip(top_ids[row][:num_logprobs], top_values[row][:num_logprobs])
