@@ -12,9 +12,13 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
+from minivllm.bundled_models import resolve_model
 from minivllm.config import KVTransferConfig
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
@@ -67,6 +71,20 @@ def full_blocks_before_last_token(engine: LLMEngine, prompt: str) -> int:
 def reference() -> dict[str, list[int]]:
     """Greedy tokens of an engine with no connector."""
     return tokens(run(make_engine()))
+
+
+def checkpoint_copy(folder, seed: int | None = None):
+    """The bundled checkpoint copied to `folder`; with a seed, its weights moved by noise (as
+    large as each tensor's spread): a model of the same shapes that computes other KV."""
+    folder = Path(folder)
+    shutil.copytree(resolve_model(None), folder, dirs_exist_ok=True)
+    if seed is not None:
+        generator = torch.Generator().manual_seed(seed)
+        weights = load_file(folder / "model.safetensors")
+        for name, w in weights.items():
+            weights[name] = w + torch.randn(w.shape, generator=generator) * w.float().std()
+        save_file(weights, folder / "model.safetensors")
+    return folder
 
 
 def shared_storage(path, role: str = "kv_both", **extra) -> KVTransferConfig:

@@ -3,6 +3,7 @@ tokens, a restart reusing a store, a damaged or full store, two engines writing 
 
 from __future__ import annotations
 
+import errno
 import threading
 
 import pytest
@@ -254,3 +255,26 @@ def test_cpu_offload_index_takes_a_block_only_after_its_step():
     engine.add_request("b", kvt.PROMPTS[0], kvt.SamplingParams(temperature=0.0, max_tokens=4))
     kvt.run(engine, [])  # b runs whole steps: its saves are confirmed
     assert len(connector.index) == planned
+
+
+def test_failed_writes_are_not_counted_as_saved(tmp_path, reference, caplog, monkeypatch):
+    def disk_full(self, path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(FileKVStore, "_put", disk_full)
+    engine = kvt.make_engine(kvt.shared_storage(tmp_path))
+    assert kvt.tokens(kvt.run(engine)) == reference
+    assert engine.kv_transfer_stats.num_tokens_saved == engine.kv_transfer_stats.bytes_saved == 0
+    assert "KV store unavailable" in caplog.text and not _files(tmp_path)
+
+
+def test_a_shard_folder_leading_outside_the_store_is_not_written_through(tmp_path, reference, caplog):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    engine = kvt.make_engine(kvt.shared_storage(tmp_path / "store"))
+    (tmp_path / "store" / engine.kv_connector.root).mkdir()
+    (tmp_path / "store" / engine.kv_connector.root / "tp0of1").symlink_to(outside, target_is_directory=True)
+    assert kvt.tokens(kvt.run(engine)) == reference
+    assert not list(outside.rglob("*"))
+    assert engine.kv_transfer_stats.num_tokens_saved == 0
+    assert "leads outside the store" in caplog.text

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import shutil
 import subprocess
 import sys
 
@@ -70,3 +72,33 @@ def test_a_lora_adapter_has_its_own_chain():
     roots = {request_root("m", None), request_root("m", a), request_root("m", b)}
     assert len(roots) == 3 and request_root("m", None) == "m"
     assert request_root("m", a) == request_root("m", LoRARequest("a", 7, "/adapters/a"))  # the id is engine-local
+
+
+def _identity(model: str, **kwargs) -> str:
+    from minivllm.engine.arg_utils import EngineArgs
+
+    return model_identity(EngineArgs(model=model, device="cpu", block_size=kvt.BLOCK_SIZE, **kwargs)
+                          .create_engine_config())
+
+
+def test_model_identity_is_the_weights_not_the_path(tmp_path, monkeypatch):
+    """Two checkpoints reached by one relative path are two models; one copied elsewhere is one."""
+    kvt.checkpoint_copy(tmp_path / "a" / "ckpt")
+    kvt.checkpoint_copy(tmp_path / "b" / "ckpt", seed=1)
+    shutil.copytree(tmp_path / "a" / "ckpt", tmp_path / "copy")
+    monkeypatch.chdir(tmp_path / "a")
+    a = _identity("ckpt")
+    monkeypatch.chdir(tmp_path / "b")
+    assert _identity("ckpt") != a
+    assert _identity(str(tmp_path / "copy")) == a
+
+
+def test_model_identity_covers_the_config_and_the_parallel_layout(tmp_path):
+    folder = kvt.checkpoint_copy(tmp_path / "ckpt")
+    base = _identity(str(folder))
+    config = json.loads((folder / "config.json").read_text())
+    config["rms_norm_eps"] = 1e-6  # same weights, another computation
+    (folder / "config.json").write_text(json.dumps(config))
+    assert _identity(str(folder)) != base
+    # The rank's shard is in the key's shard name; the layout's sizes are in the identity.
+    assert _identity(str(folder)) != _identity(str(folder), tensor_parallel_size=2)
