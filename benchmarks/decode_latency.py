@@ -310,7 +310,7 @@ def full_batch(ckpt: str, profile_path: Path | None, smoke: bool = False, **engi
     GPU, when the GPU idles and what the host does then (`profile_gpu_idle`).
     engine_kwargs: more `LLM` arguments (`tensor_parallel_size`: benchmarks/tensor_parallel.py)."""
     from minivllm import LLM, SamplingParams
-    from minivllm.engine.llm_engine import TORCH_PROFILER_DIR_ENV
+    from minivllm.engine.profiler import TORCH_PROFILER_DIR_ENV
     from minivllm.sampling_params import RequestOutputKind
 
     prompts, max_tokens = make_workload(4 if smoke else 256)

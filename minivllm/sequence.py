@@ -1,13 +1,9 @@
-"""Requests as the scheduler sees them: `Sequence`, `SequenceGroup` and their status.
+"""Requests as the scheduler sees them, and what engine and worker exchange. No torch.
 
-Mirrors `vllm/sequence.py` (v0). One request is a `SequenceGroup`; it holds `n` (or
-`best_of`, or the beam width) `Sequence`s that share the prompt. Everything here is plain
-Python with no torch, so the scheduler and block manager run in a notebook with no model.
-
-Token accounting, the one idea to keep in mind:
-    tokens = prompt_token_ids + output_token_ids
-    num_computed_tokens = how many leading tokens already have their K/V in the paged cache.
-A prefill computes a chunk of the uncomputed tokens; a decode computes exactly the last one.
+Mirrors `vllm/sequence.py` (v0). A request is a `SequenceGroup` of `best_of` (or beam width)
+`Sequence`s sharing the prompt. tokens = prompt_token_ids + output_token_ids; the first
+`num_computed_tokens` of them have their K/V in the paged cache. A prefill computes a chunk of
+the rest, a decode exactly the last one.
 """
 
 from __future__ import annotations
@@ -45,10 +41,8 @@ class SequenceStatus(enum.IntEnum):
         return _FINISH_REASONS.get(status)
 
 
-# An ignored request (a prompt longer than max_model_len, n above max_num_seqs, a swapped-out
-# request that can never fit back) reports "abort" with the group's `finish_message`. vLLM v0
-# says "length" there; but the request did not reach a length, it was never run to its end,
-# and "length" would hide that behind a normal ending.
+# An ignored request (too long a prompt, n above max_num_seqs, a swapped-out request that can
+# never fit back) never ran to its end: "abort" with a `finish_message`, not vLLM v0's "length".
 _FINISH_REASONS = {
     SequenceStatus.FINISHED_STOPPED: "stop",
     SequenceStatus.FINISHED_LENGTH_CAPPED: "length",
@@ -59,19 +53,11 @@ _FINISH_REASONS = {
 
 @dataclass
 class Logprob:
-    """The log-probability of one token at one position (vLLM's `Logprob`, in vLLM's place).
+    """One token's log-probability at one position, as `RequestOutput`s carry it (vLLM's)."""
 
-    Attributes:
-        logprob: natural-log probability under the distribution the token was sampled from.
-        rank: 1 for the most likely token, 2 for the next, ... (None when unknown).
-        decoded_token: the token's text, when the request detokenizes.
-
-    `RequestOutput`s carry them; `Sequence.append_token_id` accepts `{token_id: Logprob}`.
-    """
-
-    logprob: float
-    rank: int | None = None
-    decoded_token: str | None = None
+    logprob: float  # natural log, under the distribution the token was sampled from
+    rank: int | None = None  # 1 for the most likely token (None: unknown)
+    decoded_token: str | None = None  # the token's text, when the request detokenizes
 
 
 class SequenceStage(enum.Enum):
@@ -112,10 +98,8 @@ class SequenceData:
 
     def update_num_computed_tokens(self, num_new_computed_tokens: int) -> None:
         if self.num_computed_tokens + num_new_computed_tokens > self.get_len():
-            raise ValueError(
-                f"cannot mark {num_new_computed_tokens} more tokens computed: "
-                f"{self.num_computed_tokens} of {self.get_len()} already are."
-            )
+            raise ValueError(f"cannot mark {num_new_computed_tokens} more tokens computed: "
+                             f"{self.num_computed_tokens} of {self.get_len()} already are.")
         self.num_computed_tokens += num_new_computed_tokens
 
     def reset_state_for_recompute(self) -> None:
@@ -124,35 +108,21 @@ class SequenceData:
 
     @property
     def stage(self) -> SequenceStage:
-        # While any token before the last one is uncomputed we are still prefilling.
         if self.get_num_uncomputed_tokens() > 1 or not self.output_token_ids:
             return SequenceStage.PREFILL
         return SequenceStage.DECODE
 
 
 class Sequence:
-    """One stream of tokens: a prompt and the tokens generated after it.
+    """One stream of tokens: a prompt (never empty) and the tokens generated after it.
 
-    Args:
-        seq_id: unique id across the engine.
-        prompt: the prompt text, if the request gave text.
-        prompt_token_ids: the prompt's token ids (never empty).
-        block_size: tokens per KV-cache block, for `n_blocks` only: the block manager counts
-            with its own block size (as vLLM's v2 manager).
-        eos_token_id: the model's end-of-sequence id, or None.
-        lora_request: the adapter it runs with (None: the base model). Its id is part of the
-            prefix-cache hash: the same tokens under two adapters have different KV.
+    `seq_id` is unique across the engine; `block_size` serves `n_blocks` only (the block
+    manager counts with its own); `lora_request` None runs the base model.
     """
 
-    def __init__(
-        self,
-        seq_id: int,
-        prompt: str | None,
-        prompt_token_ids: list[int],
-        block_size: int,
-        eos_token_id: int | None = None,
-        lora_request: LoRARequest | None = None,
-    ) -> None:
+    def __init__(self, seq_id: int, prompt: str | None, prompt_token_ids: list[int],
+                 block_size: int, eos_token_id: int | None = None,
+                 lora_request: LoRARequest | None = None) -> None:
         if not prompt_token_ids:
             raise ValueError("a sequence needs at least one prompt token.")
         self.seq_id = seq_id
@@ -162,16 +132,13 @@ class Sequence:
         self.lora_request = lora_request
         self.data = SequenceData(list(prompt_token_ids))
         self.output_text = ""
-        # One dict per generated token: {token_id: logprob} (the sampled token and the top-N).
+        # Per generated token: {token_id: logprob} (the sampled one and the top-N), and its rank.
         self.output_logprobs: list[dict[int, float]] = []
-        # Rank (1 = most likely) of each generated token, when logprobs are requested.
         self.output_ranks: list[int | None] = []
         self.status = SequenceStatus.WAITING
         self.stop_reason: int | str | None = None
-        # Incremental detokenization state (see `minivllm.engine.detokenizer`): the window's
-        # offsets, and a fast tokenizer's `DecodeStream` with the output tokens it has seen.
-        self.prefix_offset = 0
-        self.read_offset = 0
+        # `minivllm.engine.detokenizer`'s state: the window, a fast tokenizer's stream.
+        self.prefix_offset = self.read_offset = 0
         self.decode_stream = None
         self.stream_fed = 0
         # What the request's outputs have returned so far (RequestOutputKind.DELTA).
@@ -182,7 +149,6 @@ class Sequence:
     def lora_int_id(self) -> int:
         return self.lora_request.lora_int_id if self.lora_request else 0
 
-    # ------------------------------------------------------------ token view
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.data.prompt_token_ids
@@ -193,8 +159,7 @@ class Sequence:
 
     @property
     def n_blocks(self) -> int:
-        """Blocks of this sequence's own `block_size` that hold its tokens (vLLM's property;
-        `BlockSpaceManager` never reads it)."""
+        """Blocks of this sequence's own `block_size` that hold its tokens (vLLM's)."""
         return (self.get_len() + self.block_size - 1) // self.block_size
 
     def get_len(self) -> int:
@@ -230,21 +195,15 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status > SequenceStatus.SWAPPED  # SequenceStatus.is_finished, inlined (hot)
 
-    # --------------------------------------------------------------- updates
-    def append_token_id(
-        self, token_id: int, logprobs: dict[int, float] | dict[int, Logprob], rank: int | None = None
-    ) -> None:
-        """Add a sampled token; `logprobs` maps token ids (the sampled one included) to logprobs.
-
-        Takes vLLM's `{token_id: Logprob}` too (its rank is used when `rank` is None); it is
-        stored as `{token_id: float}`, the form the rest of minivllm reads. Unlike vLLM, a
-        dict without the sampled token is accepted (its logprob counts as 0.0): a stand-in
-        model without probabilities can still append tokens.
-        """
+    def append_token_id(self, token_id: int, logprobs: dict[int, float] | dict[int, Logprob],
+                        rank: int | None = None) -> None:
+        """Add a sampled token. `logprobs`: `{token_id: float}` or vLLM's `{token_id: Logprob}`
+        (its rank used when `rank` is None), stored as floats; without the sampled token its
+        logprob counts as 0.0 (a stand-in model without probabilities)."""
         sampled = logprobs.get(token_id)
         if isinstance(sampled, Logprob) and rank is None:
             rank = sampled.rank
-        # (Per token: without logprobs asked, the sampler's dict is one float, which skips the scan.)
+        # Without logprobs asked the dict is one float: no scan.
         if (len(logprobs) > 1 or not isinstance(sampled, float)) and any(
                 isinstance(v, Logprob) for v in logprobs.values()):
             logprobs = {t: v.logprob if isinstance(v, Logprob) else v for t, v in logprobs.items()}
@@ -252,19 +211,16 @@ class Sequence:
         self.output_ranks.append(rank)
         self.data.append_token_id(token_id, logprobs.get(token_id, 0.0))
 
-    # ------------------------------------------------------------ outputs
     def get_output_token_ids_to_return(self, delta: bool) -> list[int]:
-        """The output token ids a `RequestOutput` carries: all of them, or (delta) the ones no
-        output has returned yet. Only the new tokens are copied: O(1) per step, not O(length)."""
+        """The output token ids a `RequestOutput` carries: all, or (delta) the new ones."""
         if not delta:
             return list(self.data.output_token_ids)
         start, self.last_output_token_ids_offset = self.last_output_token_ids_offset, self.get_output_len()
         return self.data.output_token_ids[start:]
 
     def get_output_text_to_return(self, buffer_length: int, delta: bool) -> str:
-        """The output text to return: all of it, or (delta) the part not returned yet; while
-        running, less its last `buffer_length` characters, which a stop string still being
-        generated could cut off (so a stream never shows text that is later taken back)."""
+        """The output text to return: all, or (delta) the part not yet returned; while running,
+        less the last `buffer_length` characters, which a stop string may still take back."""
         end = len(self.output_text) if self.is_finished() else max(len(self.output_text) - buffer_length, 0)
         if not delta:
             return self.output_text[:end]
@@ -272,13 +228,10 @@ class Sequence:
         self.last_output_text_offset = max(start, end)
         return self.output_text[start:end]
 
-    def get_beam_search_score(
-        self, length_penalty: float = 1.0, seq_len: int | None = None, eos_token_id: int | None = None
-    ) -> float:
-        """Beam score as in vLLM and transformers: cumulative logprob / length ** length_penalty.
-
-        The length counts prompt and output tokens, less a final EOS token.
-        """
+    def get_beam_search_score(self, length_penalty: float = 1.0, seq_len: int | None = None,
+                              eos_token_id: int | None = None) -> float:
+        """cumulative logprob / length ** length_penalty (vLLM's, transformers'); the length
+        counts prompt and output tokens, less a final EOS."""
         if seq_len is None:
             seq_len = self.get_len()
             if eos_token_id is not None and self.get_last_token_id() == eos_token_id:
@@ -290,16 +243,13 @@ class Sequence:
         child = Sequence.__new__(Sequence)
         child.__dict__.update(self.__dict__)
         child.seq_id = new_seq_id
-        child.data = SequenceData(
-            list(self.data.prompt_token_ids),
-            list(self.data.output_token_ids),
-            self.data.cumulative_logprob,
-            self.data.num_computed_tokens,
-        )
+        data = self.data
+        child.data = SequenceData(list(data.prompt_token_ids), list(data.output_token_ids),
+                                  data.cumulative_logprob, data.num_computed_tokens)
         child.output_logprobs = list(self.output_logprobs)
         child.output_ranks = list(self.output_ranks)
-        child.decode_stream = None  # a stream cannot be copied: the child rebuilds one from the offsets
-        # A new completion: its first delta carries everything it has (the parent's tokens too).
+        child.decode_stream = None  # not copyable: the child rebuilds one from the offsets
+        # A new completion: its first delta carries the parent's tokens too.
         child.last_output_token_ids_offset = child.last_output_text_offset = 0
         return child
 
@@ -323,29 +273,19 @@ class RequestMetrics:
 
 
 class SequenceGroup:
-    """One request: its sequences, its sampling parameters, arrival time and priority.
+    """One request: its sequences, sampling parameters, arrival time and priority.
 
-    Lower `priority` values are served first (vLLM's convention); ties go to earlier arrival.
-    The arguments are vLLM 0.6.3's, in its order. `lora_request`: the adapter (None: the base
-    model). `arrival_time=None` means now (vLLM requires it). vLLM's `embeddings`,
-    `pooling_params`, `encoder_seq`, `trace_headers` and `prompt_adapter_request` (embedding
-    and encoder-decoder models, tracing, prompt adapters) are not built: they must be None.
+    vLLM 0.6.3's arguments in its order; lower `priority` first, ties by arrival.
+    `arrival_time=None` means now. The modes not built (embeddings, pooling_params,
+    encoder_seq, trace_headers, prompt_adapter_request) must be None.
     """
 
-    def __init__(
-        self,
-        request_id: str,
-        seqs: list[Sequence],
-        arrival_time: float | None = None,
-        sampling_params: SamplingParams | None = None,
-        lora_request: LoRARequest | None = None,
-        embeddings: list[float] | None = None,
-        pooling_params: object | None = None,
-        encoder_seq: Sequence | None = None,
-        trace_headers: dict[str, str] | None = None,
-        prompt_adapter_request: object | None = None,
-        priority: int = 0,
-    ) -> None:
+    def __init__(self, request_id: str, seqs: list[Sequence], arrival_time: float | None = None,
+                 sampling_params: SamplingParams | None = None,
+                 lora_request: LoRARequest | None = None, embeddings: list[float] | None = None,
+                 pooling_params: object | None = None, encoder_seq: Sequence | None = None,
+                 trace_headers: dict[str, str] | None = None,
+                 prompt_adapter_request: object | None = None, priority: int = 0) -> None:
         if not seqs:
             raise ValueError("a sequence group needs at least one sequence.")
         unsupported = {  # vLLM's argument -> (the value given, why it must be None)
@@ -371,13 +311,10 @@ class SequenceGroup:
         self.metrics = RequestMetrics(arrival_time=self.arrival_time)
         self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.prompt_ranks: list[int | None] | None = None
-        # Why the request was ignored or aborted, for the user (None while it runs).
-        self.finish_message: str | None = None
-        # Prompt tokens whose KV was reused at first admission: prefix-cache hits plus tokens
-        # loaded by a KV connector (vLLM's `num_cached_tokens`; None before admission).
+        self.finish_message: str | None = None  # why it was ignored or aborted
+        # Prompt tokens whose KV was reused at admission (prefix cache, KV connector); vLLM's.
         self.num_cached_tokens: int | None = None
 
-    # --------------------------------------------------------------- queries
     @property
     def first_seq(self) -> Sequence:
         return self.seqs[0]
@@ -436,11 +373,8 @@ class SequenceGroup:
         return (unfinished[0] if unfinished else self.first_seq).is_prefill()
 
     def get_max_num_running_seqs(self) -> int:
-        """How many sequences this group may run at once (its future block demand).
-
-        During prefill only one sequence exists but it will fork into `best_of` (or the beam
-        width) right after, so the scheduler must budget for all of them.
-        """
+        """How many sequences this group may run at once: in prefill, the `best_of` (or beam
+        width) it forks into right after."""
         if self.sampling_params.use_beam_search or self.is_prefill():
             return self.sampling_params.best_of
         return len(self.get_unfinished_seqs())
@@ -457,37 +391,22 @@ class SequenceGroup:
             seq.status = status
 
     def __repr__(self) -> str:
-        return (
-            f"SequenceGroup(request_id={self.request_id!r}, priority={self.priority}, "
-            f"num_seqs={len(self.seqs)})"
-        )
+        return (f"SequenceGroup(request_id={self.request_id!r}, priority={self.priority}, "
+                f"num_seqs={len(self.seqs)})")
 
 
 @dataclass
 class SequenceGroupMetadata:
-    """What the worker needs to run one scheduled group for one step.
-
-    Attributes:
-        request_id: the request.
-        is_prompt: True for a prefill (or a chunk of one), False for a decode step.
-        seq_data: seq_id -> its `SequenceData` (the running sequences only).
-        sampling_params: the request's sampling parameters.
-        block_tables: seq_id -> list of physical block numbers.
-        token_chunk_size: how many new tokens each sequence computes this step.
-        do_sample: False for a prefill chunk that does not reach the end of the prompt.
-        num_lookahead_slots: slots reserved after the next token: a multi-step run may take
-            `1 + num_lookahead_slots` decode steps for this group.
-        lora_request: the adapter this group runs with, or None (the base model).
-    """
+    """What the worker needs to run one scheduled group for one step."""
 
     request_id: str
-    is_prompt: bool
-    seq_data: dict[int, SequenceData]
+    is_prompt: bool  # a prefill (or a chunk of one); False: a decode
+    seq_data: dict[int, SequenceData]  # the running sequences only
     sampling_params: SamplingParams
-    block_tables: dict[int, list[int]]
-    token_chunk_size: int
-    do_sample: bool = True
-    num_lookahead_slots: int = 0
+    block_tables: dict[int, list[int]]  # seq_id -> physical block numbers
+    token_chunk_size: int  # new tokens each sequence computes this step
+    do_sample: bool = True  # False for a prefill chunk short of the prompt's end
+    num_lookahead_slots: int = 0  # a multi-step run may take 1 + this many decode steps
     lora_request: LoRARequest | None = None
 
     @property
@@ -497,16 +416,12 @@ class SequenceGroupMetadata:
 
 @dataclass
 class SequenceOutput:
-    """One sampled token for one sequence: which parent it extends, and its logprobs.
-
-    With beam search or `n > 1` several outputs may share a parent; the engine then forks.
-    """
+    """One sampled token, the sequence it extends (several may share one: the engine forks)."""
 
     parent_seq_id: int
     output_token: int
     logprobs: dict[int, float]
-    # Rank of `output_token` in its distribution (1 = most likely), when logprobs are requested.
-    rank: int | None = None
+    rank: int | None = None  # of output_token (1 = most likely), when logprobs are asked
 
 
 @dataclass
@@ -514,18 +429,15 @@ class SequenceGroupOutput:
     """The sampler's result for one group in one step."""
 
     samples: list[SequenceOutput]
-    # For a prefill with `prompt_logprobs`: one dict per prompt token computed this step.
+    # With `prompt_logprobs`: per prompt token computed this step, its logprobs and rank.
     prompt_logprobs: list[dict[int, float] | None] | None = None
-    # The rank of each of those prompt tokens in the model's distribution (1 = most likely).
     prompt_ranks: list[int | None] | None = None
 
 
 @dataclass
 class SamplerOutput:
-    """One model step's samples for the whole batch: one `SequenceGroupOutput` per scheduled
-    group, in the batch's order (vLLM 0.6's `sequence.py` keeps it here too; torch-free for the
-    engine). A mode's extra data travels in a subclass from the mode's own module:
-    `MultiStepSamplerOutput` (steps_left), `KVTransferSamplerOutput`, `SpecDecodeSamplerOutput`."""
+    """One model step's samples: a `SequenceGroupOutput` per scheduled group, in batch order.
+    A mode's extra data travels in a subclass in its own module (`MultiStepSamplerOutput`, ...)."""
 
     outputs: list[SequenceGroupOutput]
 
@@ -543,21 +455,14 @@ class SamplerOutput:
 class ExecuteModelRequest:
     """What the engine asks the executor (and its workers) to do in one step.
 
-    The block moves are applied before the forward pass: swap-in and swap-out from the
-    scheduler's preemption decisions, copy for copy-on-write. Each is a list of (src, dst)
-    block numbers. `finished_requests_ids` lets workers drop per-request state (the penalties' token
-    statistics) of requests that finished or were aborted since the last step.
-    `num_steps` > 1 asks for a multi-step run of a decode batch (see
-    `SchedulerConfig.num_scheduler_steps`); the worker may run fewer (one) when the batch
-    needs the host between steps. `kv_connector_metadata`: the KV connector's loads and saves
-    for the step (`KVConnectorMetadata`), None without a connector. A run scheduled ahead (async
-    scheduling) is the subclass `ContinuedRunRequest` (`minivllm/worker/multi_step_worker.py`).
+    The block moves, lists of (src, dst) block numbers, apply before the forward pass.
+    `finished_requests_ids`: requests ended since the last step (workers drop their state).
     """
 
     seq_group_metadata_list: list[SequenceGroupMetadata]
-    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)  # preempted by swap
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
-    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write
     finished_requests_ids: list[str] = field(default_factory=list)
-    num_steps: int = 1
+    num_steps: int = 1  # > 1: a multi-step decode run (the worker may run one)
     kv_connector_metadata: object | None = None  # this step's KV connector loads and saves

@@ -1,13 +1,8 @@
 """The engine: requests in, one model step at a time, `RequestOutput`s out.
 
-Mirrors `vllm/engine/llm_engine.py` (v0, ~0.6). One `step()`:
-
-    1. schedule    the Scheduler picks the batch and the block moves (swap, copy-on-write)
-    2. execute     the executor's worker applies the moves, runs the model, samples
-    3. process     append the sampled tokens (forking sequences for n > 1 and beam search),
-                   detokenize, check stop conditions, free finished sequences' blocks
-    4. report      one RequestOutput per request that advanced (all its text so far, or with
-                   RequestOutputKind.DELTA the new part), metrics
+Mirrors `vllm/engine/llm_engine.py` (v0). One `step()`: schedule (the batch and its block
+moves) -> execute (the worker moves blocks, runs the model, samples) -> process (append, fork,
+detokenize, stop, free) -> report (one `RequestOutput` per request that advanced).
 
     engine = LLMEngine.from_engine_args(EngineArgs())          # the bundled model
     engine.add_request("0", "ROMEO:", SamplingParams(max_tokens=16))
@@ -15,9 +10,8 @@ Mirrors `vllm/engine/llm_engine.py` (v0, ~0.6). One `step()`:
         for output in engine.step():
             print(output.outputs[0].text)
 
-Each optional mode wraps this class in a file of its own, chosen once by `from_engine_args`
-(`selector.py`): multi_step.py, async_scheduling.py, spec_decode.py, kv_connector.py;
-failure_isolation.py ends only the request a failing step belongs to.
+A mode's engine subclasses this one in a file of its own (`selector.py`); vLLM's optional
+calls (stat loggers, LoRA adapters, profiling, step observers) come from the mixins' files.
 """
 
 from __future__ import annotations
@@ -25,20 +19,21 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
-import numbers
-import os
 import time
 from collections.abc import Callable, Iterable
-from typing import Any
 
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
 from minivllm.config import EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import make_detokenizer
 from minivllm.engine.failure_isolation import FailureIsolationMixin
-from minivllm.engine.lora_adapters import LoRAAdapters
-from minivllm.engine.metrics import StatLoggerBase, Stats
+from minivllm.engine.input_preprocess import PromptInput, check_token_ids, process_prompt
+from minivllm.engine.lora_adapters import LoRAAdapters, LoRAEngineMixin
+from minivllm.engine.metrics import EngineStatsMixin, StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
+from minivllm.engine.profiler import EngineProfilerMixin
+from minivllm.engine.prompt_logprobs import record_prompt_logprobs
+from minivllm.engine.step_observer import StepObserver, StepObserverMixin
 from minivllm.executor import get_executor_class
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.executor_base import ExecutorBase
@@ -47,41 +42,17 @@ from minivllm.outputs import RequestOutput
 from minivllm.plugins import load_general_plugins
 from minivllm.sampling_params import InvalidParameterError, RequestOutputKind, SamplingParams
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, Sequence, SequenceGroup,
-                               SequenceGroupMetadata, SequenceGroupOutput, SequenceStatus)
+                               SequenceGroupMetadata, SequenceGroupOutput)
 
 logger = logging.getLogger(__name__)
 
-# A folder for `start_profile`'s traces (vLLM: VLLM_TORCH_PROFILER_DIR).
-TORCH_PROFILER_DIR_ENV = "MINIVLLM_TORCH_PROFILER_DIR"
 
-PromptInput = str | dict[str, Any]
+class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObserverMixin,
+                FailureIsolationMixin):
+    """Serves requests over one executor; build it with `LLMEngine.from_engine_args`.
 
-
-class StepObserver:
-    """Watches the engine from outside, one step at a time (course tooling, tracing).
-
-    Subclass it, override what you need and `engine.add_step_observer(observer)`. The engine
-    keeps no state for its observers: they read it through public queries (the scheduler's
-    queues, the block manager's tables) at these two moments.
-    """
-
-    def on_scheduled(self, engine: LLMEngine, scheduler_outputs: SchedulerOutputs) -> None:
-        """After `schedule()`, before the model runs: the batch and the blocks as decided."""
-
-    def on_step_end(self, engine: LLMEngine, scheduler_outputs: SchedulerOutputs,
-                    request_outputs: list[RequestOutput]) -> None:
-        """After the step's outputs are processed and finished requests' blocks freed."""
-
-
-class LLMEngine(FailureIsolationMixin):
-    """Serves requests over one executor (see the module docstring for a step's anatomy).
-
-    Build it with `LLMEngine.from_engine_args(EngineArgs(...))`, which picks the subclass of
-    the configured mode (`LLMEngine(engine_config)` refuses a mode's configuration). Attributes:
-    `model_config`, `cache_config` (its `num_gpu_blocks` is the pool size after profiling),
-    `scheduler_config`, `scheduler` (and `scheduler.block_manager`), `step_observers`
-    (`add_step_observer`: course tooling such as `minivllm.viz`'s snapshot recorder watches
-    the engine through them).
+    `cache_config.num_gpu_blocks` is the pool size after profiling; `scheduler.block_manager`
+    holds the block tables. `LLMEngine(engine_config)` refuses a mode's configuration.
     """
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
@@ -103,12 +74,9 @@ class LLMEngine(FailureIsolationMixin):
         self._initialize_kv_caches()
         self.scheduler = self._make_scheduler()
         self._loras = LoRAAdapters(engine_config.lora_config, self.model_config.hf_config)
+        stop_checker = StopChecker(self.scheduler_config.max_model_len, self.eos_token_id)
         self.output_processor = SequenceGroupOutputProcessor(
-            self.scheduler,
-            self.detokenizer,
-            StopChecker(self.scheduler_config.max_model_len, self.eos_token_id),
-            self.seq_counter,
-        )
+            self.scheduler, self.detokenizer, stop_checker, self.seq_counter)
         self.stat_loggers: dict[str, StatLoggerBase] = {}
         self.step_observers: list[StepObserver] = []
         self.step_counter = 0
@@ -127,8 +95,7 @@ class LLMEngine(FailureIsolationMixin):
         return Scheduler(self.scheduler_config, self.cache_config, self.engine_config.lora_config)
 
     def _initialize_kv_caches(self) -> None:
-        """Profile, then size both pools; the engine's cache config records the counts (a new
-        config: the one the executor holds is never changed behind its back)."""
+        """Profile, then size both pools, recorded in a new cache config (the executor's stays)."""
         num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
         self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
         self.cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
@@ -161,12 +128,10 @@ class LLMEngine(FailureIsolationMixin):
         priority: int = 0,
         lora_request: LoRARequest | None = None,
     ) -> None:
-        """Queue a request (with `lora_request`: through that adapter, checked by `add_lora`). `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
-        "prompt"). Raises ValueError (an `InvalidParameterError` naming the field where there is
-        one) for an empty prompt, unknown token ids, sampling values the model cannot honour
-        (see `_finalize_params`), a duplicate id, or a priority without the priority policy;
-        nothing is queued then. A prompt longer than `max_model_len` is accepted and finishes
-        at the next step with finish_reason "abort" and a `finish_message` saying why.
+        """Queue a request. `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
+        "prompt"); `lora_request` is checked as by `add_lora`. Bad input raises ValueError (an
+        `InvalidParameterError` naming the field) and queues nothing. A prompt longer than
+        `max_model_len` finishes at the next step with finish_reason "abort" and a `finish_message`.
         """
         if not isinstance(request_id, str):
             raise ValueError(f"request_id must be a string, got {request_id!r}.")
@@ -180,7 +145,7 @@ class LLMEngine(FailureIsolationMixin):
             raise InvalidParameterError("priority", f"priority must be an integer, got {priority!r}.")
         if priority != 0 and self.scheduler_config.policy != "priority":
             raise InvalidParameterError("priority", f"priority={priority} needs scheduling_policy='priority'.")
-        prompt_text, prompt_token_ids = self._process_prompt(prompt)
+        prompt_text, prompt_token_ids = process_prompt(prompt, self.tokenizer, self.vocab_size)
         params = self._finalize_params(params, len(prompt_token_ids))
         self._loras.use(lora_request)
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
@@ -190,55 +155,11 @@ class LLMEngine(FailureIsolationMixin):
                                   priority=priority)
         self.scheduler.add_seq_group(seq_group)
 
-    # ------------------------------------------------------------------ LoRA adapters
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Check an adapter against the base model (ValueError naming the problem) and remember
-        it; False if this id was already added. The workers read its weights when a batch
-        first needs it (`LoRAAdapters.add`)."""
-        return self._loras.add(lora_request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget an adapter (requests already queued with it still finish); False if unknown."""
-        return self._loras.remove(lora_int_id)
-
-    def list_loras(self) -> set[int]:
-        return self._loras.ids()
-
-    def _process_prompt(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str) and self.tokenizer is None:
-            raise InvalidParameterError("prompt", "skip_tokenizer_init is set: give {'prompt_token_ids': [...]}, not text.")
-        if isinstance(prompt, str):
-            text, token_ids = prompt, self.tokenizer.encode(prompt) if prompt else []
-        elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
-            if text is not None and not isinstance(text, str):
-                raise InvalidParameterError("prompt", f"the prompt's text must be a string, got {text!r}.")
-            if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
-                raise InvalidParameterError("prompt_token_ids", f"prompt_token_ids must be a list, got {token_ids!r}.")
-            token_ids = list(token_ids)
-        else:
-            raise InvalidParameterError(
-                "prompt", f"prompt must be a string or a dict with 'prompt_token_ids', got {prompt!r:.200}.")
-        if not token_ids:
-            raise InvalidParameterError("prompt", "the prompt is empty: give at least one token.")
-        self._check_token_ids("prompt", token_ids)
-        return text, [int(t) for t in token_ids]
-
-    def _check_token_ids(self, name: str, token_ids: Iterable[object]) -> None:
-        """Every id must index the embedding table (and the logits): else a step would fail."""
-        bad = [t for t in token_ids
-               if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidParameterError(name, f"{name} must be token ids, integers in [0, {self.vocab_size}), got {bad[:5]}.")
-
     def _finalize_params(self, params: SamplingParams, num_prompt_tokens: int) -> SamplingParams:
-        """A private copy checked against this model, with the model's EOS among the stop ids.
-
-        `SamplingParams` checks what needs no model; here, what does: token ids and logprob
-        counts within the vocabulary, and `min_tokens` within the context (the stop checker
-        keeps a sequence going until min_tokens, past max_model_len if allowed to).
-        """
-        self._check_token_ids("stop_token_ids", params.stop_token_ids)
+        """A private copy checked against this model (`SamplingParams` checks what needs no
+        model): token ids and logprob counts within the vocabulary, `min_tokens` within the
+        context; the model's EOS joins the stop ids."""
+        check_token_ids("stop_token_ids", params.stop_token_ids, self.vocab_size)
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
             if value is not None and value > self.vocab_size:
@@ -262,10 +183,7 @@ class LLMEngine(FailureIsolationMixin):
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Abort requests wherever they are (waiting, running, swapped) and free their blocks.
-
-        As in vLLM, an id that is not running (never added, or already finished) is not an
-        error: aborting races with finishing in any server. It is logged as a warning.
-        """
+        An unknown or finished id is only a warning (as in vLLM: aborts race with finishing)."""
         request_ids = [request_id] if isinstance(request_id, str) else list(request_id)
         live = {g.request_id for g in self._unfinished_groups()}
         for unknown in [r for r in request_ids if r not in live]:
@@ -277,19 +195,6 @@ class LLMEngine(FailureIsolationMixin):
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_seqs()
 
-    def start_profile(self) -> None:
-        """torch.profiler on every worker until `stop_profile`; the traces go to the folder
-        named by MINIVLLM_TORCH_PROFILER_DIR (vLLM: VLLM_TORCH_PROFILER_DIR), read here, in
-        the engine's process."""
-        trace_dir = os.environ.get(TORCH_PROFILER_DIR_ENV)
-        if not trace_dir:
-            raise RuntimeError(f"profiling is off: set {TORCH_PROFILER_DIR_ENV} to a folder for the traces.")
-        self.model_executor.start_profile(trace_dir)
-
-    def stop_profile(self) -> list[str]:
-        """Every worker's Chrome trace of the steps since `start_profile`: the paths, by rank."""
-        return self.model_executor.stop_profile()
-
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
 
@@ -298,12 +203,8 @@ class LLMEngine(FailureIsolationMixin):
 
     # ================================================================== a step
     def step(self, on_model_step: Callable[[list[RequestOutput]], None] | None = None) -> list[RequestOutput]:
-        """One engine step: schedule -> execute -> process -> report.
-
-        Returns the outputs of the requests it advanced or finished.
-        on_model_step: called with partial outputs between the model steps of a multi-step
-            run (`MultiStepLLMEngine`); a plain step runs one model step and never calls it.
-        """
+        """Schedule -> execute -> process -> report: the outputs of the requests it advanced.
+        `on_model_step` is `MultiStepLLMEngine`'s (partial outputs between model steps)."""
         scheduler_outputs, request = self._schedule()
         for observer in self.step_observers:
             observer.on_scheduled(self, scheduler_outputs)
@@ -313,9 +214,7 @@ class LLMEngine(FailureIsolationMixin):
         now = stats.now = time.monotonic()
         request_outputs = self._report(scheduler_outputs, now, stats)
         self.scheduler.free_finished_seq_groups()
-        self._fill_system_stats(stats)
-        for stat_logger in self.stat_loggers.values():
-            stat_logger.log(stats)
+        self._log_stats(stats)
         for observer in self.step_observers:
             observer.on_step_end(self, scheduler_outputs, request_outputs)
         self.step_counter += 1
@@ -345,9 +244,8 @@ class LLMEngine(FailureIsolationMixin):
 
     def _execute_and_process(self, request: ExecuteModelRequest, scheduled_groups: list[ScheduledSequenceGroup],
                              stats: Stats) -> None:
-        """Run the model and apply its samples, one `SamplerOutput` per model step in order (a
-        single-step run hands back one). If the run raises, `_recover_from_failed_run`
-        (failure_isolation.py) ends only the request it belongs to."""
+        """Run the model and apply each model step's `SamplerOutput` in order (one for a plain
+        step). If the run raises, `_recover_from_failed_run` ends only its culprit."""
         num_processed = 0
         try:
             for sampler_output in self._execute(request):
@@ -363,14 +261,9 @@ class LLMEngine(FailureIsolationMixin):
 
     def _process_model_outputs(self, sampler_output: SamplerOutput, scheduled_groups: list[ScheduledSequenceGroup],
                                stats: Stats, is_first_step: bool) -> None:
-        """Apply one model step's samples to the scheduled groups, in batch order.
-
-        The first step computed each group's scheduled chunk (a prompt chunk, or the one
-        token of a decode); a later step of a multi-step run computed exactly the token fed
-        to it (the one sampled a step earlier). A group that stopped in an earlier step of
-        the run ignores the rest: those tokens were computed past its end, and a group out of
-        reserved slots gets no samples.
-        """
+        """Apply one model step's samples to the scheduled groups, in batch order. The first
+        step computed each group's scheduled chunk, a later one (multi-step) one token; a group
+        finished earlier in the run, or without samples in a later step, is skipped."""
         now = time.monotonic()
         for scheduled, output in zip(scheduled_groups, sampler_output):
             seq_group = scheduled.seq_group
@@ -391,9 +284,9 @@ class LLMEngine(FailureIsolationMixin):
         # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
         seq_group.update_num_computed_tokens(num_computed)
         if output.prompt_logprobs:
-            self._record_prompt_logprobs(seq_group, output, first_computed)
+            record_prompt_logprobs(seq_group, output, first_computed)
         if output.samples:
-            self._update_metrics(seq_group, now, stats)
+            self._record_token_times(seq_group, now, stats)
             self.output_processor.process_outputs(seq_group, output.samples)
             # Beam search proposes 2 x beam_width candidates but keeps beam_width.
             stats.num_generation_tokens_iter += min(len(output.samples), seq_group.sampling_params.best_of)
@@ -408,87 +301,17 @@ class LLMEngine(FailureIsolationMixin):
         request_outputs = [self._make_request_output(seq_group, now, stats) for seq_group in reported]
         return [output for output in request_outputs if output is not None]
 
-    # ------------------------------------------------------------------ observers
-    def add_step_observer(self, observer: StepObserver) -> None:
-        """Call `observer` around every step (pictures, traces: see `StepObserver`)."""
-        self.step_observers.append(observer)
-
-    def remove_step_observer(self, observer: StepObserver) -> None:
-        self.step_observers.remove(observer)
-
-    def _record_prompt_logprobs(self, seq_group: SequenceGroup, output: SequenceGroupOutput, first_computed: int) -> None:
-        """Store per-position prompt logprobs once (a recompute after preemption repeats them)."""
-        if seq_group.prompt_logprobs is None:
-            seq_group.prompt_logprobs, seq_group.prompt_ranks = [None], [None]
-        ranks = output.prompt_ranks or [None] * len(output.prompt_logprobs)
-        for offset, (entry, rank) in enumerate(zip(output.prompt_logprobs, ranks)):
-            position = first_computed + 1 + offset  # row t predicts prompt token t + 1
-            # Positions skipped by a prefix-cache hit have no logits: None, as for token 0.
-            while len(seq_group.prompt_logprobs) < position:
-                seq_group.prompt_logprobs.append(None)
-                seq_group.prompt_ranks.append(None)
-            if len(seq_group.prompt_logprobs) == position:
-                seq_group.prompt_logprobs.append(entry)
-                seq_group.prompt_ranks.append(rank)
-
-    # ------------------------------------------------------------------ outputs
     def _make_request_output(self, seq_group: SequenceGroup, now: float, stats: Stats) -> RequestOutput | None:
         """The request's output now; None for an unfinished FINAL_ONLY request."""
-        if seq_group.is_finished():
-            self._on_request_finished(seq_group, now, stats)
-        elif seq_group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
-            return None
-        return RequestOutput.from_seq_group(seq_group, None if self.tokenizer is None else self.detokenizer.decode_token, self.eos_token_id)
-
-    # ------------------------------------------------------------------ metrics
-    def add_logger(self, logger_name: str, stat_logger: StatLoggerBase) -> None:
-        if logger_name in self.stat_loggers:
-            raise KeyError(f"a logger named {logger_name!r} already exists.")
-        self.stat_loggers[logger_name] = stat_logger
-
-    def remove_logger(self, logger_name: str) -> None:
-        if logger_name not in self.stat_loggers:
-            raise KeyError(f"no logger named {logger_name!r}.")
-        del self.stat_loggers[logger_name]
-
-    def _new_stats(self, now: float, scheduler_outputs: SchedulerOutputs) -> Stats:
-        return Stats(now=now, num_running_sys=0, num_waiting_sys=0, num_swapped_sys=0,
-                     gpu_cache_usage_sys=0.0, cpu_cache_usage_sys=0.0, gpu_prefix_cache_hit_rate=0.0,
-                     num_preemption_iter=scheduler_outputs.preempted)
-
-    def _fill_system_stats(self, stats: Stats) -> None:
-        block_manager = self.scheduler.block_manager
-        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
-        stats.num_running_sys = len(self.scheduler.running)
-        stats.num_waiting_sys = len(self.scheduler.waiting)
-        stats.num_swapped_sys = len(self.scheduler.swapped)
-        stats.gpu_cache_usage_sys = 1.0 - block_manager.get_num_free_gpu_blocks() / num_gpu
-        stats.cpu_cache_usage_sys = 1.0 - block_manager.get_num_free_cpu_blocks() / num_cpu if num_cpu else 0.0
-        stats.gpu_prefix_cache_hit_rate = self.scheduler.get_prefix_cache_hit_rate()
-
-    @staticmethod
-    def _update_metrics(seq_group: SequenceGroup, now: float, stats: Stats) -> None:
-        metrics = seq_group.metrics
-        if metrics.first_token_time is None:
-            metrics.first_token_time = now
-            stats.time_to_first_tokens_iter.append(now - metrics.arrival_time)
-        else:
-            stats.time_per_output_tokens_iter.append(now - metrics.last_token_time)
-        metrics.last_token_time = now
-
-    def _on_request_finished(self, seq_group: SequenceGroup, now: float, stats: Stats) -> None:
-        metrics = seq_group.metrics
-        if metrics.finished_time is not None:
-            return
-        metrics.finished_time = now
-        self._finished_requests_ids.append(seq_group.request_id)
-        stats.time_e2e_requests.append(now - metrics.arrival_time)
-        if metrics.time_in_queue is not None:
-            stats.time_in_queue_requests.append(metrics.time_in_queue)
-        stats.num_prompt_tokens_requests.append(len(seq_group.prompt_token_ids))
-        stats.num_generation_tokens_requests.append(sum(s.get_output_len() for s in seq_group.get_seqs()))
-        reasons = [SequenceStatus.get_finished_reason(s.status) for s in seq_group.get_seqs()]
-        stats.finished_reason_requests.append(reasons[0] or "")
+        if not seq_group.is_finished():
+            if seq_group.sampling_params.output_kind == RequestOutputKind.FINAL_ONLY:
+                return None
+        elif seq_group.metrics.finished_time is None:  # first reported finished: record it once
+            seq_group.metrics.finished_time = now
+            self._finished_requests_ids.append(seq_group.request_id)
+            self._record_finished_request(seq_group, now, stats)
+        decode_token = None if self.tokenizer is None else self.detokenizer.decode_token
+        return RequestOutput.from_seq_group(seq_group, decode_token, self.eos_token_id)
 
 
 def _check_engine_class(engine: LLMEngine, engine_config: EngineConfig) -> None:

@@ -1,4 +1,5 @@
-"""The adapters an engine accepts: `LoRAAdapters`, behind `LLMEngine.add_lora` / `remove_lora`.
+"""The adapters an engine accepts: `LoRAAdapters`, behind `LLMEngine.add_lora` / `remove_lora`
+(`LoRAEngineMixin`).
 
 vLLM's `LLMEngine.add_lora` hands the request to the executor's LoRA manager; here the engine
 checks the adapter against the base model once (`minivllm.lora.peft_helper`) and keeps it by id,
@@ -50,3 +51,20 @@ class LoRAAdapters:
 
     def ids(self) -> set[int]:
         return set(self._by_id)
+
+
+class LoRAEngineMixin:
+    """`LLMEngine`'s adapter calls (vLLM's names), over its `LoRAAdapters` (`self._loras`)."""
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Check an adapter against the base model (ValueError naming the problem) and remember
+        it; False if this id was already added. The workers read its weights when a batch
+        first needs it (`LoRAAdapters.add`)."""
+        return self._loras.add(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter (requests already queued with it still finish); False if unknown."""
+        return self._loras.remove(lora_int_id)
+
+    def list_loras(self) -> set[int]:
+        return self._loras.ids()

@@ -9,6 +9,8 @@ a Prometheus logger (`minivllm/entrypoints/openai/metrics.py`) reads the same re
 
     engine.add_logger("logging", LoggingStatLogger(local_interval=5.0))
     # ... every 5 s: "Avg prompt throughput: ... tokens/s, ... GPU KV cache usage: 12.5%, ..."
+
+`EngineStatsMixin` gives `LLMEngine` vLLM's `add_logger` / `remove_logger` and fills the record.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from minivllm.sequence import SequenceGroup, SequenceStatus
 from minivllm.spec_decode.metrics import SpecDecodeWorkerMetrics
 
 logger = logging.getLogger("minivllm.engine")
@@ -60,6 +63,60 @@ class StatLoggerBase:
 
     def log(self, stats: Stats) -> None:
         raise NotImplementedError
+
+
+class EngineStatsMixin:
+    """`LLMEngine`'s stat loggers (`self.stat_loggers`) and the `Stats` each step fills."""
+
+    def add_logger(self, logger_name: str, stat_logger: StatLoggerBase) -> None:
+        if logger_name in self.stat_loggers:
+            raise KeyError(f"a logger named {logger_name!r} already exists.")
+        self.stat_loggers[logger_name] = stat_logger
+
+    def remove_logger(self, logger_name: str) -> None:
+        if logger_name not in self.stat_loggers:
+            raise KeyError(f"no logger named {logger_name!r}.")
+        del self.stat_loggers[logger_name]
+
+    def _new_stats(self, now: float, scheduler_outputs) -> Stats:
+        return Stats(now=now, num_running_sys=0, num_waiting_sys=0, num_swapped_sys=0,
+                     gpu_cache_usage_sys=0.0, cpu_cache_usage_sys=0.0, gpu_prefix_cache_hit_rate=0.0,
+                     num_preemption_iter=scheduler_outputs.preempted)
+
+    def _log_stats(self, stats: Stats) -> None:
+        """Fill in the system's state after the step, then hand the record to every logger."""
+        scheduler = self.scheduler
+        num_gpu, num_cpu = self.cache_config.num_gpu_blocks, self.cache_config.num_cpu_blocks
+        stats.num_running_sys = len(scheduler.running)
+        stats.num_waiting_sys = len(scheduler.waiting)
+        stats.num_swapped_sys = len(scheduler.swapped)
+        stats.gpu_cache_usage_sys = 1.0 - scheduler.block_manager.get_num_free_gpu_blocks() / num_gpu
+        stats.cpu_cache_usage_sys = 1.0 - scheduler.block_manager.get_num_free_cpu_blocks() / num_cpu if num_cpu else 0.0
+        stats.gpu_prefix_cache_hit_rate = scheduler.get_prefix_cache_hit_rate()
+        for stat_logger in self.stat_loggers.values():
+            stat_logger.log(stats)
+
+    @staticmethod
+    def _record_token_times(seq_group: SequenceGroup, now: float, stats: Stats) -> None:
+        """A token came back for `seq_group`: its time to first token, or since the last one."""
+        metrics = seq_group.metrics
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+            stats.time_to_first_tokens_iter.append(now - metrics.arrival_time)
+        else:
+            stats.time_per_output_tokens_iter.append(now - metrics.last_token_time)
+        metrics.last_token_time = now
+
+    @staticmethod
+    def _record_finished_request(seq_group: SequenceGroup, now: float, stats: Stats) -> None:
+        metrics = seq_group.metrics
+        stats.time_e2e_requests.append(now - metrics.arrival_time)
+        if metrics.time_in_queue is not None:
+            stats.time_in_queue_requests.append(metrics.time_in_queue)
+        stats.num_prompt_tokens_requests.append(len(seq_group.prompt_token_ids))
+        stats.num_generation_tokens_requests.append(sum(s.get_output_len() for s in seq_group.get_seqs()))
+        reasons = [SequenceStatus.get_finished_reason(s.status) for s in seq_group.get_seqs()]
+        stats.finished_reason_requests.append(reasons[0] or "")
 
 
 class LoggingStatLogger(StatLoggerBase):

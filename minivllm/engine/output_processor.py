@@ -1,17 +1,10 @@
-"""What the engine does with each step's samples: append, fork, stop, select beams.
+"""What the engine does with each step's samples: append, fork, detokenize, stop, free.
 
-Mirrors `vllm/engine/output_processor/single_step.py` and `stop_checker.py` (v0, ~0.6).
-
-For each scheduled request, the sampler returned `SequenceOutput`s, each naming the parent
-sequence it extends. A parent with one sample just appends the token. A parent with several
-(the prompt step of `n > 1` / `best_of`, or a beam that won several candidates) keeps the
-last sample itself and **forks** a child per other sample: `Sequence.fork` copies the token
-list, `Scheduler.fork_seq` copies the block table and raises the blocks' reference counts, so
-parent and children share their KV cache until one of them writes to a shared block
-(copy-on-write, done by the block manager at the next `append_slots`).
-
-Beam search then keeps only the best `beam_width` of those children (vLLM 0.6's selection),
-freeing the rest; parallel sampling keeps them all.
+Mirrors `vllm/engine/output_processor/single_step.py` and `stop_checker.py` (v0, 0.6). Each
+`SequenceOutput` names the parent sequence it extends. A parent with several samples (the
+prompt step of `best_of` > 1, a beam that won several candidates) keeps the last and forks a
+child per other one: `Scheduler.fork_seq` shares the parent's blocks (copy-on-write). Beam
+search keeps the best `beam_width` of them (`beam_search.py`); parallel sampling keeps all.
 """
 
 from __future__ import annotations
@@ -19,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from minivllm.core.scheduler import Scheduler
+from minivllm.engine.beam_search import select_beams
 from minivllm.engine.detokenizer import Detokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceGroup, SequenceOutput, SequenceStatus
@@ -79,14 +73,8 @@ class StopChecker:
 
 
 class SequenceGroupOutputProcessor:
-    """Applies one request's samples to its sequences (see the module docstring).
-
-    Args:
-        scheduler: forks and frees sequences' blocks (`fork_seq`, `free_seq`).
-        detokenizer: appends each new token's text.
-        stop_checker: decides which sequences finished.
-        seq_counter: source of new sequence ids (shared with the engine).
-    """
+    """Applies one request's samples to its sequences. The scheduler forks and frees their
+    blocks (`fork_seq`, `free_seq`); `seq_counter` (the engine's) numbers new sequences."""
 
     def __init__(self, scheduler: Scheduler, detokenizer: Detokenizer, stop_checker: StopChecker,
                  seq_counter: Iterator[int]) -> None:
@@ -106,15 +94,15 @@ class SequenceGroupOutputProcessor:
             new_char_count = self.detokenizer.decode_sequence_inplace(seq, params) if params.detokenize else 0
             self.stop_checker.maybe_stop_sequence(seq, new_char_count, params)
         if params.use_beam_search:
-            selected, unselected = self._select_beams(seq_group, child_seqs, existing_finished)
+            selected, unselected = select_beams(
+                seq_group, child_seqs, existing_finished, self.stop_checker)
         else:
             selected, unselected = child_seqs, []
         self._apply_selection(seq_group, selected, unselected)
 
     def _continue_lone_sequence(self, seq: Sequence, sample: SequenceOutput, params: SamplingParams) -> None:
-        """The common case (n = 1): what the general path does for one sequence with one
-        sample (append, detokenize, stop check, free if finished), without its fork and
-        selection bookkeeping, which costs more than the rest once per token per request."""
+        """n = 1: the general path for one sequence and one sample, without the fork and
+        selection bookkeeping that would cost more than the rest, once per token."""
         if sample.parent_seq_id != seq.seq_id or seq.status != SequenceStatus.RUNNING:
             raise ValueError(f"sample for sequence {sample.parent_seq_id}, but sequence {seq.seq_id} "
                              f"is the request's running one (status {seq.status.name}).")
@@ -160,57 +148,3 @@ class SequenceGroupOutputProcessor:
             if seq is parent:
                 seq_group.remove(seq.seq_id)
                 self.scheduler.free_seq(seq)
-
-    # ------------------------------------------------------------------ beam search
-    def _select_beams(self, seq_group: SequenceGroup, child_seqs: list[ChildAndParent],
-                      existing_finished: list[Sequence]) -> tuple[list[ChildAndParent], list[ChildAndParent]]:
-        """vLLM 0.6's selection: the best `beam_width` finished beams (new ones compete with
-        those of earlier steps, by `cumulative_logprob / len ** length_penalty`), and the best
-        `beam_width` running ones, unless the search is done (`_beam_search_done`).
-
-        Returns (selected, unselected) lists of (seq, parent).
-        """
-        params = seq_group.sampling_params
-        beam_width = params.best_of
-        selected: list[ChildAndParent] = []
-        unselected: list[ChildAndParent] = []
-        # (seq, parent, is_new) for all finished beams, best first.
-        finished = [(s, None, False) for s in existing_finished]
-        finished += [(s, p, True) for s, p in child_seqs if s.is_finished()]
-        finished.sort(key=lambda x: self._score(x[0], params), reverse=True)
-        for seq, parent, is_new in finished[:beam_width]:
-            if is_new:
-                selected.append((seq, parent))
-        for seq, parent, is_new in finished[beam_width:]:
-            if is_new:
-                unselected.append((seq, parent))
-            else:
-                seq_group.remove(seq.seq_id)  # an old finished beam pushed out of the top
-        running = sorted(((s, p) for s, p in child_seqs if not s.is_finished()),
-                         key=lambda x: self._score(x[0], params), reverse=True)
-        if not running:
-            done = True
-        elif len(finished) < beam_width:
-            done = False
-        else:
-            done = self._beam_search_done(params, running[0][0], finished[beam_width - 1][0])
-        if done:
-            unselected += running
-        else:
-            selected += running[:beam_width]
-            unselected += running[beam_width:]
-        return selected, unselected
-
-    def _score(self, seq: Sequence, params: SamplingParams, seq_len: int | None = None) -> float:
-        return seq.get_beam_search_score(params.length_penalty, seq_len, self.stop_checker.eos_token_id)
-
-    def _beam_search_done(self, params: SamplingParams, best_running: Sequence, worst_finished: Sequence) -> bool:
-        """`early_stopping` as in transformers: True stops once beam_width beams finished;
-        False stops when the best running beam, scored now, cannot beat the worst kept finished
-        one; "never" scores the best running beam at the longest length it could still reach."""
-        if params.early_stopping is True:
-            return True
-        best_len = None
-        if params.early_stopping == "never" and params.length_penalty > 0.0:
-            best_len = max(best_running.get_prompt_len() + params.max_tokens, self.stop_checker.max_model_len)
-        return self._score(worst_finished, params) >= self._score(best_running, params, best_len)

@@ -1,14 +1,10 @@
-"""Offline batched generation: `LLM`, vLLM's quickstart class.
+"""Offline batched generation: `LLM`, vLLM's quickstart class (`vllm/entrypoints/llm.py`, v0).
 
     from minivllm import LLM, SamplingParams
     llm = LLM()                                      # the bundled tiny-shakespeare model
     outputs = llm.generate(["ROMEO:", "JULIET:"], SamplingParams(temperature=0.8, max_tokens=32))
     for output in outputs:
         print(output.prompt, output.outputs[0].text)
-
-`generate` adds every prompt to one `LLMEngine` and steps it until all are done: the
-scheduler batches them continuously, so a batch of prompts runs far faster than a loop
-over them. Mirrors `vllm/entrypoints/llm.py` (v0).
 """
 
 from __future__ import annotations
@@ -19,19 +15,16 @@ from collections.abc import Sequence
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine, PromptInput
+from minivllm.engine.profiler import LLMProfilerMixin
 from minivllm.entrypoints.gc_tuning import gc_heap_frozen
 from minivllm.lora.request import LoRARequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
 
-class LLM:
-    """A model ready to generate; `LLM.llm_engine` is the `LLMEngine` underneath.
-
-    Args:
-        model: checkpoint folder or hub id; None = the bundled tiny-shakespeare model.
-        **engine_args: any `EngineArgs` field (block_size=..., enable_prefix_caching=True, ...).
-    """
+class LLM(LLMProfilerMixin):
+    """A model ready to generate over one `LLMEngine` (`llm_engine`). `model`: a checkpoint
+    folder or hub id (None: the bundled model); `engine_args`: any `EngineArgs` field."""
 
     def __init__(self, model: str | None = None, **engine_args) -> None:
         self.llm_engine = LLMEngine.from_engine_args(EngineArgs(model=model, **engine_args))
@@ -40,39 +33,19 @@ class LLM:
     def get_tokenizer(self):
         return self.llm_engine.get_tokenizer()
 
-    def start_profile(self) -> None:
-        """Profile every worker (torch.profiler) until `stop_profile`; see `LLMEngine.start_profile`."""
-        self.llm_engine.start_profile()
-
-    def stop_profile(self) -> list[str]:
-        """The workers' Chrome traces (one per rank) of the calls since `start_profile`."""
-        return self.llm_engine.stop_profile()
-
-    def generate(
-        self,
-        prompts: PromptInput | Sequence[PromptInput] | None = None,
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        prompt_token_ids: list[int] | list[list[int]] | None = None,
-        use_tqdm: bool = True,
-        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-        priority: list[int] | None = None,
-    ) -> list[RequestOutput]:
-        """Generate for every prompt; returns the finished outputs in the prompts' order.
-
-        Args:
-            prompts: a string, `{"prompt": text}`, `{"prompt_token_ids": [...]}`, or a list of them.
-            sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
-            prompt_token_ids: vLLM's older keyword form, token ids instead of `prompts`: one
-                list of ids, or a list of them (give one of the two; vLLM lets text win).
-            use_tqdm: show a progress bar with prompt and generation throughput.
-            lora_request: with `enable_lora=True`, one adapter for all prompts, or a list with one
-                per prompt (None for the base model).
-            priority: one per prompt, with `scheduling_policy="priority"` (lower runs first).
+    def generate(self, prompts: PromptInput | Sequence[PromptInput] | None = None,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 prompt_token_ids: list[int] | list[list[int]] | None = None, use_tqdm: bool = True,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: list[int] | None = None) -> list[RequestOutput]:
+        """The finished outputs, in the prompts' order. `prompts`: a string, `{"prompt": text}`,
+        `{"prompt_token_ids": [...]}` or a list of them (or vLLM's older `prompt_token_ids`:
+        one list of ids, or several). `sampling_params` and `lora_request`: one for all prompts,
+        or one per prompt; `priority`: one per prompt (with `scheduling_policy="priority"`).
         """
         prompts = _as_prompt_list(prompts, prompt_token_ids)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        params_list = self._params_per_prompt(sampling_params, len(prompts))
+        params = SamplingParams() if sampling_params is None else sampling_params
+        params_list = self._params_per_prompt(params, len(prompts))
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts: give one per prompt.")
@@ -82,23 +55,14 @@ class LLM:
             raise ValueError(f"got {len(loras)} lora requests for {len(prompts)} prompts: give one, or one per prompt.")
         return self._generate(prompts, params_list, priorities, use_tqdm, loras)
 
-    def chat(
-        self,
-        messages: list[dict[str, str]] | list[list[dict[str, str]]],
-        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
-        chat_template: str | None = None,
-        add_generation_prompt: bool = True,
-        continue_final_message: bool = False,
-        lora_request: LoRARequest | None = None,
-    ) -> list[RequestOutput]:
-        """Generate replies to conversations, rendered with the tokenizer's chat template.
-
-        vLLM's `LLM.chat`: `messages` is one conversation (`[{"role": "user", "content":
-        "..."}]`) or a list of them; each becomes one prompt, `chat_template` (a Jinja string)
-        replacing the tokenizer's. As the OpenAI server does, the rendered text is tokenized
-        without adding special tokens: the template writes BOS itself.
-        """
+    def chat(self, messages: list[dict[str, str]] | list[list[dict[str, str]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None, add_generation_prompt: bool = True,
+             continue_final_message: bool = False,
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
+        """Replies to one conversation (`[{"role": "user", "content": "..."}]`) or a list of
+        them, each rendered by the tokenizer's chat template (or `chat_template`, Jinja). As
+        in the OpenAI server, no special tokens are added: the template writes BOS itself."""
         if not messages:
             raise ValueError("messages is empty: give a conversation, a list of {'role', 'content'} dicts.")
         conversations = [messages] if isinstance(messages[0], dict) else list(messages)
@@ -112,9 +76,8 @@ class LLM:
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _generate(self, prompts: list[PromptInput], params_list: list[SamplingParams], priorities: list[int],
-                  use_tqdm: bool, loras: list[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                  use_tqdm: bool, loras: list[LoRARequest | None]) -> list[RequestOutput]:
         request_ids = []
-        loras = loras or [None] * len(prompts)
         try:
             for prompt, params, priority, lora in zip(prompts, params_list, priorities, loras):
                 request_id = str(next(self.request_counter))
@@ -131,12 +94,10 @@ class LLM:
             finished = self._run_engine(len(request_ids), use_tqdm)
         except BaseException:
             # Whatever stopped the loop, no request of this call may outlive it holding blocks.
-            self.llm_engine.abort_request([r for r in request_ids if self._is_unfinished(r)])
+            unfinished = {g.request_id for g in self.llm_engine._unfinished_groups()}
+            self.llm_engine.abort_request([r for r in request_ids if r in unfinished])
             raise
         return [finished[request_id] for request_id in request_ids]
-
-    def _is_unfinished(self, request_id: str) -> bool:
-        return any(g.request_id == request_id for g in self.llm_engine._unfinished_groups())
 
     @staticmethod
     def _params_per_prompt(sampling_params, num_prompts: int) -> list[SamplingParams]:
@@ -144,9 +105,8 @@ class LLM:
             return [sampling_params] * num_prompts
         params_list = list(sampling_params)
         if len(params_list) != num_prompts:
-            raise ValueError(
-                f"got {len(params_list)} sampling params for {num_prompts} prompts: give one, or one per prompt."
-            )
+            raise ValueError(f"got {len(params_list)} sampling params for {num_prompts} prompts: "
+                             "give one, or one per prompt.")
         return params_list
 
     def _run_engine(self, num_requests: int, use_tqdm: bool) -> dict[str, RequestOutput]:
@@ -156,28 +116,22 @@ class LLM:
             from tqdm.auto import tqdm  # only when a bar is wanted (scripts run without tqdm)
 
             bar = tqdm(total=num_requests, desc="Processed prompts", dynamic_ncols=True)
+        prompt_tokens = generated_tokens = 0
         with gc_heap_frozen():  # no full GC scan of the model's objects mid-run
-            self._step_until_done(finished, bar)
+            while self.llm_engine.has_unfinished_requests():
+                for output in (o for o in self.llm_engine.step() if o.finished):
+                    finished[output.request_id] = output
+                    prompt_tokens += len(output.prompt_token_ids)
+                    generated_tokens += sum(len(c.token_ids) for c in output.outputs)
+                    if bar is not None:
+                        elapsed = bar.format_dict["elapsed"] or 1e-9
+                        bar.set_postfix_str(
+                            f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, "
+                            f"output: {generated_tokens / elapsed:.1f} toks/s")
+                        bar.update(1)
         if bar is not None:
             bar.close()
         return finished
-
-    def _step_until_done(self, finished: dict[str, RequestOutput], bar) -> None:
-        prompt_tokens = generated_tokens = 0
-        while self.llm_engine.has_unfinished_requests():
-            for output in self.llm_engine.step():
-                if not output.finished:
-                    continue
-                finished[output.request_id] = output
-                prompt_tokens += len(output.prompt_token_ids)
-                generated_tokens += sum(len(c.token_ids) for c in output.outputs)
-                if bar is not None:
-                    elapsed = bar.format_dict["elapsed"] or 1e-9
-                    bar.set_postfix_str(
-                        f"est. speed input: {prompt_tokens / elapsed:.1f} toks/s, "
-                        f"output: {generated_tokens / elapsed:.1f} toks/s"
-                    )
-                    bar.update(1)
 
 
 def _as_prompt_list(prompts, prompt_token_ids) -> list[PromptInput]:

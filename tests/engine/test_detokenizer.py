@@ -9,7 +9,8 @@ from transformers import AutoTokenizer
 
 import engine_test_checkpoints as checkpoints  # registered by conftest.py
 from minivllm.bundled_models import resolve_model
-from minivllm.engine.detokenizer import Detokenizer, StreamingDetokenizer, make_detokenizer
+from minivllm.engine.detokenizer import Detokenizer, make_detokenizer
+from minivllm.engine.stream_detokenizer import StreamingDetokenizer
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence
 
@@ -84,7 +85,7 @@ def test_a_fork_rebuilds_its_stream_and_goes_on_exactly(continuation, fork_at):
 def test_a_token_the_stream_refuses_falls_back_to_the_window(monkeypatch):
     """If `DecodeStream.step` raises, that token is decoded the window's way and the next
     token builds a fresh stream: the text is still exactly the full decode."""
-    import minivllm.engine.detokenizer as module
+    import minivllm.engine.stream_detokenizer as module
 
     calls, real_stream = {"n": 0}, module.DecodeStream
 

@@ -12,7 +12,8 @@ import pytest
 
 from minivllm import LLM
 from minivllm.engine.arg_utils import EngineArgs
-from minivllm.engine.llm_engine import TORCH_PROFILER_DIR_ENV, LLMEngine
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.profiler import TORCH_PROFILER_DIR_ENV
 from minivllm.executor.distributed_executor import WorkerDiedError
 from minivllm.executor.multiproc_executor import MultiprocessingDistributedExecutor
 from minivllm.sampling_params import SamplingParams

@@ -1,0 +1,45 @@
+"""A request's prompt as token ids, checked against the model: `process_prompt`.
+
+Mirrors `vllm/inputs/preprocess.py` (v0's `InputPreprocessor`: text or token ids in, token
+ids out). Every check raises `InvalidParameterError` (a ValueError) naming the field.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+from typing import Any
+
+from minivllm.sampling_params import InvalidParameterError
+
+PromptInput = str | dict[str, Any]
+
+
+def process_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> tuple[str | None, list[int]]:
+    """(text or None, token ids) of a string or a `{"prompt_token_ids": [...], "prompt": text}`."""
+    if isinstance(prompt, str) and tokenizer is None:
+        raise InvalidParameterError("prompt", "skip_tokenizer_init is set: give {'prompt_token_ids': [...]}, not text.")
+    if isinstance(prompt, str):
+        text, token_ids = prompt, tokenizer.encode(prompt) if prompt else []
+    elif isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+        text, token_ids = prompt.get("prompt"), prompt["prompt_token_ids"]
+        if text is not None and not isinstance(text, str):
+            raise InvalidParameterError("prompt", f"the prompt's text must be a string, got {text!r}.")
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Iterable):
+            raise InvalidParameterError("prompt_token_ids", f"prompt_token_ids must be a list, got {token_ids!r}.")
+        token_ids = list(token_ids)
+    else:
+        raise InvalidParameterError(
+            "prompt", f"prompt must be a string or a dict with 'prompt_token_ids', got {prompt!r:.200}.")
+    if not token_ids:
+        raise InvalidParameterError("prompt", "the prompt is empty: give at least one token.")
+    check_token_ids("prompt", token_ids, vocab_size)
+    return text, [int(t) for t in token_ids]
+
+
+def check_token_ids(name: str, token_ids: Iterable[object], vocab_size: int) -> None:
+    """Every id must index the embedding table (and the logits): else a step would fail."""
+    bad = [t for t in token_ids
+           if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
+    if bad:
+        raise InvalidParameterError(name, f"{name} must be token ids, integers in [0, {vocab_size}), got {bad[:5]}.")
