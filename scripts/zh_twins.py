@@ -8,6 +8,7 @@ twin come from running the twin itself (scripts/run_notebooks.sh notebooks/zh/X.
     python scripts/zh_twins.py check [notebooks/zh/X.ipynb ...]  # every twin when none is named
     python scripts/zh_twins.py sync  [notebooks/zh/X.ipynb ...]  # take the English code cells
     python scripts/zh_twins.py new   notebooks/X.ipynb            # start a twin (English prose)
+    python scripts/zh_twins.py link  [notebooks/zh/X.ipynb ...]  # English cell 0 links to its twin
 
 `check` exits non-zero and lists every drifted cell. `sync` copies the English code cells into
 the twin: a cell whose source changed loses its outputs (re-run the twin); a code cell added in
@@ -152,8 +153,25 @@ def new(english: Path) -> Path:
     return twin
 
 
+def english_link_line(twin: Path) -> str:
+    return f"**English** · [中文](zh/{twin.name})"
+
+
+def link_english(twin: Path) -> bool:
+    """Put the link to `twin` under the title of its English notebook's first cell; True if added."""
+    english = english_of(twin)
+    nb = nbformat.read(english, as_version=4)
+    first = nb.cells[0]
+    if f"](zh/{twin.name})" in _source(first):
+        return False
+    title, _, rest = _source(first).partition("\n")
+    first.source = f"{title}\n\n{english_link_line(twin)}\n{rest}"
+    nbformat.write(nb, english)
+    return True
+
+
 def main(argv: list[str]) -> int:
-    if not argv or argv[0] not in {"check", "sync", "new"}:
+    if not argv or argv[0] not in {"check", "sync", "new", "link"}:
         print(__doc__)
         return 2
     mode, paths = argv[0], [Path(p) for p in argv[1:]]
@@ -162,6 +180,11 @@ def main(argv: list[str]) -> int:
             print(f"started {_rel(new(path))}")
         return 0
     twins = paths or all_twins()
+    if mode == "link":
+        for twin in twins:
+            added = link_english(twin)
+            print(f"{_rel(english_of(twin))}: {'links to' if added else 'already links to'} {twin.name}")
+        return 0
     if mode == "sync":
         for twin in twins:
             for line in sync(twin) or [f"{_rel(twin)}: in sync"]:

@@ -96,3 +96,12 @@ def test_a_twin_links_to_its_english_notebook(copied_twin):
     nbformat.write(nb, twin)
     assert zh_twins.drift(twin, english) == [
         f"{twin}: cell 0: no link to the English notebook (../{english.name})"]
+
+
+def test_link_puts_the_twin_under_the_english_title_once(copied_twin):
+    twin, english = copied_twin
+    assert zh_twins.link_english(twin) is True
+    assert zh_twins.link_english(twin) is False  # idempotent
+    first = nbformat.read(english, as_version=4).cells[0].source.splitlines()
+    assert first[0].startswith("# ") and first[2] == f"**English** · [中文](zh/{twin.name})"
+    assert zh_twins.drift(twin, english) == []  # prose only: the twin is still in sync
