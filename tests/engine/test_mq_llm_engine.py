@@ -9,18 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import os
+import pickle
 import signal
 import time
 from pathlib import Path
 
 import pytest
+import zmq
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import EngineStepError
 from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import StatLoggerBase
-from minivllm.engine.multiprocessing import MQEngineDeadError
+from minivllm.engine.multiprocessing import (IPC_HEARTBEAT_EXT, IPC_INPUT_EXT, IPC_RPC_EXT, MQEngineDeadError,
+                                             RPCAbortRequest, RPCProcessRequest)
 from minivllm.engine.multiprocessing.client import MQLLMEngineClient
+from minivllm.engine.multiprocessing.engine import MQLLMEngine
 from minivllm.sampling_params import SamplingParams
 
 ARGS = dict(device="cpu", seed=0, max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=64, swap_space=0.01)
@@ -154,7 +158,7 @@ def test_a_killed_engine_process_fails_requests_within_seconds():
     finally:
         client.shutdown()
     assert waited < 5.0  # noticed by the output loop's liveness check (every second), not a hang
-    assert isinstance(MQEngineDeadError("x"), EngineStepError)  # the server answers it with a 500
+    assert isinstance(MQEngineDeadError("x"), EngineStepError)  # a step error's kind (the server answers 503)
     assert not client.process.is_alive() and not ipc_dir.exists()
     # Both contexts closed here, not left to the GC: a context collected in one cycle with its
     # open socket waits forever in term() (this once hung the suite in the next test's GC pass).
@@ -234,3 +238,60 @@ def test_shutdown_from_another_thread_than_the_output_loops_closes_everything():
         loop.call_soon_threadsafe(loop.stop)
         thread.join(5)
         loop.close()
+
+
+def test_a_malformed_frame_on_the_engines_sockets_is_dropped_and_the_engine_goes_on(client):
+    """Garbage on the input socket (not a pickle, several frames, a foreign object, a request
+    whose fields are wrong) and on the RPC socket (answered with an error, as the REP socket
+    must answer): the engine process logs and drops each, and serves on."""
+    ctx = zmq.Context()
+    try:
+        push = ctx.socket(zmq.PUSH)
+        push.connect(client.ipc_path + IPC_INPUT_EXT)
+        push.send(b"\x80not a pickle")
+        push.send_multipart([b"two", b"frames"])
+        push.send(pickle.dumps("a string"))
+        push.send(pickle.dumps(RPCAbortRequest(request_ids=7)))  # not a list
+        push.send(pickle.dumps(RPCProcessRequest(["unhashable"], "ROMEO:", GREEDY, 0.0)))
+        req = ctx.socket(zmq.REQ)
+        req.connect(client.ipc_path + IPC_RPC_EXT)
+        req.send(b"\x80garbage")
+        assert req.poll(30_000), "the RPC socket did not answer"
+        assert isinstance(pickle.loads(req.recv()).exception, ValueError)
+        push.close(linger=1000)  # delivered before the request below
+    finally:
+        ctx.destroy(linger=1000)
+    outputs = run(client, collect(client, "after-garbage", PROMPTS[0]))
+    assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference(PROMPTS[:1])[0].token_ids
+    assert client.process.is_alive() and not client.errored
+
+
+class _IdleEngine:
+    """What MQLLMEngine needs of an LLMEngine when its loop never runs."""
+
+    def add_logger(self, name, logger) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass
+
+
+def test_the_heartbeat_says_when_the_engine_loop_stops_coming_round(tmp_path):
+    """A loop that never comes round (a step that hangs) is reported by the heartbeat thread,
+    which beats on while the process lives."""
+    ipc_path = f"ipc://{tmp_path}/engine"
+    engine = MQLLMEngine(_IdleEngine(), ipc_path, loop_stall_timeout_s=1.0)
+    ctx = zmq.Context()
+    try:
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(ipc_path + IPC_HEARTBEAT_EXT)
+        beats = []
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (beats and beats[-1].error):
+            if pull.poll(1000):
+                beats.append(pull.recv_pyobj())
+        assert beats[0].error is None  # fresh: healthy
+        assert "has not come round" in beats[-1].error
+    finally:
+        ctx.destroy(linger=0)
+        engine.close()

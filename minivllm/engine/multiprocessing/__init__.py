@@ -12,6 +12,12 @@ no GIL:
     MQLLMEngineClient ─ input (PUSH) ─ RPCProcessRequest ─> MQLLMEngine ─> LLMEngine.step()
                       <─ output (PULL) ─ RPCStepOutputs ──┘   (the same loop as AsyncLLMEngine's)
                       ─ rpc (REQ/REP) ─ start-up, LoRA adapters
+                      <─ heartbeat (PUSH) ─ RPCHeartbeat ── a thread of the engine process
+
+The heartbeat (vLLM's engine health check) comes from a thread of its own every
+`HEARTBEAT_INTERVAL_S`: a long step does not delay it, a frozen process sends none, and a
+loop that stops coming round (a step that hangs) is reported in it. The client declares the
+engine dead when the heartbeats stop or report a hung loop (`client.HEARTBEAT_TIMEOUT_S`).
 
 The messages are pickled Python objects over ZeroMQ `ipc://` sockets, as in vLLM; outputs
 travel as deltas (`deltas.py`). Detokenizing stays in the engine process, as in vLLM v0.
@@ -29,8 +35,11 @@ from minivllm.engine.async_llm_engine import EngineStepError
 IPC_INPUT_EXT = "_input_socket"
 IPC_OUTPUT_EXT = "_output_socket"
 IPC_RPC_EXT = "_rpc_socket"
+IPC_HEARTBEAT_EXT = "_heartbeat_socket"
 # How often a waiting side checks that the other process is still alive.
 POLLING_TIMEOUT_MS = 1000
+# How often the engine process says it is alive.
+HEARTBEAT_INTERVAL_S = 0.5
 
 
 def remove_ipc_dir(ipc_path: str) -> None:
@@ -39,7 +48,8 @@ def remove_ipc_dir(ipc_path: str) -> None:
 
 
 class MQEngineDeadError(EngineStepError):
-    """The engine process is gone: every request in flight fails with this, and so does every new one."""
+    """The engine process is gone or unresponsive (frozen, its loop hung): every request in flight
+    fails with this, and so does every new one (the server answers 503)."""
 
 
 # ------------------------------------------------------------- client -> engine
@@ -109,6 +119,13 @@ class RPCStepFailed:
 
     request_ids: list[str]
     message: str
+
+
+@dataclass
+class RPCHeartbeat:
+    """The engine process is alive; `error` says why it cannot serve even so (its loop hangs)."""
+
+    error: str | None = None
 
 
 @dataclass

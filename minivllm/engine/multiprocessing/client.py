@@ -8,8 +8,11 @@ configs, stat loggers, LoRA adapters), so the server does not know which one it 
     abort ────────RPCAbortRequest────> (the stream ends here at once, the blocks free there)
     output loop <─RPCStepOutputs────── each step: outputs to their streams, Stats to the loggers
 
-If the engine process dies, the output loop notices within a second: every stream in flight
-ends with `MQEngineDeadError`, `check_health` raises, and new requests are refused.
+The output loop also reads the engine's heartbeat. If the engine process dies, it notices
+within a second; if the heartbeats stop (the process is frozen) or say the engine loop hangs,
+within `HEARTBEAT_TIMEOUT_S`. Either way every stream in flight ends with `MQEngineDeadError`,
+`check_health` raises, and new requests are refused (the server answers 503). RPCs block their
+caller: the server makes them from a worker thread, never on its event loop.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import contextlib
 import itertools
 import logging
 import multiprocessing
+import pickle
 import tempfile
 import threading
 import time
@@ -31,10 +35,11 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import AsyncStream, EngineStepError
 from minivllm.engine.llm_engine import _load_tokenizer
 from minivllm.engine.metrics import StatLoggerBase
-from minivllm.engine.multiprocessing import (IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT, POLLING_TIMEOUT_MS,
-                                             MQEngineDeadError, RPCAbortRequest, RPCError, RPCProcessRequest,
-                                             RPCRequestAccepted, RPCShutdownRequest, RPCStartupRequest,
-                                             RPCStepFailed, RPCStepOutputs, RPCUtilityRequest, remove_ipc_dir)
+from minivllm.engine.multiprocessing import (IPC_HEARTBEAT_EXT, IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT,
+                                             POLLING_TIMEOUT_MS, MQEngineDeadError, RPCAbortRequest, RPCError,
+                                             RPCHeartbeat, RPCProcessRequest, RPCRequestAccepted,
+                                             RPCShutdownRequest, RPCStartupRequest, RPCStepFailed, RPCStepOutputs,
+                                             RPCUtilityRequest, remove_ipc_dir)
 from minivllm.engine.multiprocessing.deltas import OutputDeltaDecoder
 from minivllm.engine.multiprocessing.engine import run_mp_engine
 from minivllm.engine.protocol import EngineClient
@@ -49,6 +54,9 @@ STARTUP_TIMEOUT_S = 900.0
 RPC_TIMEOUT_S = 120.0
 # How long `shutdown` lets the engine process exit on its own before terminating it.
 SHUTDOWN_TIMEOUT_S = 30.0
+# No heartbeat for this long (the engine process sends one every HEARTBEAT_INTERVAL_S, from a
+# thread that a long step does not hold up): the process is frozen, and declared dead.
+HEARTBEAT_TIMEOUT_S = 5.0
 
 
 class MergingAsyncStream(AsyncStream):
@@ -102,6 +110,8 @@ class MQLLMEngineClient(EngineClient):
         self.decoder = OutputDeltaDecoder()  # outputs arrive as deltas (deltas.py)
         self._loop_task: asyncio.Task | None = None
         self._output_socket: zmq.asyncio.Socket | None = None
+        self._heartbeat_socket: zmq.asyncio.Socket | None = None
+        self._last_heartbeat = time.monotonic()
         self._dead: str | None = None  # why the engine is unusable, once it is
         try:
             self.engine_config = self._rpc(RPCStartupRequest(), STARTUP_TIMEOUT_S)
@@ -128,10 +138,13 @@ class MQLLMEngineClient(EngineClient):
             remove_ipc_dir(ipc_path)
             raise
 
-    def _connect(self, ctx: zmq.Context, kind: int, suffix: str) -> zmq.Socket:
+    def _connect(self, ctx: zmq.Context, kind: int, suffix: str, conflate: bool = False) -> zmq.Socket:
         socket = ctx.socket(kind)
-        socket.setsockopt(zmq.SNDHWM, 0)
-        socket.setsockopt(zmq.RCVHWM, 0)
+        if conflate:
+            socket.setsockopt(zmq.CONFLATE, 1)  # only the newest message waits to be read
+        else:
+            socket.setsockopt(zmq.SNDHWM, 0)
+            socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.LINGER, 0)
         socket.connect(self.ipc_path + suffix)
         return socket
@@ -185,6 +198,7 @@ class MQLLMEngineClient(EngineClient):
         # An asyncio socket belongs to one event loop: a new one for each loop that serves.
         self.actx = zmq.asyncio.Context()
         self._output_socket = self._connect(self.actx, zmq.PULL, IPC_OUTPUT_EXT)
+        self._heartbeat_socket = self._connect(self.actx, zmq.PULL, IPC_HEARTBEAT_EXT, conflate=True)
         self._loop_task = asyncio.get_running_loop().create_task(self._run_output_loop())
 
     async def stop_background_loop(self) -> None:
@@ -207,30 +221,64 @@ class MQLLMEngineClient(EngineClient):
         open, and the whole process hangs in a GC pass (seen in the test suite)."""
         if self._output_socket is not None:
             self._output_socket.close(linger=0)
+            self._heartbeat_socket.close(linger=0)
             self.actx.destroy(linger=0)
-            self._output_socket = None
+            self._output_socket = self._heartbeat_socket = None
 
     async def _run_output_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self._output_socket, zmq.POLLIN)
+        poller.register(self._heartbeat_socket, zmq.POLLIN)
+        self._last_heartbeat = time.monotonic()  # the engine's heartbeats are read from now on
         try:
             while True:
-                if not await self._output_socket.poll(POLLING_TIMEOUT_MS):
-                    self._check_alive()
-                    continue
-                # Everything that has arrived, then let the streams' readers run: a reader that
-                # keeps up sees every step; behind a backlog (this process is the bottleneck)
-                # its stream merges the queued outputs into one (AsyncStream).
-                while await self._output_socket.poll(0):
-                    self._handle(await self._output_socket.recv_pyobj())
-                await asyncio.sleep(0)
+                events = dict(await poller.poll(POLLING_TIMEOUT_MS))
+                if self._output_socket in events:
+                    # Everything that has arrived, then let the streams' readers run: a reader
+                    # that keeps up sees every step; behind a backlog (this process is the
+                    # bottleneck) its stream merges the queued outputs into one (AsyncStream).
+                    while await self._output_socket.poll(0):
+                        self._handle_frames(await self._output_socket.recv_multipart())
+                    await asyncio.sleep(0)
+                self._check_alive()
+                # After the outputs, whose handling may take a while: never a stale verdict.
+                await self._check_heartbeat()
         except MQEngineDeadError as e:
             logger.error("%s", e)
+            in_flight = list(self.streams)
             self._fail_everything(e)
+            if in_flight and self.process.is_alive():  # a frozen engine that resumes drops them
+                self.input_socket.send_pyobj(RPCAbortRequest(in_flight))
         except Exception as e:  # never die silently: every caller would wait forever
             logger.exception("the engine client's output loop failed")
             self._dead = f"the engine client's output loop failed: {e!r}"
             self._fail_everything(MQEngineDeadError(self._dead))
         finally:  # in the loop's own thread, however the loop ends (cancelled, a dead engine)
             self._close_output_socket()
+
+    async def _check_heartbeat(self) -> None:
+        """Read the newest heartbeat, if one came (CONFLATE keeps only it); raise
+        `MQEngineDeadError` if it reports a hung loop or none came for `HEARTBEAT_TIMEOUT_S`."""
+        if await self._heartbeat_socket.poll(0):
+            heartbeat = await self._heartbeat_socket.recv_pyobj()
+            self._last_heartbeat = time.monotonic()
+            if isinstance(heartbeat, RPCHeartbeat) and heartbeat.error is not None and self._dead is None:
+                self._dead = heartbeat.error
+        silent_s = time.monotonic() - self._last_heartbeat
+        if self._dead is None and silent_s > HEARTBEAT_TIMEOUT_S:
+            self._dead = f"the engine process sent no heartbeat for {silent_s:.0f} s: it is frozen or hung"
+        if self._dead is not None:
+            raise MQEngineDeadError(self._dead)
+
+    def _handle_frames(self, frames: list[bytes]) -> None:
+        """Handle one message from the engine; one that cannot be read or handled is logged
+        and dropped (the loop, and every stream with it, goes on)."""
+        try:
+            if len(frames) != 1:
+                raise ValueError(f"{len(frames)} frames, not 1")
+            self._handle(pickle.loads(frames[0]))
+        except Exception:
+            logger.exception("dropped a message from the engine process that could not be handled")
 
     def _handle(self, message) -> None:
         if isinstance(message, RPCStepOutputs):
@@ -340,10 +388,12 @@ class MQLLMEngineClient(EngineClient):
 
     def shutdown(self) -> None:
         """Stop the engine process (politely, then by force) and release the sockets."""
-        if self.process.is_alive():
+        if self._dead is None and self.process.is_alive():
             with contextlib.suppress(zmq.ZMQError):
                 self.input_socket.send_pyobj(RPCShutdownRequest(), zmq.NOBLOCK)
-        _stop_process(self.process)
+            _stop_process(self.process)
+        else:  # exited, or frozen or hung: it would not answer
+            _stop_process(self.process, timeout_s=0)
         self._dead = self._dead or "the engine was shut down"
         task = self._loop_task
         if task is not None and not task.done() and task.get_loop().is_running():
@@ -357,9 +407,9 @@ class MQLLMEngineClient(EngineClient):
         remove_ipc_dir(self.ipc_path)
 
 
-def _stop_process(process: multiprocessing.Process) -> None:
-    process.join(SHUTDOWN_TIMEOUT_S)
-    if process.is_alive():
+def _stop_process(process: multiprocessing.Process, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+    process.join(timeout_s)
+    if process.is_alive() and timeout_s > 0:
         process.terminate()
         process.join(5)
     if process.is_alive():

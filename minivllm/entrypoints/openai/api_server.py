@@ -14,9 +14,9 @@ Any OpenAI client works against it:
 
 Errors come back as OpenAI's JSON body `{"error": {"message", "type", "param", "code"}}`
 (400 bad request, 401, 404, 413, 500 with only a request id, 503 while the engine process is
-dead or frozen); a request never brings the server down. `build_app`'s keywords (`minivllm serve`'s flags) `api_key`, `allowed_hosts`,
-`allowed_origins`, `max_body_bytes`, `max_prompts_per_request` and `max_seqs_per_request`
-make it safe to share.
+dead or frozen); a request never brings the server down. `build_app`'s keywords (`minivllm
+serve`'s flags) `api_key`, `allowed_hosts`, `allowed_origins`, `max_body_bytes`,
+`max_prompts_per_request` and `max_seqs_per_request` make it safe to share.
 """
 
 from __future__ import annotations
