@@ -6,10 +6,9 @@ offline on a fresh machine. The recipe is nanoGPT's Shakespeare run with Llama's
 
 1. Split the corpus into speeches (its blank-line-separated blocks, each a speaker line and
    the lines spoken); the first 90 % train, the last 10 % are held out for validation.
-2. Write each speech as one training document, `<s>ROMEO: first line\nmore lines\n</s>`:
-   the speaker's name and the first line share a line, and EOS ends the speech. So after the
-   prompt "ROMEO:" the model writes a line of text (not a newline, which made `stop=["\n"]`
-   return nothing), and it ends its speech with EOS instead of running to `max_tokens`.
+2. Write each speech as one training document in one of the layouts a prompt comes in
+   (`PROMPT_FORMS`: `<s>ROMEO:\nlines\n</s>`, `<s>ROMEO: lines\n</s>`, or the lines alone), so
+   the model continues each; EOS ends the speech, so generation stops by itself.
 3. Train a byte-level BPE tokenizer (vocab 4096, `<s>` `</s>` `<pad>`) on the training split.
 4. Train `LlamaForCausalLM` (~5M parameters, grouped-query attention) on random 512-token
    windows of the documents laid end to end, each window starting with BOS; keep the
@@ -22,24 +21,23 @@ and the target's next-token distributions as soft labels (knowledge distillation
 the cross-entropy to the target's softmax, so the draft learns to guess what the target would
 say, which is what the acceptance rate rewards). The bundled draft model was made with
 
-    OMP_NUM_THREADS=1 python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
+    python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
         --distill-from minivllm/bundled_models/tiny-shakespeare --size draft \\
-        --out minivllm/bundled_models/tiny-shakespeare-draft --device cpu --steps 900 --batch-size 8 \\
+        --out minivllm/bundled_models/tiny-shakespeare-draft --device cuda --steps 900 --batch-size 8 \\
         --block-size 256 --lr 2e-3 --min-lr 2e-4 --warmup-steps 30 --dropout 0.0 --eval-interval 100 \\
-        --max-eval-windows 32 --max-minutes 15
+        --max-eval-windows 32
 
-(15 minutes on one core of a shared 2-core CPU; its model card gives the losses and the
-acceptance rate against tiny-shakespeare.)
+(its model card gives the losses and the acceptance rate against tiny-shakespeare).
 
-The bundled model was made in two runs (its model card gives both exactly): a from-scratch run
-on one H100 (about 4 minutes) by this script as of commit 9bac8cd, which trained on the corpus
-as plain text (its output is that commit's bundled model), then a CPU fine-tune of that
-checkpoint with `--init-from` on the speech documents above (11 minutes on 2 shared cores):
+The bundled model was made in three runs (its model card gives each exactly): a from-scratch
+run on one GPU on the corpus as plain text (commit 9bac8cd's script), a CPU fine-tune on the
+speech documents in the inline layout (`--forms inline`), then a GPU fine-tune over the mixed
+layouts of step 2:
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
-        --init-from <the from-scratch checkpoint> --out /tmp/tiny-eos --device cpu --steps 400 \\
-        --batch-size 8 --block-size 256 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --dropout 0.1 \\
-        --eval-interval 50 --max-minutes 18
+        --init-from <run 2's checkpoint> --out /tmp/tiny-forms --device cuda --steps 400 \\
+        --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --dropout 0.1 \\
+        --eval-interval 100 --form-weights corpus=0.45,inline=0.25,verse=0.3 --select last
 
 The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
 ~400 at the default batch): validation loss bottoms out there and climbs after. Keeping the
@@ -57,6 +55,7 @@ import argparse
 import contextlib
 import json
 import math
+import random
 import time
 import urllib.request
 from pathlib import Path
@@ -78,16 +77,29 @@ SIZES = {
     "draft": {"hidden_size": 128, "intermediate_size": 320, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2},
 }
 
-# Each message renders as a speech the way the model was trained on them
-# ("<s>ROMEO: <lines>\n</s>"), so a chat prompt looks like a scene, the model answers in
-# character and ends its answer with EOS. The template writes BOS and EOS itself because
-# apply_chat_template tokenizes with add_special_tokens=False.
+# The layouts of a speech a learner types as a prompt, with their share of the training documents.
+PROMPT_FORMS = {"corpus": 0.5, "inline": 0.3, "verse": 0.2}
+# A verse document needs a few lines, so that one line typed as a prompt is continued.
+MIN_VERSE_LINES = 3
+
+# Each message renders as a speech in the corpus's layout ("<s>ROMEO:\n<lines>\n</s>"), so a
+# chat prompt looks like a scene, the model answers in character and ends its answer with EOS.
+# The template writes BOS and EOS itself because apply_chat_template tokenizes with
+# add_special_tokens=False.
+
 CHAT_TEMPLATE = (
     "{% for message in messages %}"
-    "{{ bos_token }}{{ message['role'] | upper }}: {{ message['content'] }}\n{{ eos_token }}"
+    "{{ bos_token }}{{ message['role'] | upper }}:\n{{ message['content'] }}\n{{ eos_token }}"
     "{% endfor %}"
-    "{% if add_generation_prompt %}{{ bos_token }}ASSISTANT:{% endif %}"
+    "{% if add_generation_prompt %}{{ bos_token }}ASSISTANT:\n{% endif %}"
 )
+
+
+def parse_form_weights(text: str) -> dict[str, float]:
+    weights = {name: float(share) for name, _, share in (item.partition("=") for item in text.split(","))}
+    if set(weights) - set(PROMPT_FORMS) or min(weights.values()) < 0:
+        raise argparse.ArgumentTypeError(f"layouts are {sorted(PROMPT_FORMS)}, shares >= 0: {text!r}")
+    return weights
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -97,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for the checkpoint")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this checkpoint's weights and tokenizer (fine-tune)")
+    p.add_argument("--forms", choices=["inline", "mixed"], default="mixed",
+                   help="how speeches are laid out: all inline, or mixed over PROMPT_FORMS")
+    p.add_argument("--form-weights", type=parse_form_weights, default=PROMPT_FORMS,
+                   help='shares of the layouts for --forms mixed, e.g. "corpus=0.45,inline=0.25,verse=0.3"')
+    p.add_argument("--select", choices=["best", "last"], default="best",
+                   help="keep the best-validation weights (early stopping) or the last")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--distill-from", type=Path, default=None,
@@ -157,14 +175,33 @@ def split_speeches(text: str) -> list[str]:
     return [block for block in blocks if "\n" in block]
 
 
-def speech_document(speech: str) -> str:
-    """`ROMEO:\nBut soft!\nWhat light?` -> `ROMEO: But soft!\nWhat light?\n` (BOS/EOS added later).
+def speech_document(speech: str, form: str = "inline") -> str:
+    """One speech as a training document (BOS/EOS added later), in one of `PROMPT_FORMS`:
 
-    The speaker's name and the first line share a line, so the first token after a
-    "ROMEO:" prompt is text rather than a newline.
+        inline  `ROMEO: But soft!\nWhat light?\n`   the name and the first line share a line
+        corpus  `ROMEO:\nBut soft!\nWhat light?\n`  the corpus's own layout
+        verse   `But soft!\nWhat light?\n`          no speaker
     """
     speaker, _, lines = speech.partition("\n")
-    return f"{speaker} {lines}\n"
+    if form not in PROMPT_FORMS:
+        raise ValueError(f"form must be one of {sorted(PROMPT_FORMS)}, got {form!r}")
+    return {"inline": f"{speaker} {lines}\n", "corpus": f"{speaker}\n{lines}\n", "verse": f"{lines}\n"}[form]
+
+
+def speech_documents(speeches: list[str], forms: str, seed: int,
+                     weights: dict[str, float] = PROMPT_FORMS) -> list[str]:
+    """`--forms inline`: every speech inline; `mixed`: each speech's form drawn by `PROMPT_FORMS`'
+    weights, so the model continues whichever of them a learner types."""
+    if forms == "inline":
+        return [speech_document(speech) for speech in speeches]
+    rng = random.Random(seed)
+    documents = []
+    for speech in speeches:
+        form = rng.choices(list(weights), list(weights.values()))[0]
+        if form == "verse" and speech.count("\n") < MIN_VERSE_LINES:
+            form = "corpus"
+        documents.append(speech_document(speech, form))
+    return documents
 
 
 def split_corpus(speeches: list[str], val_fraction: float = VAL_FRACTION) -> tuple[list[str], list[str]]:
@@ -201,13 +238,12 @@ def train_tokenizer(train_text: str, vocab_size: int = VOCAB_SIZE) -> PreTrained
     )
 
 
-def encode_documents(tokenizer: PreTrainedTokenizerFast, speeches: list[str]) -> torch.Tensor:
-    """Every speech as `<s> document </s>`, laid end to end in one token stream.
+def encode_documents(tokenizer: PreTrainedTokenizerFast, documents: list[str]) -> torch.Tensor:
+    """Every document as `<s> document </s>`, laid end to end in one token stream.
 
     BOS before each speech matches how a prompt is encoded (`<s>ROMEO:`); EOS after it is
     what teaches the model to stop. Special ids are added by id, never parsed from text.
     """
-    documents = [speech_document(speech) for speech in speeches]
     encoded = tokenizer(documents, add_special_tokens=False)["input_ids"]
     bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     stream = [token for ids in encoded for token in (bos, *ids, eos)]
@@ -265,7 +301,7 @@ def load_or_build(args: argparse.Namespace, train_speeches: list[str]
         tokenizer.chat_template = CHAT_TEMPLATE
         return tokenizer, build_model(args, tokenizer)
     if args.init_from is None:
-        train_text = "".join(speech_document(speech) for speech in train_speeches)
+        train_text = "".join(speech_documents(train_speeches, "inline", args.seed))
         tokenizer = train_tokenizer(train_text)
         return tokenizer, build_model(args, tokenizer)
     tokenizer = PreTrainedTokenizerFast.from_pretrained(args.init_from)
@@ -338,8 +374,11 @@ def train(args: argparse.Namespace) -> dict:
     text = load_corpus(args.corpus, args.download)
     train_speeches, val_speeches = split_corpus(split_speeches(text))
     tokenizer, model = load_or_build(args, train_speeches)
-    train_tokens = encode_documents(tokenizer, train_speeches)
-    val_tokens = encode_documents(tokenizer, val_speeches)
+    train_tokens = encode_documents(tokenizer, speech_documents(train_speeches, args.forms, args.seed, args.form_weights))
+    val_tokens = encode_documents(tokenizer, speech_documents(val_speeches, args.forms, args.seed + 1, args.form_weights))
+    # The held-out loss per layout, before and after, shows what the run kept of the start's quality.
+    val_by_form = {form: encode_documents(tokenizer, [speech_document(s, form) for s in val_speeches])
+                   for form in PROMPT_FORMS}
     bos_id = tokenizer.bos_token_id
     print(f"corpus: {len(text):,} chars, {len(train_speeches):,} + {len(val_speeches):,} speeches -> "
           f"train {len(train_tokens):,} tokens, val {len(val_tokens):,} tokens, vocab {len(tokenizer)}",
@@ -362,6 +401,12 @@ def train(args: argparse.Namespace) -> dict:
     # Same number of train windows, evaluated the same way, so the two losses compare.
     train_eval_windows = sample_batch(train_tokens, len(val_windows), args.block_size, bos_id,
                                       torch.Generator().manual_seed(args.seed + 1))
+    form_windows = {form: fixed_windows(tokens, args.block_size, bos_id, args.max_eval_windows)
+                    for form, tokens in val_by_form.items()}
+    def loss_by_form() -> dict:
+        return {form: round(evaluate(model, w, args.batch_size, args.device, autocast), 4)
+                for form, w in form_windows.items()}
+    val_loss_by_form_at_start = loss_by_form()
     history, best = [], {"val_loss": float("inf"), "step": 0, "train_loss": float("nan")}
     best_state = None
     tokens_per_step = args.batch_size * args.block_size
@@ -392,7 +437,7 @@ def train(args: argparse.Namespace) -> dict:
             train_loss = evaluate(model, train_eval_windows, args.batch_size, args.device, autocast)
             history.append({"step": step, "train_loss": train_loss, "val_loss": val_loss})
             print(f"eval step {step:5d} | train {train_loss:.4f} | val {val_loss:.4f}", flush=True)
-            if val_loss < best["val_loss"]:
+            if val_loss < best["val_loss"] or args.select == "last":
                 best = {"val_loss": val_loss, "step": step, "train_loss": train_loss}
                 best_state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
         if out_of_time:
@@ -403,6 +448,7 @@ def train(args: argparse.Namespace) -> dict:
     for h in hooks:
         h.remove()
     model.load_state_dict(best_state)
+    val_loss_by_form_at_best = loss_by_form()
     model = model.to("cpu", torch.float32).eval()
     save(model, tokenizer, args)
     summary = {
@@ -415,6 +461,8 @@ def train(args: argparse.Namespace) -> dict:
         "best_val_loss": round(best["val_loss"], 4),
         "train_loss_at_best": round(best["train_loss"], 4),
         "final_val_loss": round(history[-1]["val_loss"], 4),
+        "val_loss_by_form_at_start": val_loss_by_form_at_start,
+        "val_loss_by_form_at_best": val_loss_by_form_at_best,
         "final_train_loss": round(history[-1]["train_loss"], 4),
         "train_seconds": round(train_seconds, 1),
         "wall_seconds": round(time.time() - t_start, 1),

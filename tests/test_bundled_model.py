@@ -19,15 +19,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from minivllm.bundled_models import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model
 
-MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024  # package data budget (issue 2)
+MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024  # the package data budget
 MIN_PARAMS, MAX_PARAMS = 4_000_000, 10_000_000
 MIN_CONTEXT = 512
 GREEDY_NEW_TOKENS = 48
 # A speech ends with EOS well before this many tokens (the corpus's longest speeches are ~1k).
 SPEECH_TOKEN_LIMIT = 300
-# A speech as the model writes it: the speaker's name, then text on the same line
-# ("ROMEO: But soft!", "KING HENRY VI: What, ...").
-SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z' ]*[A-Za-z]: \S", re.MULTILINE)
+# A speech as the model writes it: the speaker's name, then text on the next line or the same
+# one ("ROMEO:\nBut soft!", "KING HENRY VI: What, ...").
+SPEAKER_LINE = re.compile(r"^[A-Z][A-Za-z' ]*[A-Za-z]:(\n| )\S", re.MULTILINE)
 SPEAKERS = ["ROMEO:", "JULIET:", "First Citizen:", "KING HENRY VI:", "MENENIUS:"]
 
 
@@ -152,7 +152,7 @@ def test_chat_template_renders_messages_as_the_speeches_the_model_was_trained_on
     messages = [{"role": "system", "content": "Speak as a king."},
                 {"role": "user", "content": "Who goes there?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == "<s>SYSTEM: Speak as a king.\n</s><s>USER: Who goes there?\n</s><s>ASSISTANT:"
+    assert text == "<s>SYSTEM:\nSpeak as a king.\n</s><s>USER:\nWho goes there?\n</s><s>ASSISTANT:\n"
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
     # One <s> per speech and one </s> after each finished one, as special tokens (not text).
     assert ids[0] == tokenizer.bos_token_id and ids.count(tokenizer.bos_token_id) == 3
@@ -202,26 +202,9 @@ def test_a_greedy_speech_ends_with_eos(model, tokenizer, speaker):
     assert speech.endswith("\n") and not SPEAKER_LINE.search(speech), f"one speech, got {speech!r}"
 
 
-@pytest.mark.parametrize("speaker", SPEAKERS)
-def test_the_first_line_follows_the_speakers_name(model, tokenizer, speaker):
-    """After "ROMEO:" comes text on the same line (not a newline), so stop=["\n"] gives a line."""
-    input_ids = tokenizer(speaker, return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        out = model.generate(input_ids, max_new_tokens=GREEDY_NEW_TOKENS, do_sample=False,
-                             pad_token_id=tokenizer.pad_token_id)
-    text = tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
-    first_line = text.split("\n")[0]
-    assert first_line.startswith(" ") and re.search(r"[A-Za-z]{2}", first_line), f"{speaker!r} -> {text!r}"
-
-
-# Parity with minivllm's own engine (same prompt, greedy, token-for-token against
-# transformers' output above) is added by the engine engineer once LLMEngine lands:
-# see issue 2, "A test loads it both ways".
-
-
 # ============================================================================= minivllm vs transformers
-# (added by the engine engineer) The bundled model loaded both ways: minivllm's engine
-# (paged KV cache, continuous batching) must produce exactly transformers' greedy tokens.
+# The bundled model loaded both ways: minivllm's engine (paged KV cache, continuous batching)
+# must produce exactly transformers' greedy tokens.
 
 ENGINE_PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proceed any further, hear me"]
 ENGINE_NEW_TOKENS = 32
@@ -263,6 +246,26 @@ def test_minivllm_stops_at_the_models_eos_and_at_a_stop_string(model, tokenizer)
     [line] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, stop=["\n"], max_tokens=SPEECH_TOKEN_LIMIT),
                           use_tqdm=False)
     assert line.outputs[0].finish_reason == "stop"
-    assert line.outputs[0].text and line.outputs[0].text == completion.text.split("\n")[0]
+    assert line.outputs[0].text == completion.text.split("\n")[0]
     [capped] = llm.generate("ROMEO:", SamplingParams(temperature=0.0, max_tokens=3), use_tqdm=False)
     assert capped.outputs[0].finish_reason == "length" and capped.outputs[0].token_ids == expected[:3]
+
+
+# The ways a learner starts a prompt: a speaker's name in the corpus's layout (a line break
+# after it) or with the first words on its line, a line of verse, a chat turn.
+PROMPT_FORMS = ["JULIET:\n", "ROMEO:", "First Citizen:\n", "KING HENRY VI: My lords,",
+                "Friends, Romans, countrymen, lend me your ears;\n"]
+
+
+def test_every_prompt_form_is_continued_with_text_and_then_ends():
+    """Greedy, through the engine: words come before EOS, for each way a prompt is written."""
+    from minivllm import LLM, SamplingParams
+
+    llm = LLM(device="cpu", num_gpu_blocks_override=64)
+    params = SamplingParams(temperature=0.0, max_tokens=SPEECH_TOKEN_LIMIT)
+    chat = llm.chat([{"role": "user", "content": "Good morrow, sir. What news from Verona?"}], params,
+                    use_tqdm=False)
+    for prompt, output in zip(PROMPT_FORMS + ["chat"], llm.generate(PROMPT_FORMS, params, use_tqdm=False) + chat):
+        completion = output.outputs[0]
+        assert re.search(r"[A-Za-z]{2}", completion.text), f"{prompt!r} -> {completion.text!r}"
+        assert completion.finish_reason == "stop", f"{prompt!r} ran to max_tokens"
