@@ -1,25 +1,14 @@
-"""The memory manager: maps every sequence's logical blocks to physical KV-cache blocks.
+"""The block manager: each sequence's block table, from logical to physical KV-cache blocks.
 
-Mirrors `vllm/core/block_manager_v1.py` (v0, `BlockSpaceManagerV1`). PagedAttention stores
-K/V in fixed-size blocks, so a sequence's cache need not be contiguous: its *block table*
-lists the physical block behind each logical block (token t lives in slot
-`block_table[t // block_size] * block_size + t % block_size`).
+Mirrors `vllm/core/block_manager_v1.py` (v0, `BlockSpaceManagerV1`). Token t of a sequence
+lives in slot `block_table[t // block_size] * block_size + t % block_size`:
 
     logical blocks of seq 7      block table        physical GPU blocks
     [The cat sat on] ----------> [ 4,  --------->   #4  ref_count 1
     [the mat ....  ] ---------->   9 ] --------->   #9  ref_count 1
 
-What this class decides (the scheduler asks first, then acts):
-- admission with a watermark: `can_allocate` -> OK / LATER / NEVER, then `allocate`;
-- growth: `append_slots` gives the newest token a slot, allocating a block when the last
-  one is full and copying on write when the last block is shared (returns (src, dst));
-- sharing: `fork` makes a child reference the parent's blocks (ref_count += 1);
-- preemption by swapping: `swap_out` / `swap_in` move a group between GPU and CPU pools;
-- prefix caching (`enable_caching=True`): a full block whose K/V is computed is registered
-  under a chained content hash; a later request whose prompt starts with the same tokens
-  reuses it (`get_num_cached_tokens` says how many tokens to skip).
-
-Pure Python, no torch: a notebook drives it with `Sequence` objects and no model.
+The scheduler asks (`can_allocate`, `can_append_slots`, `can_swap_in`, `can_swap_out`), then
+acts; the acting calls return the (src, dst) block pairs the worker copies.
 """
 
 from __future__ import annotations
@@ -40,11 +29,7 @@ BlockTable = list[PhysicalTokenBlock]
 
 
 class AllocStatus(enum.Enum):
-    """Answer of `can_allocate` / `can_swap_in`.
-
-    OK: fits now. LATER: fits once other requests free blocks. NEVER: can never fit, even in
-    an empty cache (the scheduler then ignores the request).
-    """
+    """OK: fits now. LATER: once other requests free blocks. NEVER: not even in an empty pool."""
 
     OK = enum.auto()
     LATER = enum.auto()
@@ -52,15 +37,11 @@ class AllocStatus(enum.Enum):
 
 
 def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...], extra_hash: int = 0) -> int:
-    """Chained content hash of one full block: it identifies the block AND every token before it.
+    """Chained content hash of one full block: it names the block and every token before it.
 
-    `extra_hash`: what else decides the block's K/V besides the tokens: the LoRA adapter's id
-    (vLLM's `extra_hash`), so two adapters never share a block; 0 (the base model) leaves the
-    hash as it was.
-
-    Python's `hash` of a tuple of ints is deterministic (only str/bytes hashes are salted per
-    process), which is all a cache living inside one process needs. Collisions are
-    astronomically unlikely, and `BlockAllocator.lookup` compares token ids anyway.
+    `extra_hash`: the LoRA adapter's id (vLLM's `extra_hash`), so two adapters never share a
+    block; 0 (the base model) leaves it out. Python's hash of a tuple of ints is not salted,
+    and `BlockAllocator.lookup` compares token ids, so a collision never hands out a block.
 
     Example: hash_block_tokens(None, (1, 2)) == hash((None, (1, 2)))
     """
@@ -70,25 +51,12 @@ def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...],
 
 
 class BlockSpaceManager:
-    """Manages the mapping between logical and physical token blocks (vLLM v0 API).
+    """Block tables of every sequence over a GPU and a CPU pool (vLLM v0's API).
 
-    Where it deliberately differs from vLLM v0's `BlockSpaceManagerV1`:
-    - the free list is FIFO (`BlockAllocator`; vLLM's is a stack), so freed blocks are not
-      reused at once;
-    - `fork` is stricter: a parent without blocks (vLLM returns silently) or a child that
-      already has blocks is a `ValueError`; so is every other misuse (a sequence without
-      blocks), where vLLM asserts or raises `KeyError`; a pool too small raises
-      `OutOfBlocksError` and changes nothing;
-    - blocks are counted with the manager's `block_size` alone, as in vLLM's default v2
-      manager (v1 read `Sequence.n_blocks`, sized with the sequence's own block size).
-
-    Args:
-        block_size: tokens per block.
-        num_gpu_blocks: blocks in the GPU pool (from the worker's profile run).
-        num_cpu_blocks: blocks in the CPU swap pool.
-        watermark: fraction of GPU blocks kept free at admission, so running sequences can
-            still grow without immediately preempting what was just admitted.
-        enable_caching: automatic prefix caching of full, computed blocks.
+    `watermark`: the fraction of GPU blocks admission keeps free, so running sequences can
+    grow without preempting what was just admitted. `enable_caching`: automatic prefix caching
+    of full, computed blocks. Misuse (a sequence without blocks, a child that has some) is a
+    ValueError; a pool too small raises `OutOfBlocksError` and changes nothing.
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
@@ -118,12 +86,8 @@ class BlockSpaceManager:
 
     # ================================================================ admission
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """Can the group's prompt get its blocks? (watermark rule of vLLM v0)
-
-        Counts one copy of the prompt: the group's sequences share it. Blocks for the
-        sequences it will fork into are not reserved here; like vLLM v0, `can_append_slots`
-        checks them step by step (one free block per running sequence).
-        """
+        """Can the group's prompt (one copy: its sequences share it) get its blocks and leave the
+        watermark free? Forks are not reserved for: `can_append_slots` checks them each step."""
         num_required = self.get_num_required_blocks(self._waiting_seq(seq_group))
         if self.num_total_gpu_blocks - num_required < self.watermark_blocks:
             return AllocStatus.NEVER
@@ -132,11 +96,8 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup) -> None:
-        """Give the group's waiting sequences one shared block table for their tokens.
-
-        With caching, the leading blocks counted by `get_num_cached_tokens` are reused from
-        the prefix cache; the rest are fresh. Every waiting sequence holds every block.
-        """
+        """One block table shared by the group's waiting sequences: the prefix cache's leading
+        blocks (`get_num_cached_tokens`), then fresh ones."""
         seqs = seq_group.get_seqs(status=SequenceStatus.WAITING)
         seq = self._waiting_seq(seq_group)
         if any(s.get_token_ids() != seq.get_token_ids() for s in seqs):
@@ -160,9 +121,7 @@ class BlockSpaceManager:
             self._num_cached_tokens[s.seq_id] = num_cached_tokens
 
     def get_num_required_blocks(self, seq: Sequence) -> int:
-        """Blocks that hold every token of `seq`, counted with the manager's block size
-        (whatever block size the `Sequence` was built with: the slots `append_slots` hands
-        out are the manager's)."""
+        """Blocks that hold every token of `seq` (the manager's block size, not the sequence's)."""
         return -(-seq.get_len() // self.block_size)
 
     def _waiting_seq(self, seq_group: SequenceGroup) -> Sequence:
@@ -180,12 +139,8 @@ class BlockSpaceManager:
         return num_seqs * blocks_per_seq <= self.gpu_allocator.get_num_free_blocks()
 
     def append_slots(self, seq: Sequence, num_lookahead_slots: int = 0) -> list[tuple[int, int]]:
-        """Make sure the newest token of `seq` has a slot it alone may write, and that
-        `num_lookahead_slots` more slots follow it (the tokens of a multi-step run).
-
-        Call it after the token is appended to `seq`. Returns the copy-on-write pairs
-        [(src, dst)] the worker must copy before the step (empty when none).
-        """
+        """Give the newest token of `seq` (already appended) a slot it alone may write, plus
+        `num_lookahead_slots` more. Returns the copy-on-write pairs [(src, dst)], if any."""
         block_table = self._get_table(seq)
         now = self._tick()
         num_blocks = -(-(seq.get_len() + num_lookahead_slots) // self.block_size)
@@ -231,10 +186,7 @@ class BlockSpaceManager:
             self.cpu_allocator.get_num_free_blocks()
 
     def swap_out(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's running sequences to CPU. Returns (gpu_block, cpu_block) pairs.
-
-        A block shared by several sequences of the group becomes ONE CPU block.
-        """
+        """Move the group's running sequences to CPU (a shared block once): (gpu, cpu) pairs."""
         if not self.can_swap_out(seq_group):
             raise OutOfBlocksError(f"request {seq_group.request_id} does not fit in the CPU pool.")
         return self._swap(seq_group, SequenceStatus.RUNNING, self.gpu_allocator, self.cpu_allocator)
@@ -250,7 +202,7 @@ class BlockSpaceManager:
         return AllocStatus.LATER
 
     def swap_in(self, seq_group: SequenceGroup) -> list[tuple[int, int]]:
-        """Move the group's swapped sequences back to GPU. Returns (cpu_block, gpu_block) pairs."""
+        """Move the group's swapped sequences back to GPU: (cpu, gpu) pairs."""
         num_blocks = len(self._unique_blocks(seq_group, SequenceStatus.SWAPPED))
         if num_blocks > self.gpu_allocator.get_num_free_blocks():
             raise OutOfBlocksError(f"request {seq_group.request_id} does not fit in the GPU pool.")
@@ -279,8 +231,8 @@ class BlockSpaceManager:
 
     def _swap_block(self, src_block: PhysicalTokenBlock, dst: BlockAllocator,
                     now: int) -> tuple[PhysicalTokenBlock, bool]:
-        """The destination of one moved block (it keeps the content hash), and whether the
-        worker must copy into it: not when the GPU prefix cache still holds that content."""
+        """The moved block's destination (keeping its content hash), and whether to copy into
+        it: not when the GPU prefix cache still holds that content."""
         if src_block.block_hash is None:
             return dst.allocate(now), True
         cached = dst.lookup(src_block.block_hash, src_block.token_ids)  # None on the CPU pool
@@ -293,13 +245,9 @@ class BlockSpaceManager:
 
     # ========================================================== prefix caching
     def get_num_cached_tokens(self, seq: Sequence) -> int:
-        """Leading tokens of `seq` whose K/V the prefix cache already holds (block-aligned).
-
-        Never counts the block holding the last token, so a prefill always computes at least
-        one token and produces logits. 0 without caching. Valid before `allocate` (a lookup)
-        and after it (what `allocate` reused). "Tokens" are all of `seq`'s tokens: for a fresh
-        request its prompt; for one preempted by recompute, prompt + outputs so far.
-        """
+        """Leading tokens of `seq` (prompt, plus outputs after a recompute) whose K/V the prefix
+        cache holds: whole blocks, never the one holding the last token, so a prefill always
+        computes one. Before `allocate` a lookup, after it what `allocate` reused."""
         if seq.seq_id in self._num_cached_tokens:
             return self._num_cached_tokens[seq.seq_id]
         if not self.enable_caching:
@@ -307,16 +255,10 @@ class BlockSpaceManager:
         return len(self._find_cached_prefix(seq)) * self.block_size
 
     def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int = 0) -> None:
-        """Register the group's full blocks whose K/V is computed in the prefix cache.
-
-        The only way a block enters the prefix cache. The scheduler calls it once per
-        scheduled group, right after scheduling it, with the step's chunk (vLLM v0's place):
-        a block counts as computed once `seq.get_num_computed_tokens() + token_chunk_size`
-        covers it, since the step runs before anything else reads the cache. Pass 0 when
-        `num_computed_tokens` is already up to date (a notebook driving the manager by hand).
-        Tokens a multi-step run computes beyond the chunk are registered at the group's next
-        schedule; a group that finishes inside such a run leaves its last blocks unregistered.
-        """
+        """Register in the prefix cache the group's full blocks that `num_computed_tokens +
+        token_chunk_size` covers: the only way a block enters it. The scheduler calls it right
+        after scheduling the group (the step runs before anyone reads the cache); pass 0 when
+        `num_computed_tokens` is up to date."""
         if not self.enable_caching:
             return
         for seq in seq_group.get_seqs():
@@ -325,20 +267,15 @@ class BlockSpaceManager:
                 self._register_computed_blocks(seq, num_computed)
 
     def forget_computed_blocks(self, seq_group: SequenceGroup) -> None:
-        """Take the group's blocks out of the prefix cache (before freeing them) when the step
-        meant to compute them failed: `mark_blocks_as_computed` registered them at schedule
-        time, but their K/V may never have been written. Sequences already holding a block
-        keep it; only later lookups stop finding it."""
+        """Take the group's blocks out of the prefix cache when the step meant to compute them
+        failed (their K/V may never have been written); holders keep them."""
         for seq in seq_group.get_seqs():
             for block in self.block_tables.get(seq.seq_id, []):
                 if block.device is Device.GPU:
                     self.gpu_allocator.uncache(block)
 
     def get_prefix_cache_hit_rate(self) -> float:
-        """Reused blocks / looked-up blocks over all `allocate` calls.
-
-        As in vLLM v0: -1.0 when caching is off, 0.0 before the first lookup.
-        """
+        """Reused / looked-up blocks over all `allocate` calls; -1.0 without caching (vLLM v0)."""
         if not self.enable_caching:
             return -1.0
         if self._num_cache_lookups == 0:
@@ -376,8 +313,7 @@ class BlockSpaceManager:
             self._num_cache_hits += num_hits
 
     def _register_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Give every full block within the first `num_computed_tokens` its chain hash and
-        register it (unless another block already caches that content)."""
+        """Hash and register every full block within the first `num_computed_tokens`."""
         if not self.enable_caching:
             return
         block_table, size = self.block_tables[seq.seq_id], self.block_size
@@ -403,7 +339,6 @@ class BlockSpaceManager:
         return seq.seq_id in self.block_tables
 
     def is_swapped_out(self, seq: Sequence) -> bool:
-        """True when the blocks of `seq` sit in the CPU pool (ValueError if it has none)."""
         table = self._get_table(seq)
         return bool(table) and table[0].device is Device.CPU
 

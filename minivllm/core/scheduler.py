@@ -1,22 +1,15 @@
-"""The scheduler: which requests run in the next model step, and with how many tokens.
+"""The scheduler: which groups run in the next model step, with how many tokens each.
 
 Mirrors `vllm/core/scheduler.py` (v0, ~0.6). Each `schedule()` moves `SequenceGroup`s between
-three queues and returns the batch (iteration-level, "continuous" batching):
+three queues and returns the batch:
 
     waiting  new prompts, and groups preempted by recompute (their KV cache was dropped)
     running  groups with blocks on the GPU: decoding, or (chunked prefill) mid-prompt
     swapped  groups preempted by swap (their KV cache sits in the CPU pool)
 
-`_schedule_default`: count the running sequences, admit prompts (FCFS head-of-line; too long
--> FINISHED_IGNORED), else decode every running group (preempting from the back when blocks
-run out), then swap groups back in: a step is all prefills or all decodes.
-`_schedule_chunked_prefill`: decodes first, then prompt chunks cut to the token budget, then
-swap-ins, then new prompts: one step mixes both.
-`_preempt`: recompute a one-sequence group, swap otherwise; a swap with the CPU pool full
-recomputes a lone sequence or aborts the group (`finish_message`).
-Lookahead slots (`num_lookahead_slots`) reserve a decode's further tokens of a multi-step run.
-LoRA adapters and a KV connector are consulted through one object each (`lora_slots`,
-`kv_connector`), whose defaults do nothing; `async_scheduler.py` schedules a run ahead.
+`_schedule_default` makes a step all prefills or all decodes; `_schedule_chunked_prefill`
+mixes decodes and prompt chunks cut to the token budget. LoRA adapters and a KV connector are
+asked through `lora_slots` and `kv_connector`, whose defaults do nothing.
 """
 
 from __future__ import annotations
@@ -47,11 +40,8 @@ class PreemptionMode(enum.Enum):
 
 @dataclass
 class SchedulingBudget:
-    """Tokens and sequences still free in one step.
-
-    Counts per request: adding the same request twice counts it once, because running
-    sequences are counted before they are scheduled (then added again when scheduled).
-    """
+    """Tokens and sequences still free in one step, counted once per request (a running
+    group's sequences are counted at the start of the step and added again when scheduled)."""
 
     token_budget: int
     max_num_seqs: int
@@ -73,7 +63,6 @@ class SchedulingBudget:
             self.num_batched_tokens += num_batched_tokens
 
     def subtract_num_batched_tokens(self, request_id: str, num_batched_tokens: int) -> None:
-        """Give a counted request's tokens back (a no-op if it was not counted)."""
         if request_id in self._token_request_ids:
             self._token_request_ids.remove(request_id)
             self.num_batched_tokens -= num_batched_tokens
@@ -84,7 +73,6 @@ class SchedulingBudget:
             self.num_curr_seqs += num_curr_seqs
 
     def subtract_num_seqs(self, request_id: str, num_curr_seqs: int) -> None:
-        """Give a counted request's sequences back (a no-op if it was not counted)."""
         if request_id in self._seq_request_ids:
             self._seq_request_ids.remove(request_id)
             self.num_curr_seqs -= num_curr_seqs
@@ -92,9 +80,8 @@ class SchedulingBudget:
 
 @dataclass
 class ScheduledSequenceGroup:
-    """A group in this step's batch. `token_chunk_size`: new tokens per sequence
-    (the prompt chunk for a prefill, 1 for a decode). `num_lookahead_slots`: slots reserved
-    beyond the next token, for the further decode steps of a multi-step run."""
+    """A group in this step's batch. `token_chunk_size`: new tokens per sequence (the prompt
+    chunk, or 1 for a decode); `num_lookahead_slots`: slots reserved beyond the next token."""
 
     seq_group: SequenceGroup
     token_chunk_size: int
@@ -105,14 +92,10 @@ class ScheduledSequenceGroup:
 class SchedulerOutputs:
     """The decision of one `schedule()` call.
 
-    `scheduled_seq_groups` lists prefills first, then decodes: the batch's order, which
-    the scheduler alone decides (the worker flattens the batch in it). Block mappings are
-    (src, dst) block-number pairs the worker applies before running the model.
-    `ignored_seq_groups` holds groups finished without running: FINISHED_IGNORED (too long,
-    can never fit) and FINISHED_ABORTED (no CPU swap space); each has `finish_message`.
-    `preempted` counts this step's preemptions (which groups: see the queues, e.g. a running
-    group now in `waiting` was preempted by recompute). vLLM's `running_queue_size` and
-    `num_lookahead_slots` are left out (per group in `ScheduledSequenceGroup` here).
+    `scheduled_seq_groups`: prefills first, then decodes (the worker flattens the batch in this
+    order). Block mappings: (src, dst) block numbers the worker applies before the model runs.
+    `ignored_seq_groups`: finished without running, FINISHED_IGNORED (can never fit) or
+    FINISHED_ABORTED (no CPU swap space), each with its `finish_message`.
     """
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
@@ -159,18 +142,8 @@ class _StepState:
 
 
 class Scheduler:
-    """Decides each step's batch (vLLM v0 API).
-
-    Args (vLLM 0.6.3's order):
-        scheduler_config: budgets and policies.
-        cache_config: block size, pool sizes (`num_gpu_blocks` must be set) and prefix caching.
-        lora_config: None, or a `LoRAConfig`: its `max_loras` adapter slots (`lora_slots`).
-        pipeline_parallel_size: must be 1 (one device).
-        output_proc_callback: must be None: vLLM's asynchronous output processing hands
-            outputs over through it; here the engine processes them itself.
-        clock: (keyword-only, not in vLLM) time source for request metrics.
-        kv_connector: (keyword-only) the scheduler side of a KV connector; None: `NoKVConnector`.
-    """
+    """Decides each step's batch. vLLM 0.6.3's arguments in its order, plus keyword-only `clock`
+    (time source of request metrics) and `kv_connector` (None: `NoKVConnector`)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: LoRAConfig | None = None, pipeline_parallel_size: int = 1,
@@ -291,8 +264,8 @@ class Scheduler:
         return self._finish_step(state)
 
     def _start_step(self) -> _StepState:
-        self.waiting = deque(sorted(self.waiting, key=self._policy_key))
-        self.swapped = deque(sorted(self.swapped, key=self._policy_key))
+        self.waiting = deque(sorted(self.waiting, key=self.policy.sort_key))
+        self.swapped = deque(sorted(self.swapped, key=self.policy.sort_key))
         budget = SchedulingBudget(self.scheduler_config.max_num_batched_tokens,
                                   self.scheduler_config.max_num_seqs)
         for seq_group in self.running:
@@ -303,7 +276,7 @@ class Scheduler:
         """Put every group in its new queue and package the decision."""
         scheduled = state.scheduled()
         self.waiting.extendleft(state.preempted_by_recompute)
-        self.waiting = deque(sorted(self.waiting, key=self._policy_key))
+        self.waiting = deque(sorted(self.waiting, key=self.policy.sort_key))
         self.running.extend(s.seq_group for s in scheduled)
         self.swapped.extend(state.preempted_by_swap)
         return SchedulerOutputs(
@@ -367,8 +340,8 @@ class Scheduler:
 
     def _why_never_admissible(self, seq_group: SequenceGroup, state: _StepState,
                               alloc_status: AllocStatus) -> str | None:
-        """The reason this waiting group can never be scheduled, or None if it may be.
-        `alloc_status`: the block manager's `can_allocate` answer for it, asked once."""
+        """Why this waiting group can never be scheduled, or None. `alloc_status`: its
+        `can_allocate` answer, asked once."""
         seq = self._waiting_seq(seq_group)
         num_tokens = seq.get_len()
         if num_tokens > self.prompt_limit:
@@ -405,7 +378,7 @@ class Scheduler:
             if num_new_tokens == 0:
                 break  # token budget spent; the rest stay running, unscheduled
             self.running.popleft()
-            is_prefill = self._is_prefill(seq_group)
+            is_prefill = seq_group.is_prefill()
             lookahead = 0 if is_prefill else self._num_lookahead_slots(seq_group)
             if self._make_room_for(seq_group, state, lookahead):
                 self._append_slots(seq_group, state, lookahead)
@@ -418,14 +391,9 @@ class Scheduler:
                                           seq_group.get_max_num_running_seqs())
 
     def _num_lookahead_slots(self, seq_group: SequenceGroup) -> int:
-        """Slots to reserve beyond a decode's next token (multi-step scheduling): 0 unless they
-        fit without preempting anyone (lookahead is a bonus).
-
-        Only for a lone sequence (n = best_of = 1, no beam search): forks share blocks, and
-        a multi-step run feeds each sampled token straight back, which only works when
-        every row continues one sequence. Never more than the sequence may still generate
-        (max_tokens, max_model_len), so no block is reserved that could never be written.
-        """
+        """Slots beyond a decode's next token (multi-step): 0 unless they fit without preempting
+        anyone. Only for a lone sequence (a multi-step run feeds each sampled token straight
+        back), and never more than it may still generate."""
         params = seq_group.sampling_params
         num_slots = self.scheduler_config.num_lookahead_slots
         if num_slots == 0 or params.best_of > 1 or params.use_beam_search:
@@ -442,9 +410,8 @@ class Scheduler:
         return remaining
 
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
-        """Preempt from the back of the running queue until `seq_group` can grow by one
-        token per sequence (and its lookahead slots). False if `seq_group` itself had to
-        be preempted."""
+        """Preempt from the back of the running queue until `seq_group` can grow by one token
+        per sequence (plus lookahead slots). False if `seq_group` itself was preempted."""
         while not self._can_append_slots(seq_group, num_lookahead_slots):
             victim = self.running.pop() if self.running else seq_group
             self._uncount(victim, state.budget)
@@ -454,13 +421,8 @@ class Scheduler:
         return True
 
     def _can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
-        """Can every running sequence of the group get a slot for its next token?
-
-        vLLM v0's rule (`block_manager.can_append_slots`) wants one free block per sequence
-        even when none needs one; a group that fills the whole pool (a prompt being
-        chunked, a sequence whose last block has room) would then preempt itself forever.
-        So the rule is waived when no sequence needs a new block.
-        """
+        """vLLM v0's rule (one free block per running sequence), waived when no sequence needs a
+        new block: a group filling the whole pool would otherwise preempt itself forever."""
         return (self.block_manager.can_append_slots(seq_group, num_lookahead_slots)
                 or self._needs_no_new_block(seq_group, num_lookahead_slots))
 
@@ -518,22 +480,21 @@ class Scheduler:
         for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
             seq.status = SequenceStatus.RUNNING
         self._append_slots(seq_group, state)
-        if self._is_prefill(seq_group):
+        if seq_group.is_prefill():
             state.swapped_in_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
         else:
             state.swapped_in_decodes.append(ScheduledSequenceGroup(seq_group, 1))
 
     # --------------------------------------------------------------- preemption
     def _schedule_priority_preemption(self, state: _StepState, enable_chunking: bool) -> None:
-        """Preempt (by recompute) running groups of lower priority than the waiting head
-        until the head fits."""
+        """Recompute running groups of lower priority than the waiting head until it fits."""
         if not self.waiting:
             return
         head = self.waiting[0]
         if self._why_never_admissible(head, state, self.block_manager.can_allocate(head)) is not None:
             return  # preempting others would not help it
-        self.running = deque(sorted(self.running, key=self._policy_key))
-        while self.running and self._policy_key(self.running[-1]) > self._policy_key(head):
+        self.running = deque(sorted(self.running, key=self.policy.sort_key))
+        while self.running and self.policy.sort_key(self.running[-1]) > self.policy.sort_key(head):
             if self._fits_now(head, state.budget, enable_chunking):
                 break
             victim = self.running[-1]
@@ -545,8 +506,8 @@ class Scheduler:
 
     @staticmethod
     def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
-        """A running group about to be preempted frees its share of the budget. Only its
-        sequences were counted (at the start of the step); it had no tokens scheduled yet."""
+        """A running group about to be preempted frees its sequences' share of the budget (its
+        tokens were not counted yet)."""
         budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
 
     def _fits_now(self, seq_group: SequenceGroup, budget: SchedulingBudget,
@@ -559,7 +520,8 @@ class Scheduler:
                                    num_new_seqs=seq_group.get_max_num_running_seqs())
 
     def _preempt(self, seq_group: SequenceGroup, state: _StepState) -> None:
-        """Preempt one running group by its mode; see the module docstring for the rules."""
+        """Recompute a one-sequence group, swap otherwise; with the CPU pool full a lone
+        sequence is recomputed and a group of several aborted."""
         mode = self._preemption_mode(seq_group)
         if mode == PreemptionMode.SWAP and not self.block_manager.can_swap_out(seq_group):
             if seq_group.num_seqs(status=SequenceStatus.RUNNING) == 1:
@@ -603,18 +565,13 @@ class Scheduler:
         state.preempted_by_swap.append(seq_group)
 
     # ------------------------------------------------------------------ helpers
-    def _policy_key(self, seq_group: SequenceGroup) -> tuple:
-        """Lower sorts first (`minivllm.core.policy`). FCFS: arrival time; priority:
-        (priority, arrival time); a registered policy: its own key."""
-        return self.policy.sort_key(seq_group)
-
     def _running_key(self, enable_chunking: bool) -> Callable[[SequenceGroup], tuple]:
         if not enable_chunking:
-            return self._policy_key
+            return self.policy.sort_key
         # Decode first (within a priority level): a decode costs one token, a chunk many.
         if self.scheduler_config.policy == "priority":
-            return lambda g: (g.priority, self._is_prefill(g), g.arrival_time)
-        return lambda g: (self._is_prefill(g), *self._policy_key(g))
+            return lambda g: (g.priority, g.is_prefill(), g.arrival_time)
+        return lambda g: (g.is_prefill(), *self.policy.sort_key(g))
 
     def _num_new_tokens(self, seq_group: SequenceGroup, status: SequenceStatus,
                         budget: SchedulingBudget, enable_chunking: bool) -> int:
@@ -630,10 +587,6 @@ class Scheduler:
         if enable_chunking and num_seqs == 1:
             return min(num_tokens, remaining)  # a lone prompt may be cut into chunks
         return num_tokens if num_tokens <= remaining else 0
-
-    def _is_prefill(self, seq_group: SequenceGroup) -> bool:
-        # Any unfinished sequence, not `first_seq`: the first may have finished already.
-        return any(seq.is_prefill() for seq in seq_group.get_unfinished_seqs())
 
     def _gpu_idle(self, state: _StepState) -> bool:
         """No running group holds GPU blocks and none was scheduled: all blocks are free."""
@@ -657,7 +610,7 @@ class Scheduler:
     def _make_metadata(self, scheduled: ScheduledSequenceGroup) -> SequenceGroupMetadata:
         seq_group = scheduled.seq_group
         seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
-        is_prompt = self._is_prefill(seq_group)
+        is_prompt = seq_group.is_prefill()
         do_sample = True
         if is_prompt:
             seq = seqs[0]

@@ -1,13 +1,7 @@
-"""The executor: how the engine reaches its worker(s).
+"""The executor: the engine's one door to its worker(s) (`vllm/executor/executor_base.py`, v0).
 
-Mirrors `vllm/executor/executor_base.py` (v0). The engine never touches a `Worker`
-directly; it calls these methods. With one device the executor just forwards them to
-one in-process worker (`UniProcExecutor`). The distributed executors (`mp`: processes on
-this machine, `ray`: Ray actors; `distributed_executor.py`) start one worker per rank,
-broadcast each call to all of them (every shard runs the same step on its slice of the
-heads, or its stage of the layers) and return the output rank's result — with no change
-to the engine. `minivllm.executor.get_executor_class` picks one from
-`distributed_executor_backend`.
+`UniProcExecutor` calls one in-process worker; the distributed executors (`mp`, `ray`) call every
+rank and return the output rank's result. `get_executor_class` picks one from the config.
 """
 
 from __future__ import annotations
@@ -40,18 +34,14 @@ class ExecutorBase(ABC):
 
     @abstractmethod
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
-        """Run one step (or a multi-step run): one `SamplerOutput` per model step, in order.
-
-        A multi-step run may hand them out one at a time as they reach the host (a
-        generator), so the engine processes step s while the device computes step s + 1.
-        """
+        """One `SamplerOutput` per model step, in order; a multi-step run may yield each as it
+        reaches the host, so the engine processes step s while the device computes s + 1."""
 
     def start_profile(self, trace_dir: str) -> None:
-        """Every worker starts torch.profiler, for a trace in `trace_dir` (`Worker.start_profile`)."""
+        """Every worker starts torch.profiler; `stop_profile` returns their traces in rank order."""
         raise NotImplementedError(f"{type(self).__name__} cannot profile its workers.")
 
     def stop_profile(self) -> list[str]:
-        """Every worker stops profiling: their trace files, in rank order."""
         raise NotImplementedError(f"{type(self).__name__} cannot profile its workers.")
 
     def check_health(self) -> None:
