@@ -26,8 +26,9 @@ KEY = {"Authorization": "Bearer sekret"}
 BODY = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 8, "temperature": 0.0}
 
 
-def stub_server(name: str, seen: list, status_code: int = 200) -> FastAPI:
-    """Answers every completion with its own name and records (name, path, key, body)."""
+def stub_server(name: str, seen: list, status_code: int = 200, break_stream: bool = False) -> FastAPI:
+    """Answers every completion with its own name and records (name, path, key, body);
+    `break_stream`: a stream breaks off after its first event."""
     app = FastAPI()
 
     async def complete(request: Request):
@@ -38,6 +39,8 @@ def stub_server(name: str, seen: list, status_code: int = 200) -> FastAPI:
         if body.get("stream"):
             async def events():
                 yield 'data: {"choices": [{"text": "%s"}]}\n\n' % name
+                if break_stream:
+                    raise ConnectionError("the server went away mid-stream")
                 yield "data: [DONE]\n\n"
             return StreamingResponse(events(), media_type="text/event-stream")
         return {"choices": [{"text": name}]}
@@ -124,6 +127,17 @@ def test_a_server_that_cannot_be_reached_is_a_502_and_its_own_503_passes_through
                     assert httpx.get(proxy.url + "/v1/models").status_code == 502
         with ServerThread(build_proxy_app(down.url, up.url)) as proxy:
             assert httpx.post(proxy.url + "/v1/completions", json=BODY).status_code == 503
+
+
+def test_a_stream_that_breaks_off_ends_with_an_error_event():
+    seen: list = []
+    with ServerThread(stub_server("prefill", seen)) as prefill, \
+            ServerThread(stub_server("decode", seen, break_stream=True)) as decode, \
+            ServerThread(build_proxy_app(prefill.url, decode.url)) as proxy:
+        with httpx.stream("POST", proxy.url + "/v1/completions", json={**BODY, "stream": True}) as answer:
+            events = [line[len("data: "):] for line in answer.iter_lines() if line.startswith("data: ")]
+    assert json.loads(events[0])["choices"][0]["text"] == "decode"
+    assert "broke off" in json.loads(events[1])["error"]["message"] and events[2:] == ["[DONE]"]
 
 
 def test_the_prefill_request_drops_the_stream_options_and_the_decode_request_keeps_them(stubs):
