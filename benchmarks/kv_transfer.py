@@ -29,7 +29,7 @@ import torch
 
 from minivllm.distributed.kv_transfer.layerwise import LayerwiseTransfer
 from minivllm.distributed.kv_transfer.shared_storage_connector import FileKVStore
-from minivllm.distributed.kv_transfer.store_connector import decode_block, encode_block
+from minivllm.distributed.kv_transfer.store_connector import decode_block, encode_block, framed_bytes
 
 
 def main() -> int:
@@ -62,10 +62,12 @@ def main() -> int:
         _, ms["start_save"] = timed(lambda: transfer.start_save(ids))
         _, ms["save_layer (enqueue)"] = timed(lambda: [transfer.save_layer(k, v) for k, v in caches.items()], sync=False)
         blocks, ms["finish_save"] = timed(transfer.finish_save)
-        items, ms["encode"] = timed(lambda: [(f"r{r}-{i}", encode_block(blocks[:, i])) for i in range(n)])
+        keys = [f"r{r}-{i}" for i in range(n)]
+        items, ms["encode"] = timed(lambda: [(key, encode_block(blocks[:, i], key)) for i, key in enumerate(keys)])
         _, ms["put_many (files)"] = timed(lambda: store.put_many(items))
-        got, ms["get + decode"] = timed(lambda: [decode_block(store.get(k), transfer.block_shape, transfer.dtype)
-                                                 for k, _ in items])
+        shape, dtype = transfer.block_shape, transfer.dtype
+        got, ms["get + decode"] = timed(lambda: [
+            decode_block(store.get(k, framed_bytes(shape, dtype, k)), k, shape, dtype) for k in keys])
         stacked, ms["stack"] = timed(lambda: torch.stack(got, dim=1))
         for cache in caches.values():  # so the check below fails if the load does nothing
             cache[:, ids] = 0

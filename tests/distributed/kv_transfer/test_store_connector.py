@@ -1,4 +1,5 @@
-"""Block framing (any damage is detected) and the file store (atomic, LRU-bounded, never\nreading or writing outside its folder)."""
+"""Block framing (any damage is detected) and the file store (atomic, LRU-bounded, never
+reading or writing outside its folder)."""
 
 from __future__ import annotations
 
