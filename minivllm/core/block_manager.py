@@ -15,12 +15,8 @@ from __future__ import annotations
 
 import enum
 
-from minivllm.core.block_allocator import (
-    BlockAllocator,
-    Device,
-    OutOfBlocksError,
-    PhysicalTokenBlock,
-)
+from minivllm.core.block_allocator import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
+from minivllm.core.prefix_caching import NoPrefixCache, PrefixCache, hash_block_tokens
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["AllocStatus", "BlockSpaceManager", "OutOfBlocksError", "hash_block_tokens"]
@@ -34,20 +30,6 @@ class AllocStatus(enum.Enum):
     OK = enum.auto()
     LATER = enum.auto()
     NEVER = enum.auto()
-
-
-def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...], extra_hash: int = 0) -> int:
-    """Chained content hash of one full block: it names the block and every token before it.
-
-    `extra_hash`: the LoRA adapter's id (vLLM's `extra_hash`), so two adapters never share a
-    block; 0 (the base model) leaves it out. Python's hash of a tuple of ints is not salted,
-    and `BlockAllocator.lookup` compares token ids, so a collision never hands out a block.
-
-    Example: hash_block_tokens(None, (1, 2)) == hash((None, (1, 2)))
-    """
-    if extra_hash:
-        return hash((parent_block_hash, token_ids, extra_hash))
-    return hash((parent_block_hash, token_ids))
 
 
 class BlockSpaceManager:
@@ -78,11 +60,11 @@ class BlockSpaceManager:
         self.cpu_allocator = BlockAllocator(Device.CPU, block_size, num_cpu_blocks, False)
         # seq_id -> its block table (all GPU or all CPU).
         self.block_tables: dict[int, BlockTable] = {}
-        self._num_cached_tokens: dict[int, int] = {}
+        self._num_cached_tokens: dict[int, int] = {}  # seq_id -> what `allocate` reused
+        cache_class = PrefixCache if enable_caching else NoPrefixCache
+        self.prefix_cache = cache_class(self.gpu_allocator, block_size)
         # A logical clock for LRU: deterministic, unlike wall time.
         self._clock = 0
-        self._num_cache_lookups = 0
-        self._num_cache_hits = 0
 
     # ================================================================ admission
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
@@ -109,8 +91,7 @@ class BlockSpaceManager:
             raise OutOfBlocksError(f"request {seq_group.request_id} needs {num_blocks} blocks, "
                                    f"{self.gpu_allocator.get_num_free_blocks()} are free.")
         now = self._tick()
-        block_table = self._reuse_cached_prefix(seq, len(seqs), now)
-        self._count_cache_lookups(seq, num_hits=len(block_table))
+        block_table = self.prefix_cache.reuse(seq, len(seqs), now)
         num_cached_tokens = len(block_table) * self.block_size
         while len(block_table) < num_blocks:
             block = self.gpu_allocator.allocate(now)
@@ -250,21 +231,17 @@ class BlockSpaceManager:
         computes one. Before `allocate` a lookup, after it what `allocate` reused."""
         if seq.seq_id in self._num_cached_tokens:
             return self._num_cached_tokens[seq.seq_id]
-        if not self.enable_caching:
-            return 0
-        return len(self._find_cached_prefix(seq)) * self.block_size
+        return len(self.prefix_cache.find(seq)) * self.block_size
 
     def mark_blocks_as_computed(self, seq_group: SequenceGroup, token_chunk_size: int = 0) -> None:
         """Register in the prefix cache the group's full blocks that `num_computed_tokens +
         token_chunk_size` covers: the only way a block enters it. The scheduler calls it right
         after scheduling the group (the step runs before anyone reads the cache); pass 0 when
         `num_computed_tokens` is up to date."""
-        if not self.enable_caching:
-            return
         for seq in seq_group.get_seqs():
             if seq.seq_id in self.block_tables:
                 num_computed = min(seq.get_num_computed_tokens() + token_chunk_size, seq.get_len())
-                self._register_computed_blocks(seq, num_computed)
+                self.prefix_cache.register(seq, self.block_tables[seq.seq_id], num_computed)
 
     def forget_computed_blocks(self, seq_group: SequenceGroup) -> None:
         """Take the group's blocks out of the prefix cache when the step meant to compute them
@@ -276,60 +253,7 @@ class BlockSpaceManager:
 
     def get_prefix_cache_hit_rate(self) -> float:
         """Reused / looked-up blocks over all `allocate` calls; -1.0 without caching (vLLM v0)."""
-        if not self.enable_caching:
-            return -1.0
-        if self._num_cache_lookups == 0:
-            return 0.0
-        return self._num_cache_hits / self._num_cache_lookups
-
-    def _cache_candidates(self, seq: Sequence) -> int:
-        """Full blocks that may be reused: all before the block holding the last token."""
-        return (seq.get_len() - 1) // self.block_size
-
-    def _find_cached_prefix(self, seq: Sequence) -> BlockTable:
-        token_ids, size = seq.get_token_ids(), self.block_size
-        blocks: BlockTable = []
-        block_hash = None
-        for i in range(self._cache_candidates(seq)):
-            block_tokens = tuple(token_ids[i * size:(i + 1) * size])
-            block_hash = hash_block_tokens(block_hash, block_tokens, seq.lora_int_id)
-            block = self.gpu_allocator.lookup(block_hash, block_tokens)
-            if block is None:
-                break
-            blocks.append(block)
-        return blocks
-
-    def _reuse_cached_prefix(self, seq: Sequence, num_holders: int, now: int) -> BlockTable:
-        if not self.enable_caching:
-            return []
-        blocks = self._find_cached_prefix(seq)
-        for block in blocks:
-            self.gpu_allocator.incref(block, num_holders, now)
-        return blocks
-
-    def _count_cache_lookups(self, seq: Sequence, num_hits: int) -> None:
-        if self.enable_caching:
-            self._num_cache_lookups += self._cache_candidates(seq)
-            self._num_cache_hits += num_hits
-
-    def _register_computed_blocks(self, seq: Sequence, num_computed_tokens: int) -> None:
-        """Hash and register every full block within the first `num_computed_tokens`."""
-        if not self.enable_caching:
-            return
-        block_table, size = self.block_tables[seq.seq_id], self.block_size
-        num_full = num_computed_tokens // size
-        first = num_full
-        while first > 0 and block_table[first - 1].block_hash is None:
-            first -= 1  # walk back to the last block that already has its hash
-        token_ids = seq.get_token_ids()
-        for i in range(first, num_full):
-            block = block_table[i]
-            if block.device is not Device.GPU:
-                return
-            parent_hash = block_table[i - 1].block_hash if i > 0 else None
-            block_tokens = tuple(token_ids[i * size:(i + 1) * size])
-            self.gpu_allocator.register(block, hash_block_tokens(parent_hash, block_tokens, seq.lora_int_id),
-                                        block_tokens, (i + 1) * size)
+        return self.prefix_cache.hit_rate()
 
     # ================================================================= queries
     def get_block_table(self, seq: Sequence) -> list[int]:
