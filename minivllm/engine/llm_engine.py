@@ -10,8 +10,9 @@ detokenize, stop, free) -> report (one `RequestOutput` per request that advanced
         for output in engine.step():
             print(output.outputs[0].text)
 
-A mode's engine subclasses this one in a file of its own (`selector.py`); vLLM's optional
-calls (stat loggers, LoRA adapters, profiling, step observers) come from the mixins' files.
+A mode's engine subclasses this one in a file of its own (`selector.py`). The mixins' files
+hold vLLM's optional calls (stat loggers, LoRA adapters, profiling) and minivllm's step
+observers; `FailureIsolationMixin` ends only the request a failing step belongs to.
 """
 
 from __future__ import annotations
