@@ -1,16 +1,10 @@
-"""Physical KV-cache blocks and the pool that hands them out (one pool per device).
-
-Mirrors `vllm/block.py` (`PhysicalTokenBlock`) and the allocators of
-`vllm/core/block_manager_v1.py` (v0). A block is `block_size` token slots of K/V in the
-paged cache; here it is only bookkeeping: its number, who references it, and (with prefix
-caching) the content hash of the tokens it holds.
-
-A pool's blocks are always in exactly one of three places:
+"""The blocks of one device's KV-cache pool (`vllm/block.py`, and the allocators of
+`vllm/core/block_manager_v1.py`, v0). Every block of a pool is in exactly one place:
 
     free list     never used, or released with no reusable content
     referenced    ref_count > 0: in some sequence's block table
-    evictor       ref_count == 0 but kept by the prefix cache (a later request may reuse
-                  it); handed out again, least recently used first, when the free list is empty
+    evictor       ref_count == 0 but kept by the prefix cache; handed out again, least
+                  recently used first, when the free list is empty
 
 so `len(free list) + referenced + len(evictor) == num_blocks` at all times.
 """
@@ -30,68 +24,43 @@ class Device(enum.Enum):
 
 @dataclass(eq=False)  # identity semantics: two blocks are never "equal"
 class PhysicalTokenBlock:
-    """One block of a pool.
-
-    Attributes:
-        device: the pool it belongs to.
-        block_number: its index in the pool (the number that goes into block tables).
-        block_size: token slots per block.
-        ref_count: how many block tables hold it.
-        block_hash: with prefix caching, the chained hash of a FULL block whose K/V is
-            computed (None otherwise); see `BlockSpaceManager` for the chain.
-        token_ids: the tokens behind `block_hash` (kept to show, and to check a cache hit).
-        num_hashed_tokens: tokens from the start of the sequence to the end of this block:
-            its position in the hash chain (later blocks are evicted first).
-        last_accessed: logical time of the last use, for LRU eviction.
-    """
+    """One block of a pool: bookkeeping only (the K/V lives in the worker's cache tensors)."""
 
     device: Device
-    block_number: int
+    block_number: int  # index in the pool: the number that goes into block tables
     block_size: int
-    ref_count: int = 0
-    block_hash: int | None = None
-    token_ids: tuple[int, ...] = ()
-    num_hashed_tokens: int = 0
-    last_accessed: int = 0
+    ref_count: int = 0  # how many block tables hold it
+    block_hash: int | None = None  # a full, computed block's chained hash (prefix_caching.py)
+    token_ids: tuple[int, ...] = ()  # the tokens behind block_hash, to check a cache hit
+    num_hashed_tokens: int = 0  # tokens up to this block's end: later in a chain, evicted first
+    last_accessed: int = 0  # logical time of the last use, for LRU eviction
 
     def forget_content(self) -> None:
         self.block_hash, self.token_ids, self.num_hashed_tokens = None, (), 0
 
     def __repr__(self) -> str:
-        return (
-            f"PhysicalTokenBlock({self.device.name}, block_number={self.block_number}, "
-            f"ref_count={self.ref_count}, cached={self.block_hash is not None})"
-        )
+        return (f"PhysicalTokenBlock({self.device.name}, block_number={self.block_number}, "
+                f"ref_count={self.ref_count}, cached={self.block_hash is not None})")
 
 
 @dataclass(frozen=True)
 class BlockInfo:
-    """A read-only view of one block, for tools that observe the pool (pictures, tests).
-
-    `cached`: registered in the prefix cache (a later request with the same prefix reuses it).
-    """
+    """A read-only view of one block, for observers (pictures, tests)."""
 
     block_number: int
     ref_count: int
     block_hash: int | None
     token_ids: tuple[int, ...]
-    cached: bool
+    cached: bool  # registered in the prefix cache
 
 
 class OutOfBlocksError(RuntimeError):
-    """Raised when an operation needs more blocks than a pool has free.
-
-    The scheduler asks `can_allocate` / `can_append_slots` / `can_swap_*` first, so this
-    only fires on a caller bug; nothing is modified when it is raised.
-    """
+    """More blocks needed than a pool has free (a caller skipped `can_*`); nothing changed."""
 
 
 class BlockAllocator:
-    """The pool of one device: a FIFO free list plus, with caching, the prefix cache.
-
-    FIFO (take from the front, return to the back) makes a freed block wait before it is
-    reused, so pictures show the scattered, non-contiguous tables that paging allows.
-    """
+    """The pool of one device: a FIFO free list (a freed block waits before it is reused, so
+    pictures show scattered tables) plus, with caching, the prefix cache."""
 
     def __init__(self, device: Device, block_size: int, num_blocks: int, enable_caching: bool) -> None:
         self.device = device
@@ -100,17 +69,13 @@ class BlockAllocator:
         self.enable_caching = enable_caching
         self.blocks = [PhysicalTokenBlock(device, i, block_size) for i in range(num_blocks)]
         self.free_block_ids: deque[int] = deque(range(num_blocks))
-        # block_hash -> the one block registered for that content (referenced or not).
-        self.cached_blocks: dict[int, PhysicalTokenBlock] = {}
-        # block_number -> cached block with ref_count 0 (reusable until evicted).
-        self.evictor: dict[int, PhysicalTokenBlock] = {}
+        self.cached_blocks: dict[int, PhysicalTokenBlock] = {}  # block_hash -> its one block
+        self.evictor: dict[int, PhysicalTokenBlock] = {}  # block_number -> cached, ref_count 0
 
-    # ------------------------------------------------------------------ counts
     def get_num_free_blocks(self) -> int:
         """Blocks an allocation can take: the free list plus evictable cached blocks."""
         return len(self.free_block_ids) + len(self.evictor)
 
-    # ------------------------------------------------------------- allocation
     def allocate(self, now: int) -> PhysicalTokenBlock:
         """A fresh block (ref_count 1, no content); evicts a cached block if needed."""
         if self.free_block_ids:
@@ -123,9 +88,7 @@ class BlockAllocator:
         return block
 
     def _evict(self) -> PhysicalTokenBlock:
-        # Least recently used first; among equals, the block deepest in its chain, because a
-        # later block is useless without the blocks before it (vLLM's LRUEvictor rule).
-        victim = min(self.evictor.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
+        victim = min(self.evictor.values(), key=_eviction_order)
         del self.evictor[victim.block_number]
         del self.cached_blocks[victim.block_hash]
         victim.forget_content()
@@ -146,25 +109,21 @@ class BlockAllocator:
         block.last_accessed = now
         if block.ref_count > 0:
             return
-        if self.enable_caching and self.cached_blocks.get(block.block_hash) is block:
+        if self.is_cached(block):
             self.evictor[block.block_number] = block
         else:
             block.forget_content()
             self.free_block_ids.append(block.block_number)
 
-    # ------------------------------------------------------------ prefix cache
     def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> PhysicalTokenBlock | None:
-        """The cached block for this content, or None. Token ids are compared too, so a hash
-        collision can never hand out a block with other tokens."""
+        """The cached block for this content, or None (token ids compared: a hash collision
+        never hands out other tokens)."""
         block = self.cached_blocks.get(block_hash)
-        if block is None or block.token_ids != token_ids:
-            return None
-        return block
+        return block if block is not None and block.token_ids == token_ids else None
 
     def register(self, block: PhysicalTokenBlock, block_hash: int, token_ids: tuple[int, ...],
                  num_hashed_tokens: int) -> None:
-        """Record the content of a full, computed block. It stays unregistered (not reusable)
-        when another block already caches that content."""
+        """Record a full, computed block's content; registered unless a block caches it already."""
         block.block_hash, block.token_ids = block_hash, token_ids
         block.num_hashed_tokens = num_hashed_tokens
         if self.enable_caching and block_hash not in self.cached_blocks:
@@ -179,8 +138,7 @@ class BlockAllocator:
     def is_cached(self, block: PhysicalTokenBlock) -> bool:
         return block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block
 
-    # ----------------------------------------------------------------- queries
-    # For observers (snapshots, tests): each costs what it returns, never the pool size.
+    # For observers (snapshots, tests): each query costs what it returns, never the pool size.
     def get_block_info(self, block_number: int) -> BlockInfo:
         block = self.blocks[block_number]
         return BlockInfo(block.block_number, block.ref_count, block.block_hash, block.token_ids,
@@ -192,5 +150,10 @@ class BlockAllocator:
 
     def get_evictable_block_ids(self) -> list[int]:
         """Cached blocks no table holds, in eviction order (next victim first)."""
-        order = sorted(self.evictor.values(), key=lambda b: (b.last_accessed, -b.num_hashed_tokens))
-        return [b.block_number for b in order]
+        return [b.block_number for b in sorted(self.evictor.values(), key=_eviction_order)]
+
+
+def _eviction_order(block: PhysicalTokenBlock) -> tuple[int, int]:
+    # Least recently used first; among equals the block deepest in its chain, because a later
+    # block is useless without the blocks before it (vLLM's LRUEvictor rule).
+    return block.last_accessed, -block.num_hashed_tokens
