@@ -4,7 +4,7 @@ Two loads against `minivllm serve` on the bundled model (CPU), each measured aga
 same small streaming request on the idle server:
 
     fan-out   one request of 64 prompts x n=64 (4,096 sequences), the small requests from 2 s on
-    long      six concurrent prompts of 3.9 MB of text each, the small requests alongside
+    long      six concurrent prompts of 3.9 MB of random words each, the small requests alongside
 
 With the server's default limits the fan-out request gets a 400 (prompts x n above
 --max-seqs-per-request); `--accept-fan-out` raises the cap so that it runs, which measures
@@ -21,8 +21,10 @@ import argparse
 import asyncio
 import json
 import os
+import random
 import socket
 import statistics
+import string
 import subprocess
 import sys
 import threading
@@ -37,7 +39,15 @@ import common  # noqa: E402
 MODEL = "tiny-shakespeare"
 SMALL = {"model": MODEL, "prompt": "ROMEO:", "max_tokens": 2, "stream": True, "temperature": 0.0}
 FAN_OUT = {"model": MODEL, "prompt": [f"Scene {i}. Enter ROMEO." for i in range(64)], "n": 64, "max_tokens": 16}
-LONG_TEXT = "word " * 780_000  # 3.9 MB
+NUM_LONG_CHARS = 3_900_000
+
+
+def long_text(seed: int) -> str:
+    """3.9 MB of random lowercase words: no token repeats often enough to be cheap to encode."""
+    rng = random.Random(seed)
+    words = ["".join(rng.choices(string.ascii_lowercase, k=rng.randint(1, 12))) for _ in range(50_000)]
+    text = " ".join(rng.choices(words, k=NUM_LONG_CHARS // 6))
+    return (text * 2)[:NUM_LONG_CHARS]
 NUM_LONG, NUM_SMALL, SMALL_EVERY_S, FAN_OUT_DELAY_S = 6, 5, 1.0, 2.0
 
 
@@ -121,30 +131,34 @@ async def fan_out_load(client, url) -> tuple[list[float], dict]:
 
 
 async def long_load(client, url) -> tuple[list[float], dict]:
-    body = json.dumps({"model": MODEL, "prompt": LONG_TEXT, "max_tokens": 1})
+    bodies = [json.dumps({"model": MODEL, "prompt": long_text(i), "max_tokens": 1}) for i in range(NUM_LONG)]
 
-    async def one_long():
+    async def one_long(body: str):
         response = await client.post(url + "/v1/completions", content=body, timeout=600,
                                      headers={"content-type": "application/json"})
-        return response.status_code
+        return response.status_code, response.json().get("error", {}).get("message", "")[:160]
 
-    statuses, ttfts = await asyncio.gather(asyncio.gather(*(one_long() for _ in range(NUM_LONG))),
+    statuses, ttfts = await asyncio.gather(asyncio.gather(*(one_long(b) for b in bodies)),
                                            smalls(client, url, 0.05))
-    return ttfts, {"statuses": sorted(set(statuses))}
+    return ttfts, {"answers": sorted(set(statuses))}
 
 
 def summary(ttfts: list[float]) -> dict:
     return {"median_s": round(statistics.median(ttfts), 3), "max_s": round(max(ttfts), 3)}
 
 
-async def measure(url: str, pid: int) -> dict:
+LOADS = {"fan_out": fan_out_load, "long": long_load}
+
+
+async def measure(url: str, pid: int, loads: list[str]) -> dict:
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(limits=limits) as client:
         for _ in range(3):  # warm-up
             await small_ttft(client, url)
         idle = [await small_ttft(client, url) for _ in range(NUM_SMALL)]
         result = {"idle": summary(idle), "baseline_mib": rss_mib(pid)}
-        for name, load in (("fan_out", fan_out_load), ("long", long_load)):
+        for name in loads:
+            load = LOADS[name]
             with PeakMemory(pid) as memory:
                 ttfts, detail = await load(client, url)
             await asyncio.sleep(2.0)
@@ -156,6 +170,7 @@ async def measure(url: str, pid: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--accept-fan-out", action="store_true", help="--max-seqs-per-request 4096")
+    parser.add_argument("--loads", nargs="+", choices=list(LOADS), default=list(LOADS))
     parser.add_argument("--extra", nargs=argparse.REMAINDER, default=[], help="more `minivllm serve` flags")
     args = parser.parse_args()
     port = free_port()
@@ -175,7 +190,7 @@ def main() -> None:
             if server.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError("the server did not start")
             time.sleep(0.5)
-        result = {"command": " ".join(cmd[1:]), **asyncio.run(measure(url, server.pid)),
+        result = {"command": " ".join(cmd[1:]), **asyncio.run(measure(url, server.pid, args.loads)),
                   "env": {"commit": common.commit(), "cpus": os.cpu_count()}}
     finally:
         server.terminate()
