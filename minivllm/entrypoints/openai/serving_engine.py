@@ -2,7 +2,9 @@
 
 Mirrors `vllm/entrypoints/openai/serving_engine.py`. Every check that can fail a request
 runs here, BEFORE the request reaches the engine, so a bad request costs no KV blocks and
-always gets a clear 4xx with OpenAI's error body.
+always gets a clear 4xx with OpenAI's error body. A request's prompts reach the engine at
+most `max_seqs_in_flight` sequences at a time (`StagedStream`), so one huge request shares
+the steps with those that arrive after it (vLLM adds them all at once).
 """
 
 from __future__ import annotations
