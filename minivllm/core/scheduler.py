@@ -25,6 +25,7 @@ from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
 from minivllm.core.kv_connector_hook import NoKVConnector
 from minivllm.core.lora_slots import LoRASlots
 from minivllm.core.policy import PolicyFactory
+from minivllm.core.priority_preemption import PriorityPreemptionMixin
 from minivllm.sequence import Sequence, SequenceGroup, SequenceGroupMetadata, SequenceStatus
 
 BlockMapping = list[tuple[int, int]]
@@ -129,8 +130,7 @@ class _StepState:
     blocks_to_swap_out: BlockMapping = field(default_factory=list)
     blocks_to_copy: BlockMapping = field(default_factory=list)
     ignored: list[SequenceGroup] = field(default_factory=list)
-    # LoRA adapter ids of the running set after this step (`Scheduler.lora_slots` counts them).
-    curr_loras: set[int] = field(default_factory=set)
+    curr_loras: set[int] = field(default_factory=set)  # adapter ids running after the step
 
     @property
     def num_preempted(self) -> int:
@@ -141,9 +141,10 @@ class _StepState:
                 + self.decodes + self.swapped_in_decodes)
 
 
-class Scheduler:
+class Scheduler(PriorityPreemptionMixin):
     """Decides each step's batch. vLLM 0.6.3's arguments in its order, plus keyword-only `clock`
-    (time source of request metrics) and `kv_connector` (None: `NoKVConnector`)."""
+    (time source of request metrics) and `kv_connector` (None: `NoKVConnector`).
+    `_schedule_priority_preemption` lives in `priority_preemption.py`."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: LoRAConfig | None = None, pipeline_parallel_size: int = 1,
@@ -180,7 +181,6 @@ class Scheduler:
         self.swapped: deque[SequenceGroup] = deque()
         self.num_cumulative_preemption = 0
 
-    # ============================================================ requests in / out
     def add_seq_group(self, seq_group: SequenceGroup) -> None:
         self.waiting.append(seq_group)
 
@@ -220,7 +220,6 @@ class Scheduler:
                 remaining.append(seq_group)
         self.running = remaining
 
-    # ===================================================================== schedule
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs, bool]:
         """Pick this step's batch: the worker's per-group metadata, the decision, and vLLM's
         `allow_async_output_proc` (always False: no asynchronous output processing)."""
@@ -291,7 +290,6 @@ class Scheduler:
             preempted=state.num_preempted,
         )
 
-    # ------------------------------------------------------------------ waiting
     def _schedule_prefills(self, state: _StepState, enable_chunking: bool) -> None:
         """Admit waiting prompts in queue order until one does not fit (head-of-line)."""
         budget = state.budget
@@ -367,7 +365,6 @@ class Scheduler:
                                "sequences; a waiting group has exactly one prompt sequence.")
         return seqs[0]
 
-    # ------------------------------------------------------------------ running
     def _schedule_running(self, state: _StepState, enable_chunking: bool) -> None:
         """Give every running group its next tokens, preempting when blocks run out."""
         self.running = deque(sorted(self.running, key=self._running_key(enable_chunking)))
@@ -442,7 +439,6 @@ class Scheduler:
         for seq in seq_group.get_seqs(status=SequenceStatus.RUNNING):
             state.blocks_to_copy.extend(self.block_manager.append_slots(seq, num_lookahead_slots))
 
-    # ------------------------------------------------------------------ swapped
     def _schedule_swapped(self, state: _StepState, enable_chunking: bool) -> None:
         """Swap groups back in (queue order) while the GPU pool and the budget allow."""
         passed_over: list[SequenceGroup] = []
@@ -485,39 +481,11 @@ class Scheduler:
         else:
             state.swapped_in_decodes.append(ScheduledSequenceGroup(seq_group, 1))
 
-    # --------------------------------------------------------------- preemption
-    def _schedule_priority_preemption(self, state: _StepState, enable_chunking: bool) -> None:
-        """Recompute running groups of lower priority than the waiting head until it fits."""
-        if not self.waiting:
-            return
-        head = self.waiting[0]
-        if self._why_never_admissible(head, state, self.block_manager.can_allocate(head)) is not None:
-            return  # preempting others would not help it
-        self.running = deque(sorted(self.running, key=self.policy.sort_key))
-        while self.running and self.policy.sort_key(self.running[-1]) > self.policy.sort_key(head):
-            if self._fits_now(head, state.budget, enable_chunking):
-                break
-            victim = self.running[-1]
-            if victim.num_seqs(status=SequenceStatus.RUNNING) != 1:
-                break  # several sequences cannot be recomputed; stop here
-            self.running.pop()
-            self._uncount(victim, state.budget)
-            self._preempt_by_recompute(victim, state)
-
     @staticmethod
     def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
         """A running group about to be preempted frees its sequences' share of the budget (its
         tokens were not counted yet)."""
         budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
-
-    def _fits_now(self, seq_group: SequenceGroup, budget: SchedulingBudget,
-                  enable_chunking: bool) -> bool:
-        if self.block_manager.can_allocate(seq_group) != AllocStatus.OK:
-            return False
-        seq = self._waiting_seq(seq_group)
-        num_new_tokens = 1 if enable_chunking else seq.get_len() - self.block_manager.get_num_cached_tokens(seq)
-        return budget.can_schedule(num_new_tokens=num_new_tokens,
-                                   num_new_seqs=seq_group.get_max_num_running_seqs())
 
     def _preempt(self, seq_group: SequenceGroup, state: _StepState) -> None:
         """Recompute a one-sequence group, swap otherwise; with the CPU pool full a lone
@@ -564,7 +532,6 @@ class Scheduler:
         self.num_cumulative_preemption += 1
         state.preempted_by_swap.append(seq_group)
 
-    # ------------------------------------------------------------------ helpers
     def _running_key(self, enable_chunking: bool) -> Callable[[SequenceGroup], tuple]:
         if not enable_chunking:
             return self.policy.sort_key
