@@ -35,7 +35,9 @@ RESPONSIVE_S = 2.0
 
 
 def read_stream(url: str, body: dict, lines: list[str], started: threading.Event) -> None:
-    with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+    """Collect a stream's events; a server killed mid-stream just ends it."""
+    with contextlib.suppress(httpx.RemoteProtocolError), \
+            httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=60) as response:
         for line in response.iter_lines():
             if line.startswith("data: "):
                 lines.append(line[len("data: "):])
