@@ -25,10 +25,11 @@ from minivllm.worker.pipeline_model_runner import PipelineStageModelRunner
 
 def model_runner_class(engine_config: EngineConfig, device: torch.device) -> type[ModelRunner]:
     """The runner class of a worker on `device` (`Worker.__init__` builds it)."""
+    backend = get_attn_backend(engine_config.attention_backend, device)
     if engine_config.parallel_config.pipeline_parallel_size > 1:
         base = PipelineStageModelRunner  # eager: a graph cannot hold the stages' send and receive
-    elif _use_cuda_graphs(engine_config, device):
-        base = CUDAGraphModelRunner
+    elif device.type == "cuda" and not engine_config.enforce_eager and supports_cuda_graphs(backend):
+        base = CUDAGraphModelRunner  # not with the reference ops: they sync with the host
     else:
         base = ModelRunner
     mixins = []
@@ -57,12 +58,6 @@ def worker_class(engine_config: EngineConfig) -> type:
         base = Worker
     mixins = (KVConnectorWorkerMixin,) if engine_config.kv_transfer_config is not None else ()
     return _compose(mixins, base)
-
-
-def _use_cuda_graphs(engine_config: EngineConfig, device: torch.device) -> bool:
-    """On a GPU unless enforce_eager, and not with the reference ops (they sync with the host)."""
-    backend = get_attn_backend(engine_config.attention_backend, device)
-    return device.type == "cuda" and not engine_config.enforce_eager and supports_cuda_graphs(backend)
 
 
 @functools.cache
