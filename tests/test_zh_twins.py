@@ -7,7 +7,9 @@ the twins like any other notebook) and shows that the check catches drift and `s
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
+from types import SimpleNamespace
 from pathlib import Path
 
 import nbformat
@@ -105,3 +107,15 @@ def test_link_puts_the_twin_under_the_english_title_once(copied_twin):
     first = nbformat.read(english, as_version=4).cells[0].source.splitlines()
     assert first[0].startswith("# ") and first[2] == f"**English** · [中文](zh/{twin.name})"
     assert zh_twins.drift(twin, english) == []  # prose only: the twin is still in sync
+
+
+def test_the_site_lists_every_twin_and_links_it_to_the_docs():
+    # mkdocs.yml's validation makes a twin left out of the nav fail the strict build.
+    nav = set(re.findall(r"^\s+- notebooks/zh/(\S+\.ipynb)$", (REPO / "mkdocs.yml").read_text(encoding="utf-8"), re.M))
+    assert nav == {t.name for t in TWINS}
+    spec = importlib.util.spec_from_file_location("links_hook", REPO / "docs" / "hooks" / "links.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="notebooks/zh/00_tour.ipynb"))
+    html = '<a href="../../docs/zh/interview.md#x">a</a><a href="../../docs/modules.md">b</a>'
+    assert hook.on_post_page(html, page, None) == '<a href="../../../zh/interview/#x">a</a><a href="../../../modules/">b</a>'

@@ -24,12 +24,14 @@ def on_page_markdown(markdown: str, page, config, files) -> str:
     return _NOTEBOOK_LINK.sub(rewrite, markdown)
 
 
-# Notebooks link to the docs as `../docs/X.md` (right on GitHub and in Jupyter); on the site a
-# notebook is the page notebooks/<name>/, and a doc page X.md is X/.
-_DOCS_LINK = re.compile(r'href="\.\./docs/([\w/.-]+?)\.md(#[^"]*)?"')
+# Notebooks link to the docs as `../docs/X.md` (right on GitHub and in Jupyter; the Chinese twins
+# in notebooks/zh/ as `../../docs/X.md`); on the site a notebook is the page notebooks/<name>/
+# (or notebooks/zh/<name>/), and a doc page X.md is X/.
+_DOCS_LINK = re.compile(r'href="(?:\.\./)+docs/([\w/.-]+?)\.md(#[^"]*)?"')
 
 
 def on_post_page(output: str, page, config) -> str:
     if not page.file.src_uri.startswith("notebooks/"):
         return output
-    return _DOCS_LINK.sub(lambda m: f'href="../../{m.group(1)}/{m.group(2) or ""}"', output)
+    up = "../" * (page.file.src_uri.count("/") + 1)  # notebooks/X.ipynb -> notebooks/X/ -> root
+    return _DOCS_LINK.sub(lambda m: f'href="{up}{m.group(1)}/{m.group(2) or ""}"', output)
