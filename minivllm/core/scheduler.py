@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
 from minivllm.core.kv_connector_hook import NoKVConnector
+from minivllm.core.lookahead import LookaheadSlotsMixin
 from minivllm.core.lora_slots import LoRASlots
 from minivllm.core.policy import PolicyFactory
 from minivllm.core.priority_preemption import PriorityPreemptionMixin
@@ -141,10 +142,10 @@ class _StepState:
                 + self.decodes + self.swapped_in_decodes)
 
 
-class Scheduler(PriorityPreemptionMixin):
+class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
     """Decides each step's batch. vLLM 0.6.3's arguments in its order, plus keyword-only `clock`
-    (time source of request metrics) and `kv_connector` (None: `NoKVConnector`).
-    `_schedule_priority_preemption` lives in `priority_preemption.py`."""
+    (time source of request metrics) and `kv_connector` (None: `NoKVConnector`). The optional
+    modes' methods live beside it: `priority_preemption.py`, `lookahead.py` (multi-step)."""
 
     def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
                  lora_config: LoRAConfig | None = None, pipeline_parallel_size: int = 1,
@@ -386,25 +387,6 @@ class Scheduler(PriorityPreemptionMixin):
                 state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
                 state.budget.add_num_seqs(seq_group.request_id,
                                           seq_group.get_max_num_running_seqs())
-
-    def _num_lookahead_slots(self, seq_group: SequenceGroup) -> int:
-        """Slots beyond a decode's next token (multi-step): 0 unless they fit without preempting
-        anyone. Only for a lone sequence (a multi-step run feeds each sampled token straight
-        back), and never more than it may still generate."""
-        params = seq_group.sampling_params
-        num_slots = self.scheduler_config.num_lookahead_slots
-        if num_slots == 0 or params.best_of > 1 or params.use_beam_search:
-            return 0
-        num_slots = max(0, min(num_slots, self._tokens_left(seq_group) - 1))
-        return num_slots if self._can_append_slots(seq_group, num_slots) else 0
-
-    def _tokens_left(self, seq_group: SequenceGroup) -> int:
-        """Tokens a lone sequence may still generate (max_tokens, max_model_len)."""
-        seq = seq_group.first_seq
-        remaining = self.scheduler_config.max_model_len - seq.get_len()
-        if seq_group.sampling_params.max_tokens is not None:
-            remaining = min(remaining, seq_group.sampling_params.max_tokens - seq.get_output_len())
-        return remaining
 
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one token
