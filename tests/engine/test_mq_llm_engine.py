@@ -23,7 +23,7 @@ from minivllm.engine.llm_engine import LLMEngine
 from minivllm.engine.metrics import StatLoggerBase
 from minivllm.engine.multiprocessing import (IPC_HEARTBEAT_EXT, IPC_INPUT_EXT, IPC_RPC_EXT, MQEngineDeadError,
                                              RPCAbortRequest, RPCProcessRequest)
-from minivllm.engine.multiprocessing.client import MQLLMEngineClient
+from minivllm.engine.multiprocessing.client import HEARTBEAT_TIMEOUT_S, MQLLMEngineClient
 from minivllm.engine.multiprocessing.engine import MQLLMEngine
 from minivllm.sampling_params import SamplingParams
 
@@ -264,6 +264,18 @@ def test_a_malformed_frame_on_the_engines_sockets_is_dropped_and_the_engine_goes
     outputs = run(client, collect(client, "after-garbage", PROMPTS[0]))
     assert outputs[-1].finished and outputs[-1].outputs[0].token_ids == reference(PROMPTS[:1])[0].token_ids
     assert client.process.is_alive() and not client.errored
+
+
+def test_an_event_loop_held_longer_than_the_heartbeat_timeout_is_not_a_frozen_engine(client):
+    """The heartbeats that came while this process's event loop was held wait in the socket:
+    the first look after the hold finds a fresh one, and the engine serves on."""
+    async def body():
+        await collect(client, "before-hold", PROMPTS[0])  # the output loop reads heartbeats
+        time.sleep(HEARTBEAT_TIMEOUT_S + 1)  # holds the event loop (a blocking call in a server)
+        return await collect(client, "after-hold", PROMPTS[0])
+
+    outputs = run(client, body())
+    assert outputs[-1].finished and not client.errored
 
 
 class _IdleEngine:
