@@ -22,10 +22,6 @@ from minivllm.distributed import (
 from minivllm.model_executor.weight_utils import check_shape, loaded_parameter
 
 
-def pad_vocab_size(vocab_size: int, multiple: int) -> int:
-    return -(-vocab_size // multiple) * multiple
-
-
 class VocabParallelEmbedding(nn.Module):
     """ids `[num_tokens]` -> `[num_tokens, embedding_dim]`, identical on every TP rank."""
 
@@ -34,7 +30,7 @@ class VocabParallelEmbedding(nn.Module):
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_padded = pad_vocab_size(num_embeddings, self.tp_size)
+        self.num_embeddings_padded = -(-num_embeddings // self.tp_size) * self.tp_size  # a multiple of tp
         self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
         # This rank's real rows: [start, end); the last rank may own padding rows past end.
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
