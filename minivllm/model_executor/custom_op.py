@@ -23,8 +23,7 @@ class CustomOp(nn.Module):
         self.use_backend(backend)
 
     def use_backend(self, backend: str) -> None:
-        """Bind `forward` to the backend's version. Called at construction; a benchmark may call
-        it again before CUDA graphs are captured, to measure what the kernel buys."""
+        """Bind `forward` to the backend's version (a benchmark may rebind before graph capture)."""
         if backend not in available_backends():  # a registered attention backend runs native ops
             raise ValueError(f"unknown backend {backend!r}; choose one of {available_backends()}.")
         self.backend = backend
