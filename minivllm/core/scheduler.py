@@ -167,12 +167,9 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
         self.clock = clock
         self.kv_connector = kv_connector or NoKVConnector()
         self.policy = PolicyFactory.get_policy(scheduler_config.policy)
-        self.block_manager = BlockSpaceManager(
-            block_size=cache_config.block_size,
-            num_gpu_blocks=cache_config.num_gpu_blocks,
-            num_cpu_blocks=cache_config.num_cpu_blocks or 0,
-            enable_caching=cache_config.enable_prefix_caching,
-        )
+        self.block_manager = BlockSpaceManager(cache_config.block_size, cache_config.num_gpu_blocks,
+                                               cache_config.num_cpu_blocks or 0,
+                                               enable_caching=cache_config.enable_prefix_caching)
         # Without chunking a whole prompt must fit in one step's token budget.
         self.prompt_limit = scheduler_config.max_model_len
         if not scheduler_config.enable_chunked_prefill:
@@ -560,11 +557,9 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
         seq_group = scheduled.seq_group
         seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
         is_prompt = seq_group.is_prefill()
-        do_sample = True
-        if is_prompt:
-            seq = seqs[0]
-            # A chunk that stops short of the end of the prompt produces no token.
-            do_sample = seq.get_num_computed_tokens() + scheduled.token_chunk_size >= seq.get_len()
+        # A chunk that stops short of the end of the prompt produces no token.
+        do_sample = not is_prompt or (seqs[0].get_num_computed_tokens() + scheduled.token_chunk_size
+                                      >= seqs[0].get_len())
         return SequenceGroupMetadata(
             request_id=seq_group.request_id,
             is_prompt=is_prompt,
