@@ -307,3 +307,64 @@ def test_the_heartbeat_says_when_the_engine_loop_stops_coming_round(tmp_path):
     finally:
         ctx.destroy(linger=0)
         engine.close()
+
+
+_HUNG_ENGINE_SCRIPT = """
+import multiprocessing, sys, time
+from minivllm.engine.multiprocessing.engine import MQLLMEngine
+
+class IdleEngine:
+    def add_logger(self, name, logger): pass
+    def shutdown(self): pass
+
+def hung_engine(ipc_path):
+    MQLLMEngine(IdleEngine(), ipc_path)
+    time.sleep(600)  # a step that never returns
+
+if __name__ == "__main__":
+    child = multiprocessing.get_context("spawn").Process(target=hung_engine, args=(sys.argv[1],))
+    child.start()
+    print(child.pid, flush=True)
+    time.sleep(600)
+"""
+
+
+def test_an_orphaned_engine_process_exits_even_if_its_step_hangs(tmp_path):
+    """The server's process is killed while the engine is inside a step that never returns:
+    the heartbeat thread ends the engine process a few seconds later anyway."""
+    import subprocess
+    import sys
+
+    from minivllm.engine.multiprocessing.engine import _ORPHAN_GRACE_S
+
+    script = tmp_path / "server.py"
+    script.write_text(_HUNG_ENGINE_SCRIPT)
+    ipc_path = f"ipc://{tmp_path}/engine"
+    server = subprocess.Popen([sys.executable, str(script), ipc_path], stdout=subprocess.PIPE, text=True)
+    ctx = zmq.Context()
+    engine_pid = None
+    try:
+        engine_pid = int(server.stdout.readline())
+        pull = ctx.socket(zmq.PULL)
+        pull.connect(ipc_path + IPC_HEARTBEAT_EXT)
+        assert pull.poll(60_000), "the engine process did not start"  # its first heartbeat
+        server.kill()
+        server.wait()
+        killed_at = time.monotonic()
+        while _running(engine_pid) and time.monotonic() - killed_at < 30:
+            time.sleep(0.1)
+        assert not _running(engine_pid)
+        assert time.monotonic() - killed_at < _ORPHAN_GRACE_S + 3
+    finally:
+        ctx.destroy(linger=0)
+        server.kill()
+        if engine_pid is not None and _running(engine_pid):
+            os.kill(engine_pid, signal.SIGKILL)
+
+
+def _running(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # an orphaned zombie waits for a reaper that may never come in a container
