@@ -33,7 +33,6 @@ MIN_DOT_SIZE = 16
 V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
 V2_CONFIG = (32, 4, 3)  # more, shorter programs: smaller tiles keep more of them resident
 
-# Split-KV heuristic (see `choose_num_kv_splits`).
 V1_MIN_PROGRAMS_PER_SM = 2  # with this many (sequence, KV head) programs per SM, v1 streams well
 TARGET_PROGRAMS_PER_SM = 4  # otherwise split until the grid has this many programs per SM
 MIN_TOKENS_PER_SPLIT = 64  # below this a split's fixed cost (load q, write partials) dominates
@@ -133,8 +132,7 @@ def _paged_attention_v1_kernel(
     tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits); a program attends one ----
-# slice of the context and writes a partial output and its log-sum-exp.
+# ---- v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits): a slice of context each ----
 @triton.jit
 def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
     """Tokens per split, seq_len / num_splits rounded up to whole tiles: per sequence, on the
