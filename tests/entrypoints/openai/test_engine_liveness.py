@@ -45,9 +45,10 @@ def read_stream(url: str, body: dict, lines: list[str], started: threading.Event
 
 
 def test_a_frozen_engine_is_noticed_and_the_server_stays_responsive(tmp_path, monkeypatch):
-    """SIGSTOP the engine with a stream running and an adapter load waiting on it: /health says
-    503 within seconds, the stream ends with an error that says what happened, the load and new
-    requests get 503, and /v1/models and /metrics answer at once all the while."""
+    """SIGSTOP the engine with a stream running, and an adapter load and a request waiting on
+    it: /health says 503 within seconds, the stream ends with an error that says what happened,
+    the load, the waiting request and new requests get 503, and /v1/models and /metrics answer
+    at once all the while."""
     monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "1")
     adapter = tmp_path / "adapter"  # reaches the engine's add_lora, where the freeze holds it
     adapter.mkdir()
@@ -67,6 +68,10 @@ def test_a_frozen_engine_is_noticed_and_the_server_stays_responsive(tmp_path, mo
                 server.url + "/v1/load_lora_adapter", json={"lora_name": "a", "lora_path": str(adapter)},
                 timeout=60)), daemon=True)
             loader.start()
+            waiting: dict = {}  # sent during the freeze: its engine never accepts it
+            waiter = threading.Thread(target=lambda: waiting.update(answer=httpx.post(
+                server.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=60)), daemon=True)
+            waiter.start()
             while True:
                 for path in ("/v1/models", "/metrics"):  # the event loop is never held by the load
                     start = time.monotonic()
@@ -84,6 +89,8 @@ def test_a_frozen_engine_is_noticed_and_the_server_stays_responsive(tmp_path, mo
             assert "heartbeat" in error["message"]
             loader.join(10)
             assert load["answer"].status_code == 503, load["answer"].text
+            waiter.join(10)
+            assert waiting["answer"].status_code == 503 and "heartbeat" in waiting["answer"].text
             fresh = httpx.post(server.url + "/v1/completions", json={**LONG, "max_tokens": 2}, timeout=10)
             assert fresh.status_code == 503 and "heartbeat" in fresh.json()["error"]["message"], fresh.text
     finally:
