@@ -4,10 +4,8 @@
     Qwen2                biases on the q/k/v projections
     Qwen3                an RMSNorm on each query and key head, before RoPE
 
-The input is one flattened batch, no padding: input_ids and positions `[num_tokens]`
-(prefill chunks first, then one token per decode), and the `AttentionMetadata` that says
-where each sequence's keys live in the paged cache. With one rank the parallel layers are
-plain ones; a pipeline stage builds only its layers (`PPMissingLayer` for the others).
+The input is one flattened batch with no padding: prefill chunks, then one token per decode.
+With one rank the parallel layers are plain ones; a pipeline stage builds only its layers.
 """
 
 from __future__ import annotations
