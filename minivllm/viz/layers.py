@@ -106,6 +106,10 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.core.scheduler": "vllm/core/scheduler.py",
     "minivllm.core.block_manager": "vllm/core/block_manager_v1.py",
     "minivllm.core.block_allocator": "vllm/block.py",
+    "minivllm.core.prefix_caching": "vllm/core/block/prefix_caching_block.py",
+    "minivllm.core.priority_preemption": "vllm/core/scheduler.py",  # _schedule_priority_preemption
+    "minivllm.core.lookahead": "vllm/core/scheduler.py",  # _get_num_lookahead_slots
+    "minivllm.core.lora_slots": "vllm/core/scheduler.py",  # its curr_loras bookkeeping
     "minivllm.engine": "vllm/engine/",
     "minivllm.engine.llm_engine": "vllm/engine/llm_engine.py",
     "minivllm.engine.async_llm_engine": "vllm/engine/async_llm_engine.py",
@@ -117,6 +121,13 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.engine.metrics": "vllm/engine/metrics.py",
     "minivllm.engine.output_processor": "vllm/engine/output_processor/single_step.py",
     "minivllm.engine.detokenizer": "vllm/transformers_utils/detokenizer.py",
+    "minivllm.engine.stream_detokenizer": "vllm/transformers_utils/detokenizer.py",  # its role; the form is V1's
+    "minivllm.engine.input_preprocess": "vllm/inputs/preprocess.py",
+    "minivllm.engine.beam_search": "vllm/engine/output_processor/single_step.py",  # its beam branch
+    "minivllm.engine.prompt_logprobs": "vllm/engine/output_processor/single_step.py",  # process_prompt_logprob
+    "minivllm.engine.multi_step": "vllm/engine/output_processor/multi_step.py",
+    "minivllm.engine.profiler": "vllm/engine/llm_engine.py",  # start_profile / stop_profile
+    "minivllm.engine.lora_adapters": "vllm/engine/llm_engine.py",  # add_lora / remove_lora / list_loras
     "minivllm.executor": "vllm/executor/",
     "minivllm.executor.executor_base": "vllm/executor/executor_base.py",
     "minivllm.executor.uniproc_executor": "vllm/executor/gpu_executor.py",
@@ -132,6 +143,7 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.distributed.parallel_state": "vllm/distributed/parallel_state.py",
     "minivllm.distributed.communication_op": "vllm/distributed/communication_op.py",
     "minivllm.distributed.utils": "vllm/distributed/utils.py",
+    "minivllm.distributed.symm_mem": "vllm/distributed/device_communicators/custom_all_reduce.py",
     "minivllm.model_executor.layers.linear": "vllm/model_executor/layers/linear.py",
     "minivllm.model_executor.layers.vocab_parallel_embedding": (
         "vllm/model_executor/layers/vocab_parallel_embedding.py"
@@ -142,6 +154,14 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.worker.worker": "vllm/worker/worker.py",
     "minivllm.worker.cache_engine": "vllm/worker/cache_engine.py",
     "minivllm.worker.model_runner": "vllm/worker/model_runner.py",
+    "minivllm.worker.worker_profiler": "vllm/worker/worker.py",  # start_profile / stop_profile
+    "minivllm.worker.virtual_engine": "vllm/worker/worker.py",  # cache_engine[virtual_engine]
+    "minivllm.worker.cuda_graph_runner": "vllm/worker/model_runner.py",  # CUDAGraphRunner
+    "minivllm.worker.lora_model_runner": "vllm/worker/model_runner.py",  # its LoRA parts
+    "minivllm.worker.pipeline_model_runner": "vllm/worker/model_runner.py",  # its pipeline parts
+    "minivllm.worker.pipeline_worker": "vllm/worker/worker_base.py",  # IntermediateTensors sent / received
+    "minivllm.worker.multi_step_worker": "vllm/worker/multi_step_worker.py",
+    "minivllm.worker.multi_step_model_runner": "vllm/worker/multi_step_model_runner.py",
     "minivllm.lora": "vllm/lora/",
     "minivllm.lora.request": "vllm/lora/request.py",
     "minivllm.lora.peft_helper": "vllm/lora/models.py",
@@ -151,6 +171,9 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.lora.worker_manager": "vllm/lora/worker_manager.py",
     "minivllm.model_executor": "vllm/model_executor/",
     "minivllm.model_executor.sampling_metadata": "vllm/model_executor/sampling_metadata.py",
+    "minivllm.model_executor.token_stats": "vllm/model_executor/sampling_metadata.py",  # SamplingTensors' token lists
+    "minivllm.model_executor.custom_op": "vllm/model_executor/custom_op.py",
+    "minivllm.model_executor.layers": "vllm/model_executor/layers/",
     "minivllm.model_executor.model_loader": "vllm/model_executor/model_loader/loader.py",
     "minivllm.model_executor.layers.layernorm": "vllm/model_executor/layers/layernorm.py",
     "minivllm.model_executor.layers.rotary_embedding": (
@@ -159,6 +182,10 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.model_executor.layers.activation": "vllm/model_executor/layers/activation.py",
     "minivllm.model_executor.layers.sampler": "vllm/model_executor/layers/sampler.py",
     "minivllm.model_executor.layers.parallel_sampling": "vllm/model_executor/layers/sampler.py",
+    "minivllm.model_executor.layers.device_sampler": "vllm/model_executor/layers/sampler.py",  # _sample
+    "minivllm.model_executor.layers.sampling_ops": "vllm/model_executor/layers/sampler.py",  # top-k/p, penalties
+    "minivllm.model_executor.layers.logprobs": "vllm/model_executor/layers/sampler.py",  # _get_logprobs
+    "minivllm.model_executor.layers.logits_processor": "vllm/model_executor/layers/logits_processor.py",
     "minivllm.model_executor.layers.rejection_sampler": "vllm/model_executor/layers/rejection_sampler.py",
     "minivllm.spec_decode": "vllm/spec_decode/",
     "minivllm.spec_decode.spec_decode_worker": "vllm/spec_decode/spec_decode_worker.py",
@@ -180,6 +207,8 @@ VLLM_PATHS: dict[str, str] = {
     "minivllm.kernels.cache_ops": "csrc/cache_kernels.cu",
     "minivllm.kernels.lora_reference": "vllm/lora/ops/sgmv_shrink.py",
     "minivllm.kernels.lora_ops": "vllm/lora/ops/sgmv_expand.py",
+    "minivllm.kernels.fused_ops": "csrc/layernorm_kernels.cu",  # + activation_kernels.cu, pos_encoding_kernels.cu
+    "minivllm.kernels.sampling": "vllm/model_executor/layers/sampler.py",  # its top-k/p and the draw, fused
     "minivllm.entrypoints": "vllm/entrypoints/",
     "minivllm.entrypoints.llm": "vllm/entrypoints/llm.py",
     "minivllm.entrypoints.cli": "vllm/scripts.py",
