@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import enum
 
-from minivllm.core.block_allocator import BlockAllocator, Device, OutOfBlocksError, PhysicalTokenBlock
+from minivllm.core.block_allocator import (BlockAllocator, Device, OutOfBlocksError,
+                                           PhysicalTokenBlock)
 from minivllm.core.prefix_caching import NoPrefixCache, PrefixCache, hash_block_tokens
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -201,7 +202,7 @@ class BlockSpaceManager:
                 if dst_block is not None:  # shared within the group: one copy, one more holder
                     dst.incref(dst_block, 1, now)
                 else:
-                    dst_block, needs_copy = self._swap_block(src_block, dst, now)
+                    dst_block, needs_copy = self.prefix_cache.move(src_block, dst, now)
                     mapping[src_block.block_number] = dst_block
                     if needs_copy:
                         copies.append((src_block.block_number, dst_block.block_number))
@@ -209,20 +210,6 @@ class BlockSpaceManager:
                 src.free(src_block, now)
             self.block_tables[seq.seq_id] = new_table
         return copies
-
-    def _swap_block(self, src_block: PhysicalTokenBlock, dst: BlockAllocator,
-                    now: int) -> tuple[PhysicalTokenBlock, bool]:
-        """The moved block's destination (keeping its content hash), and whether to copy into
-        it: not when the GPU prefix cache still holds that content."""
-        if src_block.block_hash is None:
-            return dst.allocate(now), True
-        cached = dst.lookup(src_block.block_hash, src_block.token_ids)  # None on the CPU pool
-        if cached is not None:
-            dst.incref(cached, 1, now)
-            return cached, False
-        dst_block = dst.allocate(now)
-        dst.register(dst_block, src_block.block_hash, src_block.token_ids, src_block.num_hashed_tokens)
-        return dst_block, True
 
     # ========================================================== prefix caching
     def get_num_cached_tokens(self, seq: Sequence) -> int:

@@ -1,5 +1,6 @@
 """Automatic prefix caching, the block manager's side: chained block hashes, the lookup of a
-sequence's cached prefix, the registration of computed blocks and the hit rate.
+sequence's cached prefix, the registration of computed blocks, swapping that keeps a block's
+hash, and the hit rate.
 
 Mirrors the hashing of `vllm/core/block/prefix_caching_block.py` (0.6.3). The pool's side (one
 block per hash, the LRU evictor) is `BlockAllocator`'s. `BlockSpaceManager` holds a
@@ -12,7 +13,8 @@ from minivllm.core.block_allocator import BlockAllocator, Device, PhysicalTokenB
 from minivllm.sequence import Sequence
 
 
-def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...], extra_hash: int = 0) -> int:
+def hash_block_tokens(parent_block_hash: int | None, token_ids: tuple[int, ...],
+                      extra_hash: int = 0) -> int:
     """Chained content hash of one full block: it names the block and every token before it.
 
     `extra_hash`: the LoRA adapter's id (vLLM's `extra_hash`), so two adapters never share a
@@ -58,7 +60,8 @@ class PrefixCache:
         self.num_hits += len(blocks)
         return blocks
 
-    def register(self, seq: Sequence, block_table: list[PhysicalTokenBlock], num_computed_tokens: int) -> None:
+    def register(self, seq: Sequence, block_table: list[PhysicalTokenBlock],
+                 num_computed_tokens: int) -> None:
         """Hash and register every full block within the first `num_computed_tokens`."""
         size = self.block_size
         num_full = num_computed_tokens // size
@@ -74,6 +77,20 @@ class PrefixCache:
             block_tokens = tuple(token_ids[i * size:(i + 1) * size])
             self.gpu_allocator.register(block, hash_block_tokens(parent_hash, block_tokens, seq.lora_int_id),
                                         block_tokens, (i + 1) * size)
+
+    def move(self, src_block: PhysicalTokenBlock, dst: BlockAllocator,
+             now: int) -> tuple[PhysicalTokenBlock, bool]:
+        """A swapped block's destination in `dst`, keeping its content hash, and whether the worker
+        must copy into it: not when the GPU prefix cache still holds that content."""
+        if src_block.block_hash is None:
+            return dst.allocate(now), True
+        cached = dst.lookup(src_block.block_hash, src_block.token_ids)  # None on the CPU pool
+        if cached is not None:
+            dst.incref(cached, 1, now)
+            return cached, False
+        dst_block = dst.allocate(now)
+        dst.register(dst_block, src_block.block_hash, src_block.token_ids, src_block.num_hashed_tokens)
+        return dst_block, True
 
     def hit_rate(self) -> float:
         """Reused / looked-up blocks over all `reuse` calls; 0.0 before the first."""
@@ -93,8 +110,13 @@ class NoPrefixCache(PrefixCache):
     def reuse(self, seq: Sequence, num_holders: int, now: int) -> list[PhysicalTokenBlock]:
         return []
 
-    def register(self, seq: Sequence, block_table: list[PhysicalTokenBlock], num_computed_tokens: int) -> None:
+    def register(self, seq: Sequence, block_table: list[PhysicalTokenBlock],
+                 num_computed_tokens: int) -> None:
         pass
+
+    def move(self, src_block: PhysicalTokenBlock, dst: BlockAllocator,
+             now: int) -> tuple[PhysicalTokenBlock, bool]:
+        return dst.allocate(now), True
 
     def hit_rate(self) -> float:
         return -1.0

@@ -121,10 +121,9 @@ class _StepState:
 
     budget: SchedulingBudget
     prefills: list[ScheduledSequenceGroup] = field(default_factory=list)  # new prompts
+    # Running, then swapped-in groups: mid-prompt (chunked prefill), or decoding.
     running_prefills: list[ScheduledSequenceGroup] = field(default_factory=list)
-    swapped_in_prefills: list[ScheduledSequenceGroup] = field(default_factory=list)
     decodes: list[ScheduledSequenceGroup] = field(default_factory=list)
-    swapped_in_decodes: list[ScheduledSequenceGroup] = field(default_factory=list)
     preempted_by_recompute: list[SequenceGroup] = field(default_factory=list)
     preempted_by_swap: list[SequenceGroup] = field(default_factory=list)
     blocks_to_swap_in: BlockMapping = field(default_factory=list)
@@ -138,8 +137,7 @@ class _StepState:
         return len(self.preempted_by_recompute) + len(self.preempted_by_swap)
 
     def scheduled(self) -> list[ScheduledSequenceGroup]:
-        return (self.prefills + self.running_prefills + self.swapped_in_prefills
-                + self.decodes + self.swapped_in_decodes)
+        return self.prefills + self.running_prefills + self.decodes
 
 
 class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
@@ -208,15 +206,12 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
 
     def free_finished_seq_groups(self) -> None:
         """Free the blocks of finished sequences; drop finished groups from `running`."""
-        remaining: deque[SequenceGroup] = deque()
         for seq_group in self.running:
             if seq_group.is_finished():
                 self._report_finished(seq_group)
             for seq in seq_group.get_finished_seqs():
                 self.free_seq(seq)
-            if not seq_group.is_finished():
-                remaining.append(seq_group)
-        self.running = remaining
+        self.running = deque(g for g in self.running if not g.is_finished())
 
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs, bool]:
         """Pick this step's batch: the worker's per-group metadata, the decision, and vLLM's
@@ -278,8 +273,7 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
         self.swapped.extend(state.preempted_by_swap)
         return SchedulerOutputs(
             scheduled_seq_groups=scheduled,
-            num_prefill_groups=len(state.prefills) + len(state.running_prefills)
-            + len(state.swapped_in_prefills),
+            num_prefill_groups=len(state.prefills) + len(state.running_prefills),
             num_batched_tokens=state.budget.num_batched_tokens,
             blocks_to_swap_in=state.blocks_to_swap_in,
             blocks_to_swap_out=state.blocks_to_swap_out,
@@ -456,9 +450,9 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
             seq.status = SequenceStatus.RUNNING
         self._append_slots(seq_group, state)
         if seq_group.is_prefill():
-            state.swapped_in_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+            state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
         else:
-            state.swapped_in_decodes.append(ScheduledSequenceGroup(seq_group, 1))
+            state.decodes.append(ScheduledSequenceGroup(seq_group, 1))
 
     @staticmethod
     def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
