@@ -111,7 +111,8 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
         self.retry_interval_s = float(self.extra_config.get("retry_interval_s", _DEFAULT_RETRY_INTERVAL_S))
         self.store = self.make_store()
         self._unavailable_until = 0.0
-        # Scheduler side: request id -> its prompt blocks' digests; this step's loads.
+        # Scheduler side: request id -> its prompt blocks' refs, "<identity>/<digest>" (the
+        # workers take the identity from the refs: one fingerprint per engine, not per rank).
         self._digests: dict[str, list[str]] = {}
         self._loads: dict[str, list[tuple[int, str]]] = {}
         # Worker side.
@@ -124,8 +125,8 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
 
     @functools.cached_property
     def root(self) -> str:
-        """The model's identity (`keys.model_identity`), hashed from its weights on first use:
-        the workers have loaded (and, for a hub id, downloaded) them by then."""
+        """The model's identity (`keys.model_identity`), hashed from its weights on first use
+        (scheduler side only): the workers have loaded (and, for a hub id, downloaded) them by then."""
         return model_identity(self.engine_config)
 
     # ------------------------------------------------------------------ store calls
@@ -142,15 +143,19 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
             self._unavailable_until = now + self.retry_interval_s
             return default
 
-    def _key(self, shard: str, digest: str) -> str:
-        return f"{self.root}/{shard}/{digest}"
+    @staticmethod
+    def _key(shard: str, ref: str) -> str:
+        """A block's store key: its ref "<identity>/<digest>" with the shard between."""
+        identity, digest = ref.split("/")
+        return f"{identity}/{shard}/{digest}"
 
     # ==================================================================== scheduler side
     def _request_digests(self, request: Any) -> list[str]:
         if request.request_id not in self._digests:
             tokens = request.first_seq.get_token_ids()
             root = request_root(self.root, getattr(request, "lora_request", None))
-            self._digests[request.request_id] = block_digests(tokens, self.block_size, root)
+            digests = block_digests(tokens, self.block_size, root)
+            self._digests[request.request_id] = [f"{self.root}/{digest}" for digest in digests]
         return self._digests[request.request_id]
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int, bool]:
@@ -211,7 +216,7 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
 
     def start_load_kv(self) -> None:
         self._load_errors = set()
-        block_ids, blocks, mismatches = [], [], 0
+        block_ids, blocks, mismatched = [], [], set()
         with Timer(self.stats, "load_time_s"):
             for r in self._get_connector_metadata().requests:
                 for block_id, (_, digest) in zip(r.load_block_ids, r.load):
@@ -222,20 +227,21 @@ class StoreConnector(LayerwiseConnectorMixin, KVConnectorBase):
                     if block is None:
                         self._load_errors.add(block_id)
                         framed = unframe(data)
-                        mismatches += framed is not None and framed[0] != key
+                        if framed is not None and framed[0] != key:
+                            mismatched.add(block_id)
                     else:
                         block_ids.append(block_id)
                         blocks.append(block)
-            if mismatches:
+            if mismatched:
                 logger.warning("%d KV block(s) in the store hold another key (another model, dtype, layout "
-                               "or prefix: a file swapped or copied in): recomputing them", mismatches)
-            if len(self._load_errors) > mismatches:
+                               "or prefix: a file swapped or copied in): recomputing them", len(mismatched))
+            if self._load_errors - mismatched:
                 logger.warning("%d KV block(s) missing or damaged in the store: recomputing them",
-                               len(self._load_errors) - mismatches)
+                               len(self._load_errors - mismatched))
             if blocks:
                 self.transfer.start_load(block_ids, torch.stack(blocks, dim=1))
         self.stats.num_load_errors += len(self._load_errors)
-        self.stats.num_key_mismatches += mismatches
+        self.stats.num_key_mismatches += len(mismatched)
         self._count_loaded(len(block_ids))
 
     def get_block_ids_with_load_errors(self) -> set[int]:

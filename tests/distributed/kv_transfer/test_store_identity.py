@@ -80,12 +80,27 @@ def test_blocks_of_another_dtype_under_this_engine_s_names_are_refused(tmp_path)
         theirs = block_digests(token_ids, kvt.BLOCK_SIZE, writer.kv_connector.root)
         ours = block_digests(token_ids, kvt.BLOCK_SIZE, reader.kv_connector.root)
         for a, b in zip(theirs, ours):
-            target = store.path(reader.kv_connector._key("tp0of1", b))
+            target = store.path(f"{reader.kv_connector.root}/tp0of1/{b}")
             target.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(store.path(writer.kv_connector._key("tp0of1", a)), target)
+            shutil.copyfile(store.path(f"{writer.kv_connector.root}/tp0of1/{a}"), target)
     expected = kvt.tokens(kvt.run(kvt.make_engine(dtype="bfloat16")))
     results = kvt.run(reader)
     assert kvt.tokens(results) == expected
     stats = reader.kv_transfer_stats
     assert stats.num_key_mismatches == stats.num_load_errors > 0 and stats.num_tokens_loaded == 0
     assert all(cached > 0 for _, cached in results.values())  # looked up as hits, then refused
+
+
+def test_the_model_is_fingerprinted_once_per_engine_not_per_rank(tmp_path, reference, monkeypatch):
+    """The scheduler side hashes the weights; the workers read the identity from the block refs
+    it sends them (so tensor-parallel ranks cannot disagree with it, and never read the weights)."""
+    from minivllm.distributed.kv_transfer import store_connector
+
+    calls = []
+    identity = store_connector.model_identity
+    monkeypatch.setattr(store_connector, "model_identity", lambda config: (calls.append(1), identity(config))[1])
+    engine = kvt.make_engine(kvt.shared_storage(tmp_path))
+    assert kvt.tokens(kvt.run(engine)) == reference
+    again = kvt.make_engine(kvt.shared_storage(tmp_path))
+    assert kvt.tokens(kvt.run(again)) == reference and again.kv_transfer_stats.num_tokens_loaded > 0
+    assert len(calls) == 2  # one per engine
