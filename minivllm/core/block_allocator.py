@@ -12,9 +12,10 @@ so `len(free list) + referenced + len(evictor) == num_blocks` at all times.
 from __future__ import annotations
 
 import enum
-import itertools
 from collections import deque
 from dataclasses import dataclass
+
+from minivllm.core.block_queries import BlockQueriesMixin
 
 
 class Device(enum.Enum):
@@ -43,22 +44,11 @@ class PhysicalTokenBlock:
                 f"ref_count={self.ref_count}, cached={self.block_hash is not None})")
 
 
-@dataclass(frozen=True)
-class BlockInfo:
-    """A read-only view of one block, for observers (pictures, tests)."""
-
-    block_number: int
-    ref_count: int
-    block_hash: int | None
-    token_ids: tuple[int, ...]
-    cached: bool  # registered in the prefix cache
-
-
 class OutOfBlocksError(RuntimeError):
     """More blocks needed than a pool has free (a caller skipped `can_*`); nothing changed."""
 
 
-class BlockAllocator:
+class BlockAllocator(BlockQueriesMixin):
     """The pool of one device: a FIFO free list (a freed block waits before it is reused, so
     pictures show scattered tables) plus, with caching, the prefix cache."""
 
@@ -88,7 +78,7 @@ class BlockAllocator:
         return block
 
     def _evict(self) -> PhysicalTokenBlock:
-        victim = min(self.evictor.values(), key=_eviction_order)
+        victim = min(self.evictor.values(), key=self._eviction_order)
         del self.evictor[victim.block_number]
         del self.cached_blocks[victim.block_hash]
         victim.forget_content()
@@ -138,22 +128,8 @@ class BlockAllocator:
     def is_cached(self, block: PhysicalTokenBlock) -> bool:
         return block.block_hash is not None and self.cached_blocks.get(block.block_hash) is block
 
-    # For observers (snapshots, tests): each query costs what it returns, never the pool size.
-    def get_block_info(self, block_number: int) -> BlockInfo:
-        block = self.blocks[block_number]
-        return BlockInfo(block.block_number, block.ref_count, block.block_hash, block.token_ids,
-                         self.is_cached(block))
-
-    def get_free_block_ids(self, limit: int | None = None) -> list[int]:
-        """The free list in hand-out order (next first); at most `limit` of them."""
-        return list(itertools.islice(self.free_block_ids, limit))
-
-    def get_evictable_block_ids(self) -> list[int]:
-        """Cached blocks no table holds, in eviction order (next victim first)."""
-        return [b.block_number for b in sorted(self.evictor.values(), key=_eviction_order)]
-
-
-def _eviction_order(block: PhysicalTokenBlock) -> tuple[int, int]:
-    # Least recently used first; among equals the block deepest in its chain, because a later
-    # block is useless without the blocks before it (vLLM's LRUEvictor rule).
-    return block.last_accessed, -block.num_hashed_tokens
+    @staticmethod
+    def _eviction_order(block: PhysicalTokenBlock) -> tuple[int, int]:
+        # Least recently used first; among equals the block deepest in its chain, because a later
+        # block is useless without the blocks before it (vLLM's LRUEvictor rule).
+        return block.last_accessed, -block.num_hashed_tokens
