@@ -271,14 +271,16 @@ class MQLLMEngineClient(EngineClient):
             raise MQEngineDeadError(self._dead)
 
     def _handle_frames(self, frames: list[bytes]) -> None:
-        """Handle one message from the engine; one that cannot be read or handled is logged
-        and dropped (the loop, and every stream with it, goes on)."""
+        """Handle one message from the engine; one that cannot be read is logged and dropped
+        (the loop, and every stream with it, goes on)."""
         try:
             if len(frames) != 1:
                 raise ValueError(f"{len(frames)} frames, not 1")
-            self._handle(pickle.loads(frames[0]))
+            message = pickle.loads(frames[0])
         except Exception:
-            logger.exception("dropped a message from the engine process that could not be handled")
+            logger.exception("dropped an unreadable message from the engine process")
+            return
+        self._handle(message)
 
     def _handle(self, message) -> None:
         if isinstance(message, RPCStepOutputs):
