@@ -216,10 +216,8 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
     def schedule(self) -> tuple[list[SequenceGroupMetadata], SchedulerOutputs, bool]:
         """Pick this step's batch: the worker's per-group metadata, the decision, and vLLM's
         `allow_async_output_proc` (always False: no asynchronous output processing)."""
-        if self.scheduler_config.enable_chunked_prefill:
-            outputs = self._schedule_chunked_prefill()
-        else:
-            outputs = self._schedule_default()
+        chunked = self.scheduler_config.enable_chunked_prefill
+        outputs = self._schedule_chunked_prefill() if chunked else self._schedule_default()
         now = self.clock()
         metadata = []
         for scheduled in outputs.scheduled_seq_groups:
@@ -456,8 +454,7 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
 
     @staticmethod
     def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
-        """A running group about to be preempted frees its sequences' share of the budget (its
-        tokens were not counted yet)."""
+        """A running group about to be preempted gives back its sequences (no tokens yet)."""
         budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
 
     def _preempt(self, seq_group: SequenceGroup, state: _StepState) -> None:
