@@ -47,7 +47,7 @@ def add_serve_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--max-seqs-in-flight-per-request", type=int, default=None,
                        help="most sequences of one request in the engine at once; its other prompts wait and "
                             "queue as earlier ones finish, so later requests start meanwhile "
-                            "(default: half of --max-num-seqs)")
+                            "(default: a quarter of --max-num-seqs)")
     group.add_argument(
         "--served-model-name",
         nargs="+",

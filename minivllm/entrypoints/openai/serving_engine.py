@@ -47,7 +47,7 @@ _CUT_WORD_TOKENS = 32
 # By default one request's sequences in the engine at once are at most max_num_seqs / this: its
 # other prompts wait here and join the engine's queue as its earlier ones finish, behind
 # whatever arrived meanwhile, and a step always has room for a request that arrives later.
-IN_FLIGHT_SHARE = 2
+IN_FLIGHT_SHARE = 4
 
 
 class OpenAIError(Exception):
