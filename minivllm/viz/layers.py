@@ -89,6 +89,37 @@ MAY_IMPORT["kv_transfer"] = {"foundation", "kv_transfer"}
 for _layer in ("worker", "executor", "engine", "entrypoints", "package", "viz"):
     MAY_IMPORT[_layer].add("kv_transfer")
 
+# The layer map a newcomer reads first (notebook 00, `minivllm.viz.layermap`): what each layer
+# holds, in a few words, and the calls that carry a request down the stack (caller, callee,
+# the call). Every call is an import the source makes and `MAY_IMPORT` allows
+# (tests/viz/test_layermap.py). Layers absent here (the root __init__) are left off the map.
+LAYER_ROLES: dict[str, str] = {
+    "entrypoints": "LLM.generate, the OpenAI server, the CLI",
+    "viz": "pictures, snapshots, the simulator",
+    "engine": "LLMEngine: add_request / step / abort",
+    "core": "Scheduler, BlockSpaceManager (no torch)",
+    "executor": "one call to every worker (uni, mp, Ray)",
+    "worker": "Worker, CacheEngine, ModelRunner",
+    "model_executor": "the Llama model, its layers, the Sampler",
+    "kv_transfer": "KV connectors: the cache beyond an engine",
+    "attention": "Attention: write the new K/V, then attend",
+    "kernels": "PagedAttention: Triton + the PyTorch spec",
+    "distributed": "process groups, all-reduce, send / recv",
+    "foundation": "the data every layer shares: Sequence, SequenceGroup, SamplingParams, the configs, RequestOutput",
+}
+CALLS: tuple[tuple[str, str, str], ...] = (
+    ("entrypoints", "engine", "add_request, step"),
+    ("engine", "core", "schedule"),
+    ("engine", "executor", "execute_model"),
+    ("executor", "worker", "execute_model"),
+    ("worker", "model_executor", "forward, sample"),
+    ("worker", "kv_transfer", "load / save KV"),
+    ("model_executor", "attention", "Attention.forward"),
+    ("model_executor", "distributed", "all-reduce"),
+    ("attention", "kernels", "paged attention ops"),
+    ("viz", "engine", "observes"),
+)
+
 # The vLLM 0.6.3 file each minivllm module mirrors; paths are relative to vLLM's repo root
 # (a folder ends in "/"). Every entry is checked: the key against minivllm's modules, the path
 # against tests/data/vllm_0.6.3_files.txt (tests/viz/test_layers.py). The block manager
