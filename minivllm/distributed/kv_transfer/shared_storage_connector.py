@@ -48,6 +48,7 @@ class FileKVStore(KVStore):
         self.max_bytes = max_bytes
         self.root.mkdir(parents=True, exist_ok=True)
         self.root = self.root.resolve()  # the folder configured may be a link; everything below it may not
+        self._warned: set[Path] = set()  # folders leading outside, each reported once
 
     def path(self, key: str) -> Path:
         prefix, _, digest = key.rpartition("/")
@@ -93,8 +94,10 @@ class FileKVStore(KVStore):
     def _put(self, path: Path, data: bytes) -> bool:
         """Write one block file; False if its folder leads outside the store."""
         if not self._inside(path.parent):  # checked before mkdir, which would follow the link
-            logger.warning("KV store folder %s leads outside the store %s: not writing through it",
-                           path.parent, self.root)
+            if path.parent not in self._warned:
+                self._warned.add(path.parent)
+                logger.warning("KV store folder %s leads outside the store %s: not writing through it",
+                               path.parent, self.root)
             return False
         path.parent.mkdir(parents=True, exist_ok=True)
         if self._is_block_file(path):  # already there (same key, same bytes): only used now
