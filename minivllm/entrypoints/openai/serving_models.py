@@ -101,7 +101,7 @@ class OpenAIServingModels:
         # in a thread, the event loop keeps serving everybody else meanwhile.
         await asyncio.to_thread(self._add_to_engine, request)
         if lora_name in self.lora_requests:  # another call loaded the same name meanwhile
-            self.engine.remove_lora(request.lora_int_id)
+            await asyncio.to_thread(self.engine.remove_lora, request.lora_int_id)
             raise self._already_loaded(lora_name)
         self.lora_requests[lora_name] = request
         return f"Success: LoRA adapter '{lora_name}' added successfully."
