@@ -1,14 +1,14 @@
 """MkDocs hook: the docs link to notebooks as `../notebooks/X.ipynb` (right on GitHub); on the
 site the notebooks are `docs/notebooks/` (a symlink to the repository's `notebooks/`), so those
-links are rewritten to stay inside the site. A notebook not in the tree (yet) becomes plain
-text instead of a broken link."""
+links are rewritten to stay inside the site (a Chinese twin: `../notebooks/zh/X.ipynb`). A notebook
+not in the tree (yet) becomes plain text instead of a broken link."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-_NOTEBOOK_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./)+notebooks/([\w.-]+\.ipynb)(#[^)]*)?\)")
+_NOTEBOOK_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./)+notebooks/((?:zh/)?[\w.-]+\.ipynb)(#[^)]*)?\)")
 _NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
