@@ -6,9 +6,9 @@ the twins like any other notebook) and shows that the check catches drift and `s
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import re
-import shutil
 from types import SimpleNamespace
 from pathlib import Path
 
@@ -33,14 +33,30 @@ def test_twin_has_the_english_code_and_chinese_prose(twin):
     assert zh_twins.drift(twin) == []
 
 
+def _run(cell):
+    cell.execution_count = 1
+    cell.outputs = [nbformat.v4.new_output("stream", name="stdout", text="ok\n")]
+    return cell
+
+
 @pytest.fixture
 def copied_twin(tmp_path):
-    """A twin and its English notebook copied to tmp_path/ and tmp_path/zh/."""
-    twin = TWINS[0]
+    """A small English notebook in tmp_path/ and its twin, in sync and run, in tmp_path/zh/."""
+    name = "99_example.ipynb"
+    code = ["import math", "x = math.sqrt(2)\nprint(x)", "# NBVAL_IGNORE_OUTPUT\nprint(x * x)"]
+    english = nbformat.v4.new_notebook(cells=[
+        nbformat.v4.new_markdown_cell("# 99 · An example\n\n*One line.*"), _run(nbformat.v4.new_code_cell(code[0])),
+        nbformat.v4.new_markdown_cell("Take a square root."), _run(nbformat.v4.new_code_cell(code[1])),
+        nbformat.v4.new_markdown_cell("Square it again."), _run(nbformat.v4.new_code_cell(code[2]))])
+    twin = copy.deepcopy(english)
+    for cell, text in zip([c for c in twin.cells if c.cell_type == "markdown"],
+                          [f"# 99 · 一个例子\n\n**中文** · [English](../{name})", "开平方。", "再平方回去。"]):
+        cell.source = text
     (tmp_path / "zh").mkdir()
-    shutil.copy(zh_twins.english_of(twin), tmp_path / twin.name)
-    shutil.copy(twin, tmp_path / "zh" / twin.name)
-    return tmp_path / "zh" / twin.name, tmp_path / twin.name
+    nbformat.write(english, tmp_path / name)
+    nbformat.write(twin, tmp_path / "zh" / name)
+    assert zh_twins.drift(tmp_path / "zh" / name, tmp_path / name) == []
+    return tmp_path / "zh" / name, tmp_path / name
 
 
 def _code_indices(nb):
