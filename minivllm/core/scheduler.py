@@ -92,13 +92,10 @@ class ScheduledSequenceGroup:
 
 @dataclass
 class SchedulerOutputs:
-    """The decision of one `schedule()` call.
-
-    `scheduled_seq_groups`: prefills first, then decodes (the worker flattens the batch in this
-    order). Block mappings: (src, dst) block numbers the worker applies before the model runs.
-    `ignored_seq_groups`: finished without running, FINISHED_IGNORED (can never fit) or
-    FINISHED_ABORTED (no CPU swap space), each with its `finish_message`.
-    """
+    """The decision of one `schedule()` call. `scheduled_seq_groups`: prefills first, then
+    decodes (the worker flattens the batch in this order). Block mappings: (src, dst) block
+    numbers the worker applies before the model runs. `ignored_seq_groups`: finished unrun,
+    FINISHED_IGNORED (can never fit) or FINISHED_ABORTED (no CPU swap space), with a reason."""
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
     num_prefill_groups: int
@@ -181,8 +178,7 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
         self.waiting.append(seq_group)
 
     def abort_seq_group(self, request_id: str | Iterable[str]) -> None:
-        """Finish the given requests as FINISHED_ABORTED wherever they are and free their
-        blocks (GPU or CPU). Unknown ids are ignored."""
+        """Finish these requests as FINISHED_ABORTED wherever they are; unknown ids are ignored."""
         request_ids = {request_id} if isinstance(request_id, str) else set(request_id)
         for queue in (self.waiting, self.running, self.swapped):
             for seq_group in [g for g in queue if g.request_id in request_ids]:
