@@ -143,3 +143,31 @@ def test_index_rows_point_to_answers_notebooks_and_files(lang, index, sections):
         assert re.fullmatch(r"(vllm|csrc|tests|benchmarks)/[\w/.-]+\.(py|cu)", match["vllm"]), match["vllm"]
         seen.append(match["id"])
     assert seen == list(answers), f"{lang} index: every question once, in the pages' order"
+
+
+def _source() -> str:
+    files = [p for d in ("minivllm", "kernels", "benchmarks", "examples", "tests") for p in (ROOT / d).rglob("*.py")]
+    return "\n".join(p.read_text(encoding="utf-8") for p in files)
+
+
+def test_pointers_name_code_that_exists():
+    """Every `name` on a → line is a file, a flag, or a function / class / attribute defined in the code."""
+    source = _source()
+    missing = set()
+    for sections in (ZH, EN):
+        for _, qs in sections:
+            for q in qs:
+                for name in re.findall(r"`([^`]+)`", q["pointer"]):
+                    if name.startswith("--"):
+                        ok = name in source
+                    elif "/" in name or name.endswith(".py"):
+                        ok = (ROOT / name).exists() or any((ROOT / d).rglob(name) for d in ("minivllm", "kernels"))
+                    elif " " in name:
+                        ok = True  # a command line such as `minivllm proxy`
+                    else:
+                        parts = re.findall(r"[A-Za-z_]\w*", name.split("(")[0])
+                        ok = bool(parts) and all(re.search(rf"\b{p}\b", source) for p in parts) and bool(
+                            re.search(rf"\b(def|class)\s+{parts[-1]}\b|\b{parts[-1]}\s*[:=]", source))
+                    if not ok:
+                        missing.add(name)
+    assert not missing, f"pointers to code that does not exist (renamed or moved?): {sorted(missing)}"
