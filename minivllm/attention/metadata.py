@@ -118,7 +118,6 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
                             for pos in range(context_len, context_len + query_len))
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     query_start_loc = list(itertools.accumulate(query_lens, initial=0))
-    device = torch.device(device)
     return AttentionMetadata(
         num_prefills=num_prefills,
         num_prefill_tokens=sum(query_lens[:num_prefills]),
@@ -143,8 +142,8 @@ def pad_block_tables(block_tables: list[list[int]]) -> torch.Tensor:
     return torch.from_numpy(padded)
 
 
-def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """A host tensor on `device`; through pinned memory on a GPU, so the copy is asynchronous."""
-    if device.type == "cuda":
+    if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)

@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from minivllm.attention.metadata import to_device
 from minivllm.sampling_params import SamplingParams, SamplingType
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 
 if TYPE_CHECKING:
     from minivllm.model_executor.token_stats import TokenStatsCache
+
 
 @dataclass
 class SequenceGroupToSample:
@@ -101,11 +103,6 @@ def sampled_seq_ids(group: SequenceGroupToSample) -> list[int]:
     return group.seq_ids[: len(group.sample_indices)] if group.do_sample else []
 
 
-def sample_rows(groups: list[SequenceGroupToSample]) -> list[tuple[SequenceGroupToSample, int]]:
-    """(group, sequence id) of each sample row, in order."""
-    return [(group, seq_id) for group in groups for seq_id in sampled_seq_ids(group)]
-
-
 def has_penalties(params: SamplingParams) -> bool:
     return (params.repetition_penalty != 1.0 or params.frequency_penalty != 0.0
             or params.presence_penalty != 0.0)
@@ -113,16 +110,14 @@ def has_penalties(params: SamplingParams) -> bool:
 
 @dataclass
 class SamplingTensors:
-    """The sampling parameters of each sample row (`sample_rows`) on the device (vLLM v0's name),
-    built once per batch and reused by every step of a multi-step run.
+    """The sampling parameters of each sample row (`sampled_seq_ids` of every group, in order)
+    on the device (vLLM v0's name), built once per batch, reused by each step of a multi-step run.
 
-    temperature, top_p, min_p: `[rows]` fp32 (0 = greedy; 1.0, 0.0 = off); top_k: `[rows]` int64
-    (-1 = off); seeds: `[rows]` int64, the request's or a fresh one; offsets: `[rows]` int64, the
-    position of the token to draw. needs_truncation (some row has top-k, top-p or min-p) and
-    num_candidates: the sampling kernel's host-side hints. num_logprobs: each row's `logprobs`.
-    Penalties `[rows]` fp32, prompt_mask `[rows, vocab]` bool and output_counts `[rows, vocab]`
-    fp32: None unless some row has a penalty. min_tokens_left `[rows]` int64 and stop_mask
-    `[rows, vocab]` bool (the stop tokens of rows short of min_tokens): None unless needed.
+    temperature, top_p, min_p `[rows]` fp32 (0 = greedy; 1.0, 0.0 = off); top_k `[rows]` int64
+    (-1 = off); seeds (the request's or fresh), offsets (the position drawn) `[rows]` int64;
+    needs_truncation, num_candidates: the sampling kernel's host-side hints. Penalties `[rows]`
+    fp32, prompt_mask `[rows, vocab]` bool, output_counts `[rows, vocab]` fp32: None unless a row
+    has a penalty; min_tokens_left `[rows]` int64, stop_mask `[rows, vocab]` bool: likewise.
     """
 
     temperature: torch.Tensor
@@ -147,7 +142,7 @@ class SamplingTensors:
     def from_groups(groups: list[SequenceGroupToSample], vocab_size: int,
                     device: torch.device | str, token_stats: TokenStatsCache) -> SamplingTensors:
         """token_stats: where the penalties' token statistics live between steps."""
-        rows = sample_rows(groups)
+        rows = [(group, seq_id) for group in groups for seq_id in sampled_seq_ids(group)]
         params = [group.sampling_params for group, _ in rows]
         datas = [group.seq_data[seq_id] for group, seq_id in rows]
         greedy = [p.sampling_type == SamplingType.GREEDY for p in params]
@@ -211,13 +206,6 @@ def _fields_to_device(fields: list[list], dtype: torch.dtype, device) -> torch.T
     tensor = torch.tensor(fields, dtype=dtype)
     num_rows = tensor.shape[1]
     return to_device(torch.nn.functional.pad(tensor, (0, -num_rows % 4)), device)[:, :num_rows]
-
-
-def to_device(tensor: torch.Tensor, device) -> torch.Tensor:
-    """One copy to the device, from pinned memory on a GPU (so it does not stall the host)."""
-    if torch.device(device).type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
-    return tensor.to(device)
 
 
 def fresh_seeds(num_rows: int, generator: torch.Generator | None = None,

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.model_executor.sampling_metadata import SequenceGroupToSample, to_device
+from minivllm.attention.metadata import to_device
+from minivllm.model_executor.sampling_metadata import SequenceGroupToSample
 
 
 class TokenStatsCache:

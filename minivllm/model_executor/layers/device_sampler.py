@@ -51,7 +51,7 @@ class DeviceSample:
             ranks, top_ids = self.ranks.tolist(), self.top_ids.tolist()
             top_values = self.top_logprobs.tolist()
         outputs: list[list[SequenceOutput]] = []
-        row = 0  # rows run through the groups in order (`sample_rows`)
+        row = 0  # rows run through the groups in order (`sampled_seq_ids`)
         for group in groups:
             outputs.append([])
             for seq_id in sampled_seq_ids(group):
