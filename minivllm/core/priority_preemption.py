@@ -32,7 +32,7 @@ class PriorityPreemptionMixin:
             if victim.num_seqs(status=SequenceStatus.RUNNING) != 1:
                 break  # several sequences cannot be recomputed; stop here
             self.running.pop()
-            self._uncount(victim, state.budget)
+            state.budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
             self._preempt_by_recompute(victim, state)
 
     def _fits_now(self, seq_group: SequenceGroup, budget, enable_chunking: bool) -> bool:

@@ -361,24 +361,27 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
             if num_new_tokens == 0:
                 break  # token budget spent; the rest stay running, unscheduled
             self.running.popleft()
-            is_prefill = seq_group.is_prefill()
-            lookahead = 0 if is_prefill else self._num_lookahead_slots(seq_group)
+            lookahead = 0 if seq_group.is_prefill() else self._num_lookahead_slots(seq_group)
             if self._make_room_for(seq_group, state, lookahead):
-                self._append_slots(seq_group, state, lookahead)
-                if is_prefill:
-                    state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
-                else:
-                    state.decodes.append(ScheduledSequenceGroup(seq_group, 1, lookahead))
-                state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
-                state.budget.add_num_seqs(seq_group.request_id,
-                                          seq_group.get_max_num_running_seqs())
+                self._add_running(seq_group, state, num_new_tokens, lookahead)
+
+    def _add_running(self, seq_group: SequenceGroup, state: _StepState, num_new_tokens: int,
+                     num_lookahead_slots: int = 0) -> None:
+        """Reserve the slots of a running or swapped-in group and put it in the batch."""
+        self._append_slots(seq_group, state, num_lookahead_slots)
+        if seq_group.is_prefill():
+            state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
+        else:
+            state.decodes.append(ScheduledSequenceGroup(seq_group, 1, num_lookahead_slots))
+        state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
+        state.budget.add_num_seqs(seq_group.request_id, seq_group.get_max_num_running_seqs())
 
     def _make_room_for(self, seq_group: SequenceGroup, state: _StepState, num_lookahead_slots: int = 0) -> bool:
         """Preempt from the back of the running queue until `seq_group` can grow by one token
         per sequence (plus lookahead slots). False if `seq_group` itself was preempted."""
         while not self._can_append_slots(seq_group, num_lookahead_slots):
             victim = self.running.pop() if self.running else seq_group
-            self._uncount(victim, state.budget)
+            state.budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
             self._preempt(victim, state)
             if victim is seq_group:
                 return False
@@ -387,10 +390,8 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
     def _can_append_slots(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
         """vLLM v0's rule (one free block per running sequence), waived when no sequence needs a
         new block: a group filling the whole pool would otherwise preempt itself forever."""
-        return (self.block_manager.can_append_slots(seq_group, num_lookahead_slots)
-                or self._needs_no_new_block(seq_group, num_lookahead_slots))
-
-    def _needs_no_new_block(self, seq_group: SequenceGroup, num_lookahead_slots: int = 0) -> bool:
+        if self.block_manager.can_append_slots(seq_group, num_lookahead_slots):
+            return True
         seqs = seq_group.get_seqs(status=SequenceStatus.RUNNING)
         tables = [self.block_manager.get_block_table(seq) for seq in seqs]
         last_blocks = [table[-1] for table in tables if table]
@@ -425,33 +426,19 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
                                    "swapped-out request can never fit back in the GPU pool.")
                 state.ignored.append(seq_group)
                 continue
-            num_new_seqs = seq_group.get_max_num_running_seqs()
             num_new_tokens = self._num_new_tokens(seq_group, SequenceStatus.SWAPPED,
                                                   state.budget, enable_chunking)
             if num_new_tokens == 0 or not state.budget.can_schedule(
-                    num_new_tokens=num_new_tokens, num_new_seqs=num_new_seqs):
+                    num_new_tokens=num_new_tokens,
+                    num_new_seqs=seq_group.get_max_num_running_seqs()):
                 break
             self.swapped.popleft()
-            self._swap_in(seq_group, state, num_new_tokens)
-            state.budget.add_num_batched_tokens(seq_group.request_id, num_new_tokens)
-            state.budget.add_num_seqs(seq_group.request_id, num_new_seqs)
+            state.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
+            for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._add_running(seq_group, state, num_new_tokens)
             self.lora_slots.take(seq_group, state.curr_loras)
         self.swapped.extendleft(reversed(passed_over))
-
-    def _swap_in(self, seq_group: SequenceGroup, state: _StepState, num_new_tokens: int) -> None:
-        state.blocks_to_swap_in.extend(self.block_manager.swap_in(seq_group))
-        for seq in seq_group.get_seqs(status=SequenceStatus.SWAPPED):
-            seq.status = SequenceStatus.RUNNING
-        self._append_slots(seq_group, state)
-        if seq_group.is_prefill():
-            state.running_prefills.append(ScheduledSequenceGroup(seq_group, num_new_tokens))
-        else:
-            state.decodes.append(ScheduledSequenceGroup(seq_group, 1))
-
-    @staticmethod
-    def _uncount(victim: SequenceGroup, budget: SchedulingBudget) -> None:
-        """A running group about to be preempted gives back its sequences (no tokens yet)."""
-        budget.subtract_num_seqs(victim.request_id, victim.get_max_num_running_seqs())
 
     def _preempt(self, seq_group: SequenceGroup, state: _StepState) -> None:
         """Recompute a one-sequence group, swap otherwise; with the CPU pool full a lone
