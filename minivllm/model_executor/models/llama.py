@@ -1,8 +1,5 @@
-"""The Llama-family decoder (vLLM's `vllm/model_executor/models/llama.py`), read top down.
-
-    Llama 2/3, Mistral   the base design (Llama 3.1's rope scaling is a config matter)
-    Qwen2                biases on the q/k/v projections
-    Qwen3                an RMSNorm on each query and key head, before RoPE
+"""The Llama-family decoder (vLLM's `vllm/model_executor/models/llama.py`), read top down;
+Mistral, Qwen2 and Qwen3 are the subclasses at the end (Llama 3.1's rope scaling is config).
 
 The input is one flattened batch with no padding: prefill chunks, then one token per decode.
 With one rank the parallel layers are plain ones; a pipeline stage builds only its layers.
@@ -32,10 +29,7 @@ from minivllm.model_executor.weight_utils import default_weight_loader
 
 class LlamaAttention(CustomOp):
     """qkv_proj (one matmul), rotate q and k, attend over the paged cache, o_proj.
-
-    `num_heads` and `num_kv_heads` are this tensor-parallel rank's. `forward_triton` fuses the
-    q/k norms, rotary and the cache write into one kernel: in a CUDA graph at batch 1 a
-    step's time is mostly its number of launches."""
+    `num_heads` and `num_kv_heads` are this tensor-parallel rank's."""
 
     def __init__(self, config: Any, rotary_emb: RotaryEmbedding, attn_backend: str,
                  qkv_bias: bool, qk_norm: bool) -> None:
@@ -75,8 +69,9 @@ class LlamaAttention(CustomOp):
 
     def forward_triton(self, positions: torch.Tensor, hidden_states: torch.Tensor, kv_cache: torch.Tensor,
                        attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """forward_native with `fused_ops.qk_norm_rope_and_cache`; the profile run (no cache)
-        and layouts the kernel does not read take forward_native."""
+        """forward_native with the q/k norms, rotary and the cache write in one kernel (in a CUDA
+        graph at batch 1 a step's time is mostly its launches); the profile run (no cache) and
+        layouts `fused_ops.qk_norm_rope_and_cache` does not read take forward_native."""
         from minivllm.kernels import fused_ops  # imports triton: only when this backend is chosen
 
         q, k, v = self._project(hidden_states)
@@ -197,12 +192,11 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = getattr(config, "attention_bias", False) if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, attn_backend, qkv_bias, self.qk_norm)
-        if not get_pp_group().is_last_rank:
-            self.lm_head = PPMissingLayer()
-        else:
-            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
-            if getattr(config, "tie_word_embeddings", False):
-                self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, read both ways
+        last_stage = self.model.is_last_stage
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if last_stage
+                        else PPMissingLayer())
+        if last_stage and getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, read both ways
         self._missing_prefixes = missing_layer_prefixes(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
@@ -219,12 +213,10 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if upcast else logits
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Copy a Hugging Face checkpoint's (name, tensor) pairs in, each through its
-        parameter's `weight_loader` (this rank's slice; other pipeline stages' layers skipped).
-
-        Returns the names of our parameters fully loaded (a fused one once all its shards
-        arrived); raises ValueError on a name we do not know.
-        """
+        """Copy a Hugging Face checkpoint's (name, tensor) pairs in through each parameter's
+        `weight_loader` (this rank's slice; other stages' layers skipped). Returns the names of
+        the parameters fully loaded (a fused one once all its shards arrived); ValueError on a
+        name with no parameter here."""
         params = dict(self.named_parameters())
         loaded, shards_seen = set(), defaultdict(set)
         for name, tensor in weights:
