@@ -51,7 +51,7 @@ def qk_norm_rope_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.
         key = _head_rms_norm(key, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim / 2]
     cos, sin = cos.unsqueeze(1).to(query.dtype), sin.unsqueeze(1).to(query.dtype)  # over heads
-    query, key = _rotate_pairs(query, cos, sin), _rotate_pairs(key, cos, sin)
+    query, key = rotate_pairs(query, cos, sin), rotate_pairs(key, cos, sin)
     reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
     return query
 
@@ -63,7 +63,7 @@ def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return weight * x32.to(x.dtype)
 
 
-def _rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotary embedding, NeoX layout: turn each pair (x[..., i], x[..., i + d/2]) by its angle."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -107,12 +107,10 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     """Attention of one new token per sequence, query `[num_seqs, num_heads, head_dim]`, over
     its seq_lens `[num_seqs]` int32 cached tokens (the new one included) through block_tables
     `[num_seqs, max_blocks]` int32. num_kv_splits tunes the Triton kernel, ignored here."""
-    out = torch.empty_like(query)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        keys, values = gather_kv(key_cache, value_cache, block_tables[i], seq_len)
-        # One query token that sits at the last position: it sees every key.
-        out[i] = _attention(query[i : i + 1], keys, values, scale, num_context=seq_len - 1)[0]
-    return out
+    # A prefill of one new token per sequence: it sits at the last position and sees every key.
+    query_start_loc = torch.arange(len(seq_lens) + 1, device=query.device)
+    return paged_prefill_attention(query, key_cache, value_cache, block_tables, query_start_loc,
+                                   seq_lens, scale)
 
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,

@@ -11,6 +11,8 @@ import math
 from typing import Any
 
 import torch
+
+from minivllm.kernels.reference import rotate_pairs
 from minivllm.model_executor.custom_op import CustomOp
 
 _DEFAULT_ROPE_THETA = 10000.0
@@ -76,7 +78,7 @@ class RotaryEmbedding(CustomOp):
         cos, sin = self.cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim/2]
         cos = cos.unsqueeze(1).to(query.dtype)  # broadcast over heads
         sin = sin.unsqueeze(1).to(query.dtype)
-        return _rotate(query, cos, sin), _rotate(key, cos, sin)
+        return rotate_pairs(query, cos, sin), rotate_pairs(key, cos, sin)
 
     def forward_triton(self, positions: torch.Tensor, query: torch.Tensor,
                        key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,9 +92,3 @@ class RotaryEmbedding(CustomOp):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, max_position={self.max_position}, rope_type={self.rope_type!r}"
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Turn each pair (x1, x2) = (x[..., i], x[..., i + d/2]) by its angle."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
