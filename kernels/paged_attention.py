@@ -9,8 +9,7 @@ Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2); 
 One program per (sequence, KV head) serves that KV head's query heads (GQA): each key and
 value is read once. Softmax is online, in fp32; addresses are 64-bit. v2 (split-KV) cuts a
 context into `num_kv_splits` pieces when too few programs would fill the GPU; the last split
-of each pair to finish (an atomic counter) merges the partials, in the same launch. The
-counters, shared by all layers, are left zeroed for the next launch or CUDA-graph replay.
+of each pair to finish (an atomic counter) merges the partials, in the same launch.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ LOG2E = 1.4426950408889634
 # with transformers (bf16 and fp16 operands still run on tensor cores).
 MIN_DOT_SIZE = 16
 # (tile tokens, num_warps, num_stages), the fastest of `benchmarks/kernels.py --sweep`. A tile
-# (64 tokens x 128 dims x 2 bytes = 16 KiB of K) may span several cache blocks; num_stages
-# tiles' loads are in flight at once (software pipelining).
+# may span several cache blocks; num_stages tiles' loads are in flight at once (pipelining).
 V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
 V2_CONFIG = (32, 4, 3)  # more, shorter programs: smaller tiles keep more of them resident
 
@@ -237,10 +235,6 @@ def _num_sms(device: torch.device) -> int:
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_context_len: int, num_sms: int) -> int:
     """How many pieces to cut each sequence's context into (1 = the one-pass v1 kernel).
 
-    v1 runs num_seqs * num_kv_heads programs: with V1_MIN_PROGRAMS_PER_SM per SM splitting only
-    adds the merge; with fewer, split to ~TARGET_PROGRAMS_PER_SM, each split at least
-    MIN_TOKENS_PER_SPLIT tokens long.
-
     >>> choose_num_kv_splits(num_seqs=64, num_kv_heads=8, max_context_len=4096, num_sms=132)
     1
     >>> choose_num_kv_splits(num_seqs=1, num_kv_heads=8, max_context_len=4096, num_sms=132)
@@ -270,23 +264,6 @@ def split_counters(device: torch.device, size: int) -> torch.Tensor:
     return workspaces[-1]
 
 
-def _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits):
-    if query.dim() != 3 or key_cache.dim() != 4:
-        raise ValueError("query must be [num_seqs, num_heads, head_dim] and key_cache "
-                         "[num_blocks, block_size, num_kv_heads, head_dim]")
-    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
-        raise ValueError("key_cache and value_cache must have the same shape and strides")
-    num_heads, num_kv_heads = query.shape[1], key_cache.shape[2]
-    if num_heads % num_kv_heads != 0:
-        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
-    if query.shape[2] != key_cache.shape[3]:
-        raise ValueError(f"head_dim mismatch: query {query.shape[2]}, cache {key_cache.shape[3]}")
-    if block_tables.shape[0] != query.shape[0] or seq_lens.shape[0] != query.shape[0]:
-        raise ValueError("block_tables and seq_lens need one row per sequence of query")
-    if num_kv_splits is not None and num_kv_splits < 1:
-        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
-
-
 def paged_attention_decode(
     query: torch.Tensor,
     key_cache: torch.Tensor,
@@ -300,9 +277,21 @@ def paged_attention_decode(
 
     num_kv_splits: None = `choose_num_kv_splits`; 1 = v1; > 1 = v2 with that many splits.
     """
-    _check_inputs(query, key_cache, value_cache, block_tables, seq_lens, num_kv_splits)
+    if query.dim() != 3 or key_cache.dim() != 4:
+        raise ValueError("query must be [num_seqs, num_heads, head_dim] and key_cache "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]")
+    if key_cache.shape != value_cache.shape or key_cache.stride() != value_cache.stride():
+        raise ValueError("key_cache and value_cache must have the same shape and strides")
     num_seqs, num_heads, head_dim = query.shape
-    _, block_size, num_kv_heads, _ = key_cache.shape
+    _, block_size, num_kv_heads, cache_head_dim = key_cache.shape
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
+    if head_dim != cache_head_dim:
+        raise ValueError(f"head_dim mismatch: query {head_dim}, cache {cache_head_dim}")
+    if block_tables.shape[0] != num_seqs or seq_lens.shape[0] != num_seqs:
+        raise ValueError("block_tables and seq_lens need one row per sequence of query")
+    if num_kv_splits is not None and num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1, got {num_kv_splits}")
     group_size = num_heads // num_kv_heads
     if num_seqs == 0:
         return torch.empty_like(query)
