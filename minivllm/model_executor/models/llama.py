@@ -186,18 +186,21 @@ class LlamaForCausalLM(nn.Module):
         ("gate_up_proj", "gate_proj", 0),
         ("gate_up_proj", "up_proj", 1),
     ]
+    # Precomputed rotary tables in old Llama checkpoints: RotaryEmbedding builds its own.
+    _rope_tables = ("rotary_emb.inv_freq", "rotary_emb.cos_cached")
 
     def __init__(self, config: Any, attn_backend: str = "torch") -> None:
         super().__init__()
         self.config = config
         qkv_bias = getattr(config, "attention_bias", False) if self.qkv_bias is None else self.qkv_bias
         self.model = LlamaModel(config, attn_backend, qkv_bias, self.qk_norm)
-        last_stage = self.model.is_last_stage
+        tied, last_stage = getattr(config, "tie_word_embeddings", False), self.model.is_last_stage
         self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size) if last_stage
                         else PPMissingLayer())
-        if last_stage and getattr(config, "tie_word_embeddings", False):
+        if last_stage and tied:
             self.lm_head.weight = self.model.embed_tokens.weight  # one matrix, read both ways
-        self._missing_prefixes = missing_layer_prefixes(self)
+        # Checkpoint names with no parameter here: other stages' modules, a tied LM head.
+        self._skip_prefixes = missing_layer_prefixes(self) + (("lm_head.weight",) if tied else ())
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: list[torch.Tensor],
                 attn_metadata: AttentionMetadata,
@@ -220,7 +223,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         loaded, shards_seen = set(), defaultdict(set)
         for name, tensor in weights:
-            if _is_ignored(name, self.config) or name.startswith(self._missing_prefixes):
+            if name.startswith(self._skip_prefixes) or any(t in name for t in self._rope_tables):
                 continue
             target, shard_id = self.map_weight_name(name)
             if target not in params:
@@ -244,14 +247,6 @@ class LlamaForCausalLM(nn.Module):
             if f".{part}." in name:
                 return name.replace(f".{part}.", f".{fused}."), shard_id
         return name, None
-
-
-def _is_ignored(name: str, config: Any) -> bool:
-    """Checkpoint entries with no parameter here: precomputed rotary tables (old Llama
-    checkpoints), and the LM head when it is tied to the embedding."""
-    if "rotary_emb.inv_freq" in name or "rotary_emb.cos_cached" in name:
-        return True
-    return name == "lm_head.weight" and getattr(config, "tie_word_embeddings", False)
 
 
 class MistralForCausalLM(LlamaForCausalLM):
