@@ -110,8 +110,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
         # Full sizes as if every rank's share were distinct (replicas counted once per rank).
         q, kv = self.num_heads * head_size * tp_size, self.num_kv_heads * head_size * tp_size
         super().__init__(hidden_size, [q, kv, kv], bias)
-        local = self.num_heads * head_size, self.num_kv_heads * head_size
-        self.shard_offsets = {"q": (0, local[0]), "k": (local[0], local[1]), "v": (local[0] + local[1], local[1])}
+        self.shard_offsets = dict(zip("qkv", self.shard_offsets.values()))  # the parts 0, 1, 2 renamed
 
     def _full_size(self, shard_id) -> int:
         heads = self.total_num_heads if shard_id == "q" else self.total_num_kv_heads
