@@ -136,7 +136,7 @@ def test_index_rows_point_to_answers_notebooks_and_files(lang, index, sections):
         match = INDEX_ROW.match(row)
         assert match, f"{lang} index row not in the form | [question](interview.md#id) | [NN §k](notebook) | `file` | `file` |: {row}"
         assert match["id"] in answers, f"{lang} index: no answer with anchor #{match['id']}"
-        assert match["q"].replace("\\|", "|") == answers[match["id"]], f"{lang} index: #{match['id']} words its question differently"
+        assert match["q"].replace("\\|", "|") == answers[match["id"]], f"{index.name}: row #{match['id']} must repeat the question as {lang} interview.md asks it"
         assert Path(match["file"]).name.startswith(match["nb"] + "_") and (ROOT / "notebooks" / match["file"]).exists(), row
         assert match["sec"] in _notebook_sections(match["file"]), f"{match['file']} has no section {match['sec']}"
         assert (ROOT / match["mini"]).exists(), f"{lang} index: {match['mini']} does not exist"
