@@ -273,12 +273,8 @@ class RequestMetrics:
 
 
 class SequenceGroup:
-    """One request: its sequences, sampling parameters, arrival time and priority.
-
-    vLLM 0.6.3's arguments in its order; lower `priority` first, ties by arrival.
-    `arrival_time=None` means now. The modes not built (embeddings, pooling_params,
-    encoder_seq, trace_headers, prompt_adapter_request) must be None.
-    """
+    """One request: its sequences, sampling parameters, arrival time (None: now) and priority
+    (lower first, ties by arrival). vLLM 0.6.3's arguments in its order."""
 
     def __init__(self, request_id: str, seqs: list[Sequence], arrival_time: float | None = None,
                  sampling_params: SamplingParams | None = None,

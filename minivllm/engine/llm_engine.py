@@ -151,7 +151,6 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         self._loras.use(lora_request)
         seqs = [Sequence(next(self.seq_counter), prompt_text, prompt_token_ids,
                          self.cache_config.block_size, self.eos_token_id, lora_request)]
-        arrival_time = time.monotonic() if arrival_time is None else arrival_time
         seq_group = SequenceGroup(request_id, seqs, arrival_time, params, lora_request=lora_request,
                                   priority=priority)
         self.scheduler.add_seq_group(seq_group)
@@ -278,14 +277,14 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
     def _process_group_output(self, scheduled: ScheduledSequenceGroup, output: SequenceGroupOutput,
                               stats: Stats, is_first_step: bool, now: float) -> None:
         seq_group = scheduled.seq_group
-        first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
         num_computed = scheduled.token_chunk_size if is_first_step else 1
         if is_first_step and seq_group.is_prefill():
             stats.num_prompt_tokens_iter += num_computed
+        if output.prompt_logprobs:
+            first_computed = seq_group.get_unfinished_seqs()[0].get_num_computed_tokens()
+            record_prompt_logprobs(seq_group, output, first_computed)
         # The step computed these tokens' K/V; the tokens sampled below are not yet in the cache.
         seq_group.update_num_computed_tokens(num_computed)
-        if output.prompt_logprobs:
-            record_prompt_logprobs(seq_group, output, first_computed)
         if output.samples:
             self._record_token_times(seq_group, now, stats)
             self.output_processor.process_outputs(seq_group, output.samples)
