@@ -103,7 +103,9 @@ def static_widget(data: dict, zh: bool, notebook_name: str) -> str:
 def _break_identifiers(output: str) -> str:
     """`<wbr>` after `.`, `/` and `_` in inline code: a long identifier wraps between its parts."""
     def add(match: re.Match) -> str:
-        return "<code>" + re.sub(r"(?<=[./_])(?=[^\s./_])", "<wbr>", match.group(1)) + "</code>"
+        # not before a file's extension: `cache_engine.py` wraps as `cache_` / `engine.py`
+        return "<code>" + re.sub(r"(?<=[./_])(?=[^\s./_])(?!(?:py|md|ipynb|json|yml)\b)", "<wbr>",
+                                 match.group(1)) + "</code>"
     return _INLINE_CODE.sub(add, output)
 
 
