@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping, Sequence
 
+import matplotlib.colors as mcolors
 from matplotlib.patches import FancyArrowPatch, Patch, Rectangle
 
 from minivllm.viz.snapshot import BlockManagerSnapshot, BlockSnapshot
@@ -38,7 +39,9 @@ _POOL_GAP = 3.0  # space between the logical side and the physical pool
 _ROWS_PER_COLUMN = 8  # physical blocks per column before wrapping to the next
 _COLUMN_GAP = 3.6  # room for the '#n' and 'ref n' labels between two columns of blocks
 _MAX_TOKEN_CHARS = 5  # characters that fit a cell at the full token font size
-_MIN_TOKEN_FONT = 4.0
+_TOKEN_FONT = 6.0
+_MIN_TOKEN_FONT = 5.0  # below this a token is unreadable once a page scales the figure down
+_TINT = 0.33  # a sequence's colour over white for its logical blocks
 _HASH_DIGITS = 4  # hex digits of a block hash shown (enough to tell blocks apart)
 
 
@@ -54,8 +57,21 @@ def _label(token_id: int, token_labels: TokenLabels) -> str:
 
 
 def _label_fontsize(text: str) -> float:
-    """Whole labels, never cut: longer tokens get a smaller font so they still fit their cell."""
-    return max(_MIN_TOKEN_FONT, min(6.0, 6.0 * _MAX_TOKEN_CHARS / max(len(text), 1)))
+    """Longer tokens get a smaller font so they fit their cell, down to a legible minimum."""
+    return max(_MIN_TOKEN_FONT, min(_TOKEN_FONT, _TOKEN_FONT * _MAX_TOKEN_CHARS / max(len(text), 1)))
+
+
+def _fit_label(text: str) -> str:
+    """The token as it fits its cell at `_label_fontsize`: cut with '…' past what fits at the
+    minimum font ("mathematician" -> "mathe…"), never overlapping its neighbours."""
+    fits = int(_MAX_TOKEN_CHARS * _TOKEN_FONT / _MIN_TOKEN_FONT)
+    return text if len(text) <= fits else text[:fits - 1] + "…"
+
+
+def _tint(color: str) -> tuple[float, float, float]:
+    """`color` at `_TINT` over white, opaque: an arrow drawn beneath stays hidden under the block."""
+    r, g, b = mcolors.to_rgb(color)
+    return tuple(1 - _TINT * (1 - c) for c in (r, g, b))
 
 
 def block_state(block: BlockSnapshot) -> str:
@@ -80,7 +96,7 @@ def _draw_slots(ax, x: float, y: float, block_size: int, tokens: Sequence[int], 
         ax.add_patch(Rectangle((x + i * _CELL, y), _CELL, _CELL, facecolor=face if filled else "white",
                                edgecolor=edge, linewidth=linewidth))
         if filled:
-            text = _label(tokens[i], token_labels)
+            text = _fit_label(_label(tokens[i], token_labels))
             ax.text(x + (i + 0.5) * _CELL, y + 0.5 * _CELL, text, ha="center", va="center",
                     fontsize=_label_fontsize(text))
 
@@ -183,17 +199,22 @@ def _draw_sequences(ax, snapshot, seq_ids, tables, positions, token_labels, show
         ax.text(-0.3, y + 0.5, f"seq {seq_id}", ha="right", va="center", fontsize=8, color=color,
                 fontweight="bold")
         ax.text(0, y - 0.35, f"table {tables[seq_id]}" + ("  (swapped)" if on_cpu else ""),
-                fontsize=7, va="center", color=COLORS["swapped"] if on_cpu else COLORS["edge"])
+                fontsize=7, va="center", color=COLORS["swapped"] if on_cpu else COLORS["edge"],
+                bbox=dict(facecolor="white", edgecolor="none", pad=0.3))  # over the arrows
+
         for j, block_number in enumerate(tables[seq_id]):
             x = j * (_block_width(size) + _BLOCK_GAP)
-            _draw_slots(ax, x, y, size, tokens[j * size:(j + 1) * size], color + "55", token_labels,
+            _draw_slots(ax, x, y, size, tokens[j * size:(j + 1) * size], _tint(color), token_labels,
                         edge=color)
             target = positions.get(("cpu" if on_cpu else "gpu", block_number))
             if target is None or (on_cpu and not show_cpu):
                 continue
-            ax.add_patch(FancyArrowPatch((x + _block_width(size), y + 0.5), (target[0] - 0.1, target[1] + 0.5),
-                                         arrowstyle="-|>", mutation_scale=8, color=color, alpha=0.6,
-                                         linewidth=1.0, connectionstyle="arc3,rad=0.05"))
+            # Straight from the block's top edge to a block above, its bottom edge to one below,
+            # and beneath every block (zorder): an arrow never runs over its own row's tokens.
+            start_y = y + _CELL if target[1] > y else y
+            ax.add_patch(FancyArrowPatch((x + _block_width(size) * 0.75, start_y), (target[0] - 0.1, target[1] + 0.5),
+                                         arrowstyle="-|>", mutation_scale=8, color=color, alpha=0.7,
+                                         linewidth=1.0, zorder=0.5))
     return y - 0.6
 
 

@@ -88,6 +88,26 @@ def test_block_tables_picture_has_every_slot_and_one_arrow_per_logical_block(for
     assert len(rectangles_with_color(ax, "copied")) == 3  # the CoW copy holds 3 tokens
 
 
+def test_long_tokens_stay_legible_and_arrows_run_beneath_the_blocks(forked_state):
+    bm, group, cows = forked_state
+    snap = snapshot_block_manager(bm, group.get_seqs())
+    fig, ax = plt.subplots()
+    draw_block_tables(snap, ax, token_labels={10: "mathematician", 11: "Enigma"})
+    plt.close(fig)
+    labels = texts(ax)
+    # cut to what fits its cell at a legible size, never shrunk until it overlaps its neighbours
+    assert "mathe…" in labels and "mathematician" not in labels and "Enigma" in labels
+    token_texts = [t for t in ax.texts if t.get_text() in ("mathe…", "Enigma")]
+    assert token_texts and min(t.get_fontsize() for t in token_texts) >= 5.0
+    # arrows leave a block's top or bottom edge and pass beneath the (opaque) blocks
+    arrows = [p for p in ax.patches if isinstance(p, FancyArrowPatch)]
+    cells = [p for p in ax.patches if isinstance(p, Rectangle)]
+    assert max(a.get_zorder() for a in arrows) < min(c.get_zorder() for c in cells)
+    assert all(c.get_facecolor()[3] == 1.0 for c in cells if c.get_fill())
+    edges = {round(c.get_y(), 6) for c in cells} | {round(c.get_y() + c.get_height(), 6) for c in cells}
+    assert all(round(a._posA_posB[0][1], 6) in edges for a in arrows)
+
+
 def test_swapped_sequences_point_at_the_cpu_pool(forked_state):
     bm, group, _ = forked_state
     bm.swap_out(group)
