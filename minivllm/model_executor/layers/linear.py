@@ -5,9 +5,8 @@
     RowParallelLinear      W split by input columns: rank r multiplies the slice a column layer
                            left on it; one all-reduce sums the ranks' partial outputs.
 
-A decoder layer uses the pair twice (qkv -> o, gate_up -> down): two all-reduces of
-`[num_tokens, hidden]`. Each weight's `weight_loader` copies its rank's slice of the
-checkpoint tensor. With one rank every layer is one `F.linear`.
+Each weight's `weight_loader` copies its rank's slice of the checkpoint tensor; with one rank
+every layer is one `F.linear`.
 """
 
 from __future__ import annotations
