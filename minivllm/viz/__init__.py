@@ -44,6 +44,7 @@ _EXPORTS: dict[str, str] = {
     "draw_transfer_costs": "minivllm.viz.kv_transfer",
     "FrameStepper": "minivllm.viz.widgets",
     "import_graph": "minivllm.viz.archmap",
+    "queue_events": "minivllm.viz.queues",
     "queue_stepper": "minivllm.viz.queues",
     "render_frame": "minivllm.viz.widgets",
     "request_color": "minivllm.viz.style",

@@ -262,11 +262,25 @@ def draw_batch_tokens(snapshots: Sequence[StepSnapshot], ax, max_num_batched_tok
 
 
 # ===================================================== widgets and static twins
+def queue_events(snapshots: Sequence[StepSnapshot]) -> dict[int, str]:
+    """Frame index -> what the queues did there, for the steps that preempt or swap in
+    ("step 47: swapped out r3"); ordinary decode steps are left out."""
+    events = {}
+    for index, snapshot in enumerate(snapshots):
+        happened = [f"{name} {', '.join(ids)}" for name, ids in (
+            ("recomputed", snapshot.preempted_by_recompute), ("swapped out", snapshot.preempted_by_swap),
+            ("swapped in", snapshot.swapped_in)) if ids]
+        if happened:
+            events[index] = f"step {snapshot.step}: " + "; ".join(happened)
+    return events
+
+
 def queue_stepper(snapshots: Sequence[StepSnapshot], figsize: tuple[float, float] = (9.0, 3.0)):
-    """Play + slider over the queue view of each step (`minivllm.viz.widgets.FrameStepper`)."""
+    """Play + slider over the queue view of each step (`minivllm.viz.widgets.FrameStepper`), with
+    a "jump to" menu of the steps that preempt or swap in (`queue_events`)."""
     from minivllm.viz.widgets import FrameStepper  # ipywidgets only when a widget is asked for
 
-    return FrameStepper(snapshots, draw_queues, figsize=figsize)
+    return FrameStepper(snapshots, draw_queues, figsize=figsize, marks=queue_events(snapshots))
 
 
 def draw_queues_small_multiples(snapshots: Sequence[StepSnapshot], indices: Sequence[int] | None = None,

@@ -21,7 +21,7 @@ from __future__ import annotations
 import base64
 import io
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import matplotlib.pyplot as plt
@@ -68,18 +68,23 @@ class FrameStepper:
         figsize: size of each rendered frame in inches.
         interval_ms: time between frames while playing.
         description: the slider's label.
+        marks: frame index -> what happens there; a "jump to" menu reaches each at once (a trace
+            of hundreds of steps has its few interesting ones listed, not hidden in the slider).
 
-    Attributes: `play`, `slider`, `image` (the widgets), `widget` (their layout),
-    `index` / `frame` (the current position).
+    Attributes: `play`, `slider`, `image`, `jump` (the widgets; `jump` None without marks),
+    `widget` (their layout), `index` / `frame` (the current position).
     """
 
     def __init__(self, frames: Sequence[Any], draw_fn: DrawFn, *, titles: Titles = None,
                  figsize: tuple[float, float] = (8.0, 3.0), interval_ms: int = _DEFAULT_INTERVAL_MS,
-                 description: str = "step") -> None:
+                 description: str = "step", marks: Mapping[int, str] | None = None) -> None:
         if len(frames) == 0:
             raise ValueError("a stepper needs at least one frame.")
         if titles is not None and not callable(titles) and len(titles) != len(frames):
             raise ValueError(f"got {len(titles)} titles for {len(frames)} frames.")
+        outside = sorted(i for i in marks or {} if not 0 <= i < len(frames))
+        if outside:
+            raise ValueError(f"marks at frames {outside} outside the {len(frames)} frames.")
         import ipywidgets as widgets  # deferred: `import minivllm.viz` must work without it
 
         self.frames = list(frames)
@@ -95,7 +100,14 @@ class FrameStepper:
         self.image = widgets.Image(format="png", value=self._render(0),
                                    layout=widgets.Layout(width=f"{width}px", height=f"{height}px"))
         self.slider.observe(self._on_slider, names="value")
-        self.widget = widgets.VBox([widgets.HBox([self.play, self.slider]), self.image])
+        controls = [self.play, self.slider]
+        self.jump = None
+        if marks:
+            self.jump = widgets.Dropdown(options=[("jump to…", None)] + [(f"{label} ({i})", i)
+                                                                        for i, label in sorted(marks.items())])
+            self.jump.observe(self._on_jump, names="value")
+            controls.append(self.jump)
+        self.widget = widgets.VBox([widgets.HBox(controls), self.image])
 
     @property
     def index(self) -> int:
@@ -117,6 +129,10 @@ class FrameStepper:
 
     def _on_play(self, change: dict) -> None:
         self.slider.value = change["new"]
+
+    def _on_jump(self, change: dict) -> None:
+        if change["new"] is not None:
+            self.slider.value = change["new"]
 
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The widget, plus the current frame as a PNG: a viewer without the widget's state

@@ -165,6 +165,21 @@ def test_queue_stepper_and_its_static_twin():
                                                                                  "after step 5"]
 
 
+def test_queue_stepper_jumps_to_the_steps_that_preempt():
+    from minivllm.viz.queues import queue_events, queue_stepper
+
+    snapshots = run(num_gpu_blocks=6, max_num_seqs=4).snapshots
+    preempting = [i for i, s in enumerate(snapshots) if s.preempted_by_recompute]
+    assert preempting, "the workload must preempt for this test to mean anything"
+    events = queue_events(snapshots)
+    assert sorted(events) == [i for i, s in enumerate(snapshots) if s.preempted_by_recompute or s.swapped_in]
+    first = preempting[0]
+    assert events[first] == f"step {snapshots[first].step}: recomputed {', '.join(snapshots[first].preempted_by_recompute)}"
+    stepper = queue_stepper(snapshots)
+    stepper.jump.value = first
+    assert stepper.frame is snapshots[first]
+
+
 def test_latency_tradeoff_plots_each_point_in_order():
     from minivllm.viz.queues import draw_latency_tradeoff
 

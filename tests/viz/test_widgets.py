@@ -41,6 +41,16 @@ def test_stepper_follows_slider_and_play():
     assert (stepper.slider.max, stepper.play.max) == (2, 2)
 
 
+def test_marks_list_the_frames_to_jump_to():
+    stepper = FrameStepper(list(range(600)), draw_bars, figsize=(2, 2), marks={412: "swap-in", 47: "swap-out"})
+    assert stepper.jump.options == (("jump to…", None), ("swap-out (47)", 47), ("swap-in (412)", 412))
+    stepper.jump.value = 412
+    assert (stepper.index, stepper.play.value) == (412, 412)
+    assert FrameStepper([1, 2], draw_bars, figsize=(2, 2)).jump is None
+    with pytest.raises(ValueError, match="outside"):
+        FrameStepper([1, 2], draw_bars, marks={2: "past the end"})
+
+
 def test_stepper_rejects_empty_traces_and_wrong_titles():
     with pytest.raises(ValueError):
         FrameStepper([], draw_bars)
