@@ -42,14 +42,13 @@ class AttentionMetadata:
     max_seq_len: int
 
     def __post_init__(self) -> None:
-        num_seqs = self.num_seqs
-        if self.seq_lens.shape != (num_seqs,) or self.query_start_loc.shape != (num_seqs + 1,):
-            raise ValueError(f"expected {num_seqs} sequences ({self.num_prefills} prefills + "
-                             f"{self.num_decode_tokens} decodes), got seq_lens {tuple(self.seq_lens.shape)} "
-                             f"and query_start_loc {tuple(self.query_start_loc.shape)}.")
-        if self.slot_mapping.shape != (self.num_tokens,):
-            raise ValueError(f"slot_mapping must have one entry per token ({self.num_tokens}), "
-                             f"got shape {tuple(self.slot_mapping.shape)}.")
+        expected = {"slot_mapping": (self.num_tokens,), "seq_lens": (self.num_seqs,),
+                    "query_start_loc": (self.num_seqs + 1,)}
+        for name, shape in expected.items():
+            got = tuple(getattr(self, name).shape)
+            if got != shape:
+                raise ValueError(f"{name} must have shape {shape} ({self.num_prefills} prefills, "
+                                 f"{self.num_decode_tokens} decodes), got {got}.")
 
     @property
     def num_tokens(self) -> int:
