@@ -47,8 +47,8 @@ def qk_norm_rope_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.
     pair's cos, then its sin); q/k_norm_weight `[head_dim]` (Qwen3's per-head RMSNorm; None: none).
     """
     if q_norm_weight is not None:
-        query = _head_rms_norm(query, q_norm_weight, eps)
-        key = _head_rms_norm(key, k_norm_weight, eps)
+        query = rms_norm(query, q_norm_weight, eps)
+        key = rms_norm(key, k_norm_weight, eps)
     cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # each [num_tokens, head_dim / 2]
     cos, sin = cos.unsqueeze(1).to(query.dtype), sin.unsqueeze(1).to(query.dtype)  # over heads
     query, key = rotate_pairs(query, cos, sin), rotate_pairs(key, cos, sin)
@@ -56,8 +56,9 @@ def qk_norm_rope_and_cache(query: torch.Tensor, key: torch.Tensor, value: torch.
     return query
 
 
-def _head_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim, statistics in fp32, cast back before the weight (HF's order)."""
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim, statistics in fp32, cast back before the weight: Hugging
+    Face's order, so fp32 logits match bit for bit."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

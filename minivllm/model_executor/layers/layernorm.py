@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from minivllm.kernels.reference import rms_norm
 from minivllm.model_executor.custom_op import CustomOp
 
 
@@ -18,17 +19,11 @@ class RMSNorm(CustomOp):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(dim=-1, keepdim=True) + self.eps)
-        # Cast back before scaling, as Hugging Face does: logits match bit for bit in fp32.
-        return self.weight * x32.to(x.dtype)
-
     def forward_native(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is None:
-            return self._norm(x)
+            return rms_norm(x, self.weight, self.eps)
         residual = x + residual
-        return self._norm(residual), residual
+        return rms_norm(residual, self.weight, self.eps), residual
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
