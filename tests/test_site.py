@@ -234,6 +234,19 @@ def test_stepper_shows_its_saved_frame_offline(site, page):
     assert step in probe["notes"][0] and ".ipynb" in probe["notes"][0], probe["notes"]
 
 
+def test_formulas_are_mathml_not_raw_tex(site):
+    out, _ = site
+    for notebook in sorted((ROOT / "notebooks").glob("**/[0-9]*.ipynb")):
+        if ".ipynb_checkpoints" in notebook.parts:
+            continue
+        formulas = sum("".join(cell["source"]).count("$$") // 2 for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]
+                       if cell["cell_type"] == "markdown")
+        built = (out / notebook.relative_to(ROOT).with_suffix("") / "index.html").read_text(encoding="utf-8")
+        assert built.count('<div class="mv-math"><math') == formulas and "<p>$$" not in built, notebook.name
+    slot = (out / "notebooks/02_blocks_and_block_tables/index.html").read_text(encoding="utf-8")
+    assert "<mtext>block_table</mtext>" in slot  # \_ inside \text{} is a plain underscore
+
+
 def test_glossary_identifiers_break_between_their_parts(site):
     out, _ = site
     glossary = (out / "zh/glossary/index.html").read_text(encoding="utf-8")

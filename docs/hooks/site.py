@@ -8,6 +8,8 @@
   own output carries (the stepper's saved frame) with a note saying where it steps. The widget
   state and the scripts that would load a widget manager from a CDN are dropped: no page needs
   the network. A widget output without a PNG fails the strict build.
+- A notebook's display formula (`$$...$$`) becomes MathML at build time, which the browser draws
+  itself: no MathJax from a CDN.
 - Inline code breaks only between an identifier's parts (after `.`, `/`, `_`), never mid-word.
 """
 
@@ -19,6 +21,7 @@ import logging
 import re
 from pathlib import PurePosixPath
 
+from latex2mathml.converter import convert as tex_to_mathml
 from mkdocs.utils import get_relative_url
 
 log = logging.getLogger("mkdocs.hooks.site")
@@ -35,6 +38,7 @@ _REMOTE_SCRIPT = re.compile(r'<script src="(?:https?:)?//[^"]*"></script>|<scrip
                             r'|<script>\s*\(function\(\) \{\s*function addWidgetsRenderer\(\).*?</script>', re.S)
 _STEPPER_TEXT = re.compile(r"<stepper over (\d+) frames, showing frame (\d+)>")
 _INLINE_CODE = re.compile(r"<code>([^<]{16,})</code>")
+_DISPLAY_MATH = re.compile(r"<p>\$\$(.+?)\$\$</p>", re.S)
 _ARTICLE = '<article class="md-content__inner md-typeset">'
 
 _files = None  # every page, for the switch's counterpart and its title (set once all are read)
@@ -109,6 +113,12 @@ def _break_identifiers(output: str) -> str:
     return _INLINE_CODE.sub(add, output)
 
 
+def display_math(tex: str) -> str:
+    """A display formula as MathML (`\\_` inside `\\text{}` is a plain underscore there)."""
+    mathml = tex_to_mathml(html_lib.unescape(tex).strip(), display="block").replace("\\_", "_")
+    return f'<div class="mv-math">{mathml}</div>'
+
+
 def on_page_content(content: str, page, config, files) -> str:
     if not page.file.src_uri.endswith(".ipynb"):
         return _break_identifiers(content)
@@ -126,6 +136,7 @@ def on_page_content(content: str, page, config, files) -> str:
         return static_widget(data, zh, name)
 
     content = _WIDGET_DIV.sub(replace, content)
+    content = _DISPLAY_MATH.sub(lambda m: display_math(m.group(1)), content)
     content = _REMOTE_SCRIPT.sub("", _WIDGET_STATE.sub("", content))
     return _break_identifiers(content)
 
