@@ -1,14 +1,13 @@
 """The reading path of docs/architecture.md: the files of the plain single-device engine, from
 `LLM.generate` down to the kernels, in reading order. Each listed file exists, and together they
-stay at or under `MAX_LINES` lines, docstrings, comments and blank lines included (`wc -l`).
-`MAX_LINES` is a ceiling that may only come down; the aim is 5,000."""
+stay at or under `MAX_LINES` lines, docstrings, comments and blank lines included (`wc -l`)."""
 import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
 HEADING = "## Reading path"
-MAX_LINES = 7_300
+MAX_LINES = 5_000
 # A list item that opens with one backticked path: "1. `minivllm/x.py` — what to look for".
 ITEM = re.compile(r"^\s*(?:\d+\.|[-*])\s+`([^`]+)`")
 # The spine of the path: leaving any of these out would shorten the path, not the code.
