@@ -11,6 +11,7 @@ this test fails, it never skips.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import html
 import http.server
 import json
@@ -36,7 +37,7 @@ window.addEventListener("load", () => {
   document.documentElement.setAttribute("data-images", String(document.images.length));
   document.documentElement.setAttribute("data-broken-images", JSON.stringify(broken));
   const link = document.querySelector("nav.mv-lang-switch a");
-  const frames = [...document.querySelectorAll(".mv-widget-twin img")];
+  const frames = [...document.querySelectorAll(".mv-widget-twin img")].filter(i => !i.hidden);
   document.documentElement.setAttribute("data-site", JSON.stringify({
     lang: document.documentElement.lang,
     switch: link && [new URL(link.href).pathname, link.textContent, link.hreflang],
@@ -219,7 +220,7 @@ def test_no_page_loads_a_script_from_the_network_and_no_widget_is_left_blank(sit
             continue
         views = notebook.read_text(encoding="utf-8").count('"application/vnd.jupyter.widget-view+json"')
         built = (out / notebook.relative_to(ROOT).with_suffix("") / "index.html").read_text(encoding="utf-8")
-        assert built.count('class="jp-OutputArea-output jp-RenderedImage mv-widget-twin"') == views, notebook.name
+        assert len(re.findall(r'class="jp-OutputArea-output jp-RenderedImage mv-widget-twin[" ]', built)) == views, notebook.name
 
 
 @pytest.mark.parametrize("page", STEPPERS)
@@ -254,3 +255,44 @@ def test_glossary_identifiers_break_between_their_parts(site):
     assert "<code>core/<wbr>block_<wbr>manager.py</code>" in glossary  # never before an extension
     css = (ROOT / "docs/overrides/site.css").read_text(encoding="utf-8")
     assert re.search(r"\.md-typeset code \{ word-break: keep-all; overflow-wrap: normal; \}", css)
+
+
+def _load_hook(name: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / "hooks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_key_frames_step_without_a_kernel(site):
+    """A stepper output that saved key frames becomes a stepper that works on the site: the saved
+    frame first, the next button shows the next key frame and its label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from minivllm.viz.widgets import FrameStepper
+
+    out, base = site
+    stepper = FrameStepper(list(range(40)), lambda n, ax: ax.bar(range(n % 5 + 1), 1), figsize=(2, 1),
+                           marks={3: "first swap-out", 30: "first swap-in"})
+    stepper.slider.value = 3
+    bundle = stepper._repr_mimebundle_()
+    frames = bundle[_load_hook("site").FRAMES_MIME]
+    assert [f["index"] for f in frames["frames"]] == [3, 30] and frames["shown"] == 3
+    page = out / "stepper-check" / "index.html"
+    page.parent.mkdir()
+    page.write_text(
+        '<html><head><link rel="stylesheet" href="../overrides/site.css"></head><body class="md-typeset">'
+        '<div class="jupyter-wrapper">' + _load_hook("site").key_frame_stepper(frames, False, "x.ipynb") + "</div>"
+        '<script src="../overrides/site.js"></script><script>window.addEventListener("load", () => {'
+        ' const visible = () => [...document.querySelectorAll(".mv-stepper > img")].filter(i => !i.hidden).map(i => i.alt);'
+        ' const label = () => document.querySelector(".mv-stepper-label").textContent;'
+        ' const before = [visible(), label(), document.querySelector(".mv-stepper-controls").hidden];'
+        ' document.querySelector(\'button[data-step="1"]\').click();'
+        ' document.documentElement.setAttribute("data-steps", JSON.stringify([before, [visible(), label()]]));'
+        "});</script></body></html>", encoding="utf-8")
+    found = re.search(r'data-steps="([^"]*)"', _dump_dom(base + "stepper-check/"))
+    assert found, "the load event never fired"
+    before, after = json.loads(html.unescape(found.group(1)))
+    assert before == [["frame 3"], "first swap-out", False]  # the saved frame, controls shown
+    assert after == [["frame 30"], "first swap-in"]

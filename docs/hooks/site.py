@@ -5,9 +5,11 @@
   page), named for the page it leads to. Chinese pages are marked `lang="zh"`.
 - A notebook page is titled by its notebook's first heading ("07 · Preemption"), not its file name.
 - A widget view (the steppers of `minivllm.viz.widgets`) needs a kernel; here it becomes the PNG its
-  own output carries (the stepper's saved frame) with a note saying where it steps. The widget
-  state and the scripts that would load a widget manager from a CDN are dropped: no page needs
-  the network. A widget output without a PNG fails the strict build.
+  own output carries (the stepper's saved frame) with a note saying where it steps, or, where the
+  output carries key frames (`FRAMES_MIME`), a stepper over those frames that works without a
+  kernel (overrides/site.js; the saved frame shows until the script runs). The widget state and
+  the scripts that would load a widget manager from a CDN are dropped: no page needs the
+  network. A widget output without a PNG fails the strict build.
 - A notebook's display formula (`$$...$$`) becomes MathML at build time, which the browser draws
   itself: no MathJax from a CDN.
 - Inline code breaks only between an identifier's parts (after `.`, `/`, `_`), never mid-word.
@@ -27,6 +29,7 @@ from mkdocs.utils import get_relative_url
 log = logging.getLogger("mkdocs.hooks.site")
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+FRAMES_MIME = "application/vnd.minivllm.frames+json"  # minivllm.viz.widgets.FRAMES_MIME
 _WIDGET_DIV = re.compile(
     r'<div class="jupyter-widgets jp-OutputArea-output[^"]*"[^>]*>\s*'
     r'(?:<script type="text/javascript">[^<]*</script>\s*)?'
@@ -104,6 +107,27 @@ def static_widget(data: dict, zh: bool, notebook_name: str) -> str:
             f'<p class="mv-widget-note">{note}</p></div>')
 
 
+def key_frame_stepper(frames: dict, zh: bool, notebook_name: str) -> str:
+    """A stepper over the key frames an output saved: a range input and two buttons (shown by
+    overrides/site.js), one picture visible at a time, the saved frame first."""
+    shown = next((k for k, f in enumerate(frames["frames"]) if f["index"] == frames["shown"]), 0)
+    images = "".join(
+        f'<img src="data:image/png;base64,{f["png"]}" alt="frame {f["index"]}" '
+        f'data-label="{html_lib.escape(f["label"])}"{"" if k == shown else " hidden"}>'
+        for k, f in enumerate(frames["frames"]))
+    label = html_lib.escape(frames["frames"][shown]["label"])
+    count, total = len(frames["frames"]), frames["count"]
+    link = f'<a download href="{notebook_name}">{notebook_name}</a>'
+    note = (f"这里可以翻看 {total} 帧中的 {count} 个关键帧；逐帧播放全部画面需要内核：在 Jupyter 中打开 {link}。" if zh
+            else f"{count} key frames of {total} here; every frame steps in Jupyter: open {link}.")
+    return (f'<div class="jp-OutputArea-output jp-RenderedImage mv-widget-twin mv-stepper">'
+            f'<div class="mv-stepper-controls" hidden><button type="button" data-step="-1" aria-label="previous">◀</button>'
+            f'<input type="range" min="0" max="{count - 1}" value="{shown}" aria-label="key frame">'
+            f'<button type="button" data-step="1" aria-label="next">▶</button>'
+            f'<span class="mv-stepper-label">{label}</span></div>'
+            f'{images}<p class="mv-widget-note">{note}</p></div>')
+
+
 def _break_identifiers(output: str) -> str:
     """`<wbr>` after `.`, `/` and `_` in inline code: a long identifier wraps between its parts."""
     def add(match: re.Match) -> str:
@@ -133,6 +157,8 @@ def on_page_content(content: str, page, config, files) -> str:
         if data is None or "image/png" not in data:
             log.warning("%s: a widget output without a saved PNG shows nothing on the site", page.file.src_uri)
             return match.group(0)
+        if FRAMES_MIME in data:
+            return key_frame_stepper(data[FRAMES_MIME], zh, name)
         return static_widget(data, zh, name)
 
     content = _WIDGET_DIV.sub(replace, content)

@@ -32,6 +32,10 @@ Titles = Sequence[str] | Callable[[int, Any], str] | None
 
 _DEFAULT_INTERVAL_MS = 800  # Play speed: slow enough to read a block table
 _DEFAULT_DPI = 100
+# Key frames saved with a stepper's output, for pages without a kernel (the course site steps
+# through them): a few, since each is a PNG stored in the notebook.
+FRAMES_MIME = "application/vnd.minivllm.frames+json"
+_KEY_FRAMES = 8
 
 
 def _title(titles: Titles, index: int, frame: Any) -> str | None:
@@ -89,6 +93,7 @@ class FrameStepper:
 
         self.frames = list(frames)
         self.draw_fn, self.titles, self.figsize = draw_fn, titles, figsize
+        self.marks = dict(marks or {})
         self._png_cache: dict[int, bytes] = {}
         last = len(self.frames) - 1
         self.play = widgets.Play(value=0, min=0, max=last, step=1, interval=interval_ms)
@@ -134,13 +139,37 @@ class FrameStepper:
         if change["new"] is not None:
             self.slider.value = change["new"]
 
+    def key_frames(self) -> list[int]:
+        """The frames a page without a kernel steps through: the current one and the marks
+        (spread evenly over them when there are more than fit), or without marks frames spread
+        evenly from the first to the last."""
+        keep = _KEY_FRAMES - 1
+        if self.marks:
+            marks = sorted(self.marks)
+            others = marks if len(marks) <= keep else [marks[round(k * (len(marks) - 1) / (keep - 1))]
+                                                       for k in range(keep)]
+        else:
+            last, count = len(self.frames) - 1, min(_KEY_FRAMES, len(self.frames))
+            others = [round(k * last / max(count - 1, 1)) for k in range(count)]
+        chosen = [self.index] + [i for i in others if i != self.index][:_KEY_FRAMES - 1]
+        return sorted(chosen)
+
+    def _frame_label(self, index: int) -> str:
+        title = _title(self.titles, index, self.frames[index])
+        return self.marks.get(index) or (title.replace("\n", " ") if title else f"frame {index}")
+
     def _repr_mimebundle_(self, **kwargs) -> dict:
         """The widget, plus the current frame as a PNG: a viewer without the widget's state
         (GitHub, a static site, a notebook reopened without its kernel) shows the picture
-        instead of "VBox(children=...)"."""
+        instead of "VBox(children=...)"; and the key frames (`FRAMES_MIME`), which the course
+        site steps through."""
         bundle = self.widget._repr_mimebundle_(**kwargs)
         bundle["image/png"] = base64.b64encode(self._render(self.index)).decode("ascii")
         bundle["text/plain"] = f"<stepper over {len(self.frames)} frames, showing frame {self.index}>"
+        bundle[FRAMES_MIME] = {
+            "count": len(self.frames), "shown": self.index,
+            "frames": [{"index": i, "label": self._frame_label(i),
+                        "png": base64.b64encode(self._render(i)).decode("ascii")} for i in self.key_frames()]}
         return bundle
 
 

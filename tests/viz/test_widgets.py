@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import base64
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -49,6 +51,21 @@ def test_marks_list_the_frames_to_jump_to():
     assert FrameStepper([1, 2], draw_bars, figsize=(2, 2)).jump is None
     with pytest.raises(ValueError, match="outside"):
         FrameStepper([1, 2], draw_bars, marks={2: "past the end"})
+
+
+def test_output_carries_key_frames_for_pages_without_a_kernel():
+    from minivllm.viz.widgets import FRAMES_MIME
+
+    marked = FrameStepper(list(range(600)), draw_bars, figsize=(2, 2), marks={412: "swap-in", 47: "swap-out"})
+    marked.slider.value = 100
+    saved = marked._repr_mimebundle_()[FRAMES_MIME]
+    assert (saved["count"], saved["shown"]) == (600, 100)
+    assert [(f["index"], f["label"]) for f in saved["frames"]] == [(47, "swap-out"), (100, "frame 100"), (412, "swap-in")]
+    assert all(base64.b64decode(f["png"]).startswith(PNG_MAGIC) for f in saved["frames"])
+    spread = FrameStepper(list(range(50)), draw_bars, figsize=(2, 2), titles=lambda i, f: f"t{i}").key_frames()
+    assert spread[0] == 0 and spread[-1] == 49 and len(spread) == 8  # evenly spread, the current one included
+    many = FrameStepper(list(range(700)), draw_bars, figsize=(2, 2), marks={i: "e" for i in range(40, 680, 20)})
+    assert many.key_frames() == [0, 40, 140, 240, 360, 460, 560, 660]  # the current one, marks spread over the run
 
 
 def test_stepper_rejects_empty_traces_and_wrong_titles():
