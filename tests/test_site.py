@@ -45,6 +45,8 @@ window.addEventListener("load", () => {
     widgets: [...document.querySelectorAll(".jupyter-widgets")].length,
     frames: frames.map(i => [i.naturalWidth, Math.round(i.getBoundingClientRect().width)]),
     notes: [...document.querySelectorAll(".mv-widget-note")].map(n => n.textContent),
+    figures: [...document.querySelectorAll(".jp-RenderedImage img")].filter(i => !i.hidden)
+      .map(i => [i.naturalWidth, Math.round(i.getBoundingClientRect().width)]),
     remote: [...document.scripts].filter(s => s.src && new URL(s.src).origin !== location.origin).map(s => s.src),
   }));
 });
@@ -296,3 +298,11 @@ def test_key_frames_step_without_a_kernel(site):
     before, after = json.loads(html.unescape(found.group(1)))
     assert before == [["frame 3"], "first swap-out", False]  # the saved frame, controls shown
     assert after == [["frame 30"], "first swap-in"]
+
+
+@pytest.mark.parametrize("page", sorted(p for p in set(PAGES) | set(SWITCH) if p.startswith("notebooks/")))
+def test_notebook_figures_keep_their_size_on_a_laptop_screen(site, page):
+    # At 1440 px the content column holds ~1040 px figures: none is shrunk below two thirds.
+    figures = _probe(site, page)["figures"]
+    assert figures, f"{page}: no figures"
+    assert min(shown / natural for natural, shown in figures) >= 0.65, f"{page}: {figures}"
