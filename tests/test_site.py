@@ -306,3 +306,13 @@ def test_notebook_figures_keep_their_size_on_a_laptop_screen(site, page):
     figures = _probe(site, page)["figures"]
     assert figures, f"{page}: no figures"
     assert min(shown / natural for natural, shown in figures) >= 0.65, f"{page}: {figures}"
+
+
+def test_links_are_named_for_their_pages_not_file_names(site):
+    out, _ = site
+    file_named = re.compile(r'<a href="[^"]*"[^>]*>(?:<code>)?[\w./-]*(?:\.md|\.ipynb|\d\d_[a-z_]+)(?:</code>)?</a>')
+    for path, page_html in _built_pages(out).items():
+        article = page_html.split('<article class="md-content__inner md-typeset">', 1)[-1].replace("<wbr>", "")
+        assert not file_named.findall(article), f"{path}: {file_named.findall(article)[:3]}"
+    zh_interview = (out / "zh/interview/index.html").read_text(encoding="utf-8")
+    assert '<a href="../../benchmarks/#tensor-parallelism">Benchmarks: Tensor parallelism</a>' in zh_interview

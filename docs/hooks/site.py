@@ -13,6 +13,8 @@
 - A notebook's display formula (`$$...$$`) becomes MathML at build time, which the browser draws
   itself: no MathJax from a CDN.
 - Inline code breaks only between an identifier's parts (after `.`, `/`, `_`), never mid-word.
+- A link named by a file (`[benchmarks.md](benchmarks.md#x)`, right on GitHub) is named on the
+  site by the page it opens, and its section: "Benchmarks: Tensor parallelism".
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import html as html_lib
 import json
 import logging
+import posixpath
 import re
 from pathlib import PurePosixPath
 
@@ -43,6 +46,8 @@ _STEPPER_TEXT = re.compile(r"<stepper over (\d+) frames, showing frame (\d+)>")
 _INLINE_CODE = re.compile(r"<code>([^<]{16,})</code>")
 _DISPLAY_MATH = re.compile(r"<p>\$\$(.+?)\$\$</p>", re.S)
 _ARTICLE = '<article class="md-content__inner md-typeset">'
+_LINK = re.compile(r'<a href="([^"#:]*)(#[^"]*)?"( [^>]*)?>((?:<code>)?[\w./<>-]*?(?:</code>)?)</a>')
+_FILE_NAME = re.compile(r"^[\w./-]*(?:\.md|\.ipynb|\d\d_[a-z_]+)$")
 
 _files = None  # every page, for the switch's counterpart and its title (set once all are read)
 
@@ -185,9 +190,38 @@ def lang_switch(page, files) -> str:
             f'data-counterpart="{target.src_uri}">{label} · {title}</a></nav>')
 
 
+def _headings(toc) -> dict[str, str]:
+    found = {}
+    for item in toc:
+        found[item.id] = item.title
+        found.update(_headings(item.children))
+    return found
+
+
+def name_file_links(output: str, page, files) -> str:
+    """Links whose text is a file name get the title of the page they open (and its section)."""
+    pages = {f.url: f.page for f in files.documentation_pages() if f.page is not None}
+
+    def rename(match: re.Match) -> str:
+        href, anchor, attrs, text = match.group(1), match.group(2) or "", match.group(3) or "", match.group(4)
+        if not _FILE_NAME.match(re.sub(r"</?code>|<wbr>", "", text)):
+            return match.group(0)
+        url = posixpath.normpath(posixpath.join("/" + page.url, href)).lstrip("/")
+        target = pages.get(url + "/" if url else "")
+        if target is None or not target.title:
+            return match.group(0)
+        section = _headings(target.toc).get(anchor[1:]) if anchor else None
+        name = html_lib.escape(target.title) + (f": {section}" if section else "")
+        return f'<a href="{href}{anchor}"{attrs}>{name}</a>'
+
+    return _LINK.sub(rename, output)
+
+
 def on_post_page(output: str, page, config) -> str:
     if _files is not None and _ARTICLE in output:
         output = output.replace(_ARTICLE, _ARTICLE + lang_switch(page, _files), 1)
+        head, article = output.split(_ARTICLE, 1)
+        output = head + _ARTICLE + name_file_links(article, page, _files)
     if is_zh(page.file.src_uri):
         output = output.replace('<html lang="en"', '<html lang="zh"', 1)
     return output
