@@ -105,6 +105,13 @@ def _block_width(block_size: int) -> float:
     return block_size * _CELL
 
 
+def _pool_rows(num_blocks: int, rows_per_column: int) -> int:
+    """Rows of the pool's columns, balanced: 10 blocks are 2 columns of 5, not 8 + 2 (a shorter
+    picture, so its cells are drawn larger at the same figure size)."""
+    columns = -(-max(1, num_blocks) // rows_per_column)
+    return -(-max(1, num_blocks) // columns)
+
+
 def _pool_position(index: int, x0: float, block_size: int, rows: int) -> tuple[float, float]:
     column, row = divmod(index, rows)
     return x0 + column * (_block_width(block_size) + _COLUMN_GAP), -row * _ROW
@@ -129,7 +136,8 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
         token_labels: token id -> text (a dict or a function), e.g. a tokenizer's decode.
         copied: GPU block numbers to mark as copy-on-write destinations.
         show_cpu: draw the CPU pool too (default: when any sequence is swapped out).
-        rows_per_column: physical blocks per column of the pool.
+        rows_per_column: at most this many physical blocks per column of the pool (the
+            columns balanced: 10 blocks are 2 columns of 5).
     """
     size = snapshot.block_size
     tables = {**snapshot.gpu_block_tables, **snapshot.cpu_block_tables}
@@ -139,7 +147,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     max_blocks = max((len(tables[s]) for s in seq_ids), default=1)
     logical_width = max(1, max_blocks) * (_block_width(size) + _BLOCK_GAP)
     gpu_x = logical_width + _POOL_GAP
-    rows = min(rows_per_column, max(1, snapshot.num_gpu_blocks))
+    rows = _pool_rows(snapshot.num_gpu_blocks, rows_per_column)
     gpu_columns = -(-snapshot.num_gpu_blocks // rows)
     cpu_x = gpu_x + gpu_columns * (_block_width(size) + _COLUMN_GAP) + 1.0
     positions = {("gpu", b.block_number): _pool_position(b.block_number, gpu_x, size, rows)
@@ -147,7 +155,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     _draw_pool_blocks(ax, snapshot.gpu_blocks, positions, "gpu", size, token_labels, set(copied))
     ax.text(gpu_x, _ROW * 0.9, "GPU blocks (physical)", fontsize=9, fontweight="bold", color=COLORS["gpu"])
     if show_cpu and snapshot.num_cpu_blocks:
-        cpu_rows = min(rows_per_column, snapshot.num_cpu_blocks)
+        cpu_rows = _pool_rows(snapshot.num_cpu_blocks, rows_per_column)
         positions.update({("cpu", b.block_number): _pool_position(b.block_number, cpu_x, size, cpu_rows)
                           for b in snapshot.cpu_blocks})
         _draw_pool_blocks(ax, snapshot.cpu_blocks, positions, "cpu", size, token_labels, set())
@@ -157,7 +165,7 @@ def draw_block_tables(snapshot: BlockManagerSnapshot, ax, *, seq_ids: Sequence[i
     pool_bottom = -(rows - 1) * _ROW
     right = gpu_x + gpu_columns * (_block_width(size) + _COLUMN_GAP)
     if show_cpu and snapshot.num_cpu_blocks:
-        cpu_columns = -(-snapshot.num_cpu_blocks // min(rows_per_column, snapshot.num_cpu_blocks))
+        cpu_columns = -(-snapshot.num_cpu_blocks // _pool_rows(snapshot.num_cpu_blocks, rows_per_column))
         right = cpu_x + cpu_columns * (_block_width(size) + _COLUMN_GAP)
     ax.set_xlim(-2.5, right + 1.5)
     ax.set_ylim(min(y_bottom, pool_bottom) - 0.8, _ROW * 1.4)
@@ -227,7 +235,7 @@ def draw_block_pool(snapshot: BlockManagerSnapshot, ax, *, device: str = "gpu",
         raise ValueError(f"device must be 'gpu' or 'cpu', got {device!r}.")
     blocks = snapshot.gpu_blocks if device == "gpu" else snapshot.cpu_blocks
     size = snapshot.block_size
-    rows = min(rows_per_column, max(1, len(blocks)))
+    rows = _pool_rows(len(blocks), rows_per_column)
     positions = {(device, b.block_number): _pool_position(b.block_number, 0.0, size, rows) for b in blocks}
     _draw_pool_blocks(ax, blocks, positions, device, size, token_labels, set(copied))
     columns = max(1, -(-len(blocks) // rows))

@@ -108,6 +108,18 @@ def test_long_tokens_stay_legible_and_arrows_run_beneath_the_blocks(forked_state
     assert all(round(a._posA_posB[0][1], 6) in edges for a in arrows)
 
 
+def test_pool_columns_are_balanced(forked_state):
+    bm, group, _ = forked_state
+    snap = snapshot_block_manager(bm, group.get_seqs())
+    fig, ax = plt.subplots()
+    draw_block_pool(snap, ax, rows_per_column=4)  # 6 blocks: 2 columns of 3, not 4 + 2
+    plt.close(fig)
+    numbers = [t for t in ax.texts if t.get_text().startswith("#")]
+    assert len(numbers) == 6
+    assert len({round(t.get_position()[1], 6) for t in numbers}) == 3
+    assert len({round(t.get_position()[0], 6) for t in numbers}) == 2
+
+
 def test_swapped_sequences_point_at_the_cpu_pool(forked_state):
     bm, group, _ = forked_state
     bm.swap_out(group)
