@@ -129,6 +129,9 @@ def test_notebook_links_to_the_docs_stay_on_the_site(site):
     html = (out / "notebooks/00_tour/index.html").read_text(encoding="utf-8")
     assert 'href="../../modules/"' in html and 'href="../../zh/modules/"' in html
     assert 'href="../docs/' not in html
+    twin = (out / "notebooks/zh/07_preemption/index.html").read_text(encoding="utf-8")
+    assert '<a href="../../../notebooks/07_preemption/">English</a>' in twin  # a notebook's link to a notebook
+    assert 'href="../07_preemption.ipynb"' not in twin
 
 
 def test_every_notebook_and_zh_page_is_built(site):
