@@ -319,3 +319,22 @@ def test_links_are_named_for_their_pages_not_file_names(site):
         assert not file_named.findall(article), f"{path}: {file_named.findall(article)[:3]}"
     zh_interview = (out / "zh/interview/index.html").read_text(encoding="utf-8")
     assert '<a href="../../benchmarks/#tensor-parallelism">Benchmarks: Tensor parallelism</a>' in zh_interview
+
+
+def test_a_widget_without_a_saved_frame_fails_the_build(tmp_path, caplog):
+    """The hook warns (strict mode turns it into a failed build) rather than leave a blank box."""
+    from types import SimpleNamespace
+
+    view = {"model_id": "m1", "version_major": 2, "version_minor": 0}
+    notebook = {"cells": [{"cell_type": "markdown", "source": "# 99 · Title"},
+                          {"cell_type": "code", "source": "w", "outputs": [{"output_type": "display_data", "data": {
+                              "application/vnd.jupyter.widget-view+json": view, "text/plain": "VBox()"}}]}]}
+    path = tmp_path / "99_x.ipynb"
+    path.write_text(json.dumps(notebook), encoding="utf-8")
+    page = SimpleNamespace(file=SimpleNamespace(src_uri="notebooks/99_x.ipynb", abs_src_path=str(path)), title=None)
+    content = ('<div class="jupyter-widgets jp-OutputArea-output" id="x"><script type="application/vnd.jupyter.'
+               'widget-view+json">' + json.dumps(view) + "</script></div>")
+    with caplog.at_level("WARNING", logger="mkdocs.hooks.site"):
+        _load_hook("site").on_page_content(content, page, None, None)
+    assert page.title == "99 · Title"
+    assert "a widget output without a saved PNG" in caplog.text
