@@ -102,7 +102,7 @@ def _text_lines() -> list[tuple[str, str, bool]]:
     for path in _code_files() + _doc_files():
         for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
             lines.append((f"{_rel(path)}:{lineno}", line, not _is_result_table_line(path, line)))
-    for path in sorted((REPO / "notebooks").glob("*.ipynb")):
+    for path in sorted((REPO / "notebooks").rglob("*.ipynb")):
         lines += [(where, line, True) for where, line in _notebook_markdown(path)]
     return lines
 
