@@ -17,20 +17,22 @@ and a Mac has no triton at all.
 from __future__ import annotations
 
 import importlib
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 
 BACKENDS = ("torch", "triton")  # built in; `register_backend` adds more by name
 OP_NAMES = ("reshape_and_cache", "paged_attention_decode", "paged_prefill_attention", "copy_blocks",
             "swap_blocks")
-_REGISTERED_BACKENDS: dict[str, str] = {}  # name -> the module holding its five ops
+_REGISTERED_BACKENDS: dict[str, str | ModuleType] = {}  # name -> the module holding its five ops
 # Backends a CUDA graph can capture: no host synchronisation, no shapes that depend on the
 # data. The PyTorch references fail both (boolean masks, loops over sequences).
 _GRAPH_SAFE_BACKENDS = {"triton"}
 
 
-def register_backend(name: str, module_path: str, cuda_graphs: bool = False) -> None:
+def register_backend(name: str, module_path: str | ModuleType, cuda_graphs: bool = False) -> None:
     """Make `attention_backend=name` use the five ops (`OP_NAMES`) of `module_path`, imported
     when an engine first asks for it (vLLM selects attention backends by name the same way).
+    A module object (a lab's ops, built in a notebook) serves engines of this process only;
+    workers in other processes import the module by its path string.
     `cuda_graphs=True` declares the ops capturable; otherwise its decode steps run eagerly."""
     if name in BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend; choose another name.")
@@ -64,7 +66,9 @@ def get_ops(backend: str) -> SimpleNamespace:
     if backend not in available_backends():
         raise ValueError(
             f"unknown kernel backend {backend!r}; choose one of {available_backends()}")
-    module = importlib.import_module(_REGISTERED_BACKENDS.get(backend, f"{__name__}.reference"))
+    module = _REGISTERED_BACKENDS.get(backend, f"{__name__}.reference")
+    if isinstance(module, str):
+        module = importlib.import_module(module)
     missing = [name for name in OP_NAMES if not hasattr(module, name)]
     if missing:
         raise ValueError(f"backend {backend!r} ({module.__name__}) lacks ops {missing}.")

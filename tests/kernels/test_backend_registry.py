@@ -33,6 +33,18 @@ def test_a_registered_backend_runs_the_model():
     assert ours == plain and CALLS["decode"] > 0
 
 
+def test_a_module_object_is_a_backend():
+    """A module built in this process (a lab notebook's ops) registers without a file to import."""
+    import types
+
+    module = types.ModuleType("built_here")
+    for op in ("reshape_and_cache", "paged_prefill_attention", "copy_blocks", "swap_blocks"):
+        setattr(module, op, getattr(reference, op))
+    module.paged_attention_decode = paged_attention_decode
+    register_backend("built-here", module)
+    assert get_ops("built-here").paged_attention_decode is paged_attention_decode
+
+
 def test_bad_backends_are_refused():
     with pytest.raises(ValueError, match="built-in"):
         register_backend("torch", __name__)
