@@ -7,6 +7,7 @@ through transformers, and `DeviceConfig` asks torch for a GPU, only when they ar
 
 from __future__ import annotations
 
+import importlib
 import os
 import socket
 from dataclasses import dataclass, field
@@ -177,6 +178,21 @@ def _hub_reachable(endpoint: str) -> bool:
     return True
 
 
+
+def resolve_obj_by_qualname(qualname: str | type) -> Any:
+    """A class named by an extension point: the class itself, or "package.module:Name" /
+    "package.module.Name" (vLLM's `resolve_obj_by_qualname`), the form other processes import."""
+    if not isinstance(qualname, str):
+        return qualname
+    module_name, sep, name = qualname.partition(":")
+    if not sep:
+        module_name, _, name = qualname.rpartition(".")
+    try:
+        return getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise ValueError(f"cannot import {qualname!r}: {exc}") from exc
+
+
 @dataclass
 class CacheConfig:
     """The paged KV cache: block size, how much memory to use, and prefix caching.
@@ -235,6 +251,8 @@ class CacheConfig:
 # Names `SchedulerConfig.policy` accepts: the built-in two, plus those registered with
 # `minivllm.core.policy.PolicyFactory.register` (which adds them here).
 SCHEDULING_POLICIES = {"fcfs", "priority"}
+DEFAULT_SCHEDULER_CLS = "minivllm.core.scheduler.Scheduler"
+DEFAULT_BLOCK_MANAGER_CLS = "minivllm.core.block_manager.BlockSpaceManager"
 
 
 @dataclass
@@ -260,6 +278,10 @@ class SchedulerConfig:
         async_scheduling: with multi-step, schedule the next run and queue it on the GPU
             while the current run's last step still computes (`AsyncScheduler.schedule_ahead`;
             vLLM v1's async scheduling), so the GPU does not wait for the host between runs.
+        scheduler_cls: the scheduler class (vLLM's extension point): a subclass of the mode's
+            scheduler, as a class or "module:Class".
+        block_manager_cls: the block manager class the scheduler builds, with
+            `BlockSpaceManager`'s constructor and public methods.
     """
 
     max_num_batched_tokens: int | None = None
@@ -271,6 +293,8 @@ class SchedulerConfig:
     num_scheduler_steps: int = 1
     num_lookahead_slots: int = 0
     async_scheduling: bool = False
+    scheduler_cls: str | type = DEFAULT_SCHEDULER_CLS
+    block_manager_cls: str | type = DEFAULT_BLOCK_MANAGER_CLS
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_model_len", "num_scheduler_steps"):
@@ -327,6 +351,8 @@ class ParallelConfig:
             group's small bf16 all-reduces go through symmetric memory: `distributed/symm_mem.py`).
         rank: this worker's global rank. The engine's copy says 0; each worker gets a copy
             with its own (`dataclasses.replace`), never a shared config changed in place.
+        worker_cls: "auto" (the mode's worker) or a subclass of it, as a class or "module:Class"
+            (vLLM's extension point; a string when workers run in other processes).
 
     Ranks are laid out TP-major as in vLLM: rank = pp_rank * tensor_parallel_size + tp_rank,
     so the ranks of one pipeline stage are neighbours (on a GPU node: NVLink neighbours).
@@ -337,6 +363,7 @@ class ParallelConfig:
     distributed_executor_backend: str | None = None
     disable_custom_all_reduce: bool = False
     rank: int = 0
+    worker_cls: str | type = "auto"
 
     def __post_init__(self) -> None:
         for name in ("tensor_parallel_size", "pipeline_parallel_size"):

@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
+from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig, resolve_obj_by_qualname
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
 from minivllm.core.kv_connector_hook import NoKVConnector
 from minivllm.core.lookahead import LookaheadSlotsMixin
@@ -162,9 +162,10 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
         self.clock = clock
         self.kv_connector = kv_connector or NoKVConnector()
         self.policy = PolicyFactory.get_policy(scheduler_config.policy)
-        self.block_manager = BlockSpaceManager(cache_config.block_size, cache_config.num_gpu_blocks,
-                                               cache_config.num_cpu_blocks or 0,
-                                               enable_caching=cache_config.enable_prefix_caching)
+        block_manager_cls = resolve_obj_by_qualname(scheduler_config.block_manager_cls)
+        self.block_manager: BlockSpaceManager = block_manager_cls(
+            cache_config.block_size, cache_config.num_gpu_blocks, cache_config.num_cpu_blocks or 0,
+            enable_caching=cache_config.enable_prefix_caching)
         # Without chunking a whole prompt must fit in one step's token budget.
         self.prompt_limit = scheduler_config.max_model_len
         if not scheduler_config.enable_chunked_prefill:

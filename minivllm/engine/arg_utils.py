@@ -17,8 +17,9 @@ import dataclasses
 import typing
 from dataclasses import dataclass
 
-from minivllm.config import (CacheConfig, DeviceConfig, EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig,
-                             ParallelConfig, SchedulerConfig, SpeculativeConfig)
+from minivllm.config import (DEFAULT_BLOCK_MANAGER_CLS, DEFAULT_SCHEDULER_CLS, CacheConfig, DeviceConfig,
+                             EngineConfig, KVTransferConfig, LoRAConfig, ModelConfig, ParallelConfig,
+                             SchedulerConfig, SpeculativeConfig)
 
 
 # Multi-step by default where it can run: one schedule and one host round trip per 8 decode
@@ -98,6 +99,12 @@ class EngineArgs:
     kv_transfer_config: KVTransferConfig | None = _arg(
         None, 'a KV connector as JSON, e.g. \'{"kv_connector": "SharedStorageConnector", "kv_role": "kv_both", '
               '"kv_connector_extra_config": {"shared_storage_path": "/tmp/kv"}}\' (default: none)')
+    scheduler_cls: str | type = _arg(DEFAULT_SCHEDULER_CLS, "the scheduler class, as module:Class (a subclass "
+                                                             "of the mode's scheduler)")
+    block_manager_cls: str | type = _arg(DEFAULT_BLOCK_MANAGER_CLS, "the block manager class the scheduler "
+                                                                     "builds, as module:Class")
+    worker_cls: str | type = _arg("auto", "the worker class, as module:Class (a subclass of the mode's "
+                                          "worker; auto: the mode's)")
     enable_lora: bool = _arg(False, "serve LoRA adapters (a request names one with a LoRARequest)")
     max_loras: int = _arg(1, "LoRA: adapters on the GPU at once, the most distinct adapters in one batch")
     max_lora_rank: int = _arg(16, "LoRA: the largest adapter rank accepted")
@@ -129,6 +136,8 @@ class EngineArgs:
             policy=self.scheduling_policy,
             num_scheduler_steps=self._num_scheduler_steps(device_config),
             async_scheduling=self._async_scheduling(device_config),
+            scheduler_cls=self.scheduler_cls,
+            block_manager_cls=self.block_manager_cls,
         )
         speculative_config = SpeculativeConfig.maybe_create_spec_config(
             model_config, scheduler_config, self.speculative_model, self.num_speculative_tokens,
@@ -142,7 +151,8 @@ class EngineArgs:
             scheduler_config=scheduler_config,
             device_config=device_config,
             parallel_config=ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                           self.distributed_executor_backend, self.disable_custom_all_reduce),
+                                           self.distributed_executor_backend, self.disable_custom_all_reduce,
+                                           worker_cls=self.worker_cls),
             attention_backend=self.attention_backend,
             enforce_eager=self.enforce_eager,
             speculative_config=speculative_config,
@@ -207,7 +217,8 @@ class EngineArgs:
 def _cli_type(annotation) -> type:
     """`int | None` -> int: the type a flag's text converts to (an optional field's None is
     its default, never typed on the command line)."""
-    candidates = [t for t in typing.get_args(annotation) if t is not type(None)] or [annotation]
+    # A class-valued field (`str | type`) takes its "module:Class" name on the command line.
+    candidates = [t for t in typing.get_args(annotation) if t not in (type(None), type)] or [annotation]
     if len(candidates) == 1 and hasattr(candidates[0], "from_json"):  # a config given as JSON
         return candidates[0].from_json
     if len(candidates) != 1 or candidates[0] not in (str, int, float, bool):

@@ -42,13 +42,12 @@ class RunAhead:
 class AsyncSchedulingLLMEngine(MultiStepLLMEngine):
     """`MultiStepLLMEngine` that schedules and queues the next run before the last output."""
 
+    mode_scheduler = AsyncScheduler
+
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._scheduled_ahead: RunAhead | None = None  # scheduled for the next step
         self._running_ahead: RunAhead | None = None  # this step's run, when scheduled ahead
-
-    def _make_scheduler(self) -> AsyncScheduler:
-        return AsyncScheduler(self.scheduler_config, self.cache_config, self.engine_config.lora_config)
 
     def _schedule(self) -> tuple[SchedulerOutputs, ExecuteModelRequest | None]:
         self._running_ahead = self._take_scheduled_ahead()

@@ -25,8 +25,8 @@ class KVConnectorLLMEngine(LLMEngine):
 
     def _make_scheduler(self) -> Scheduler:
         self.kv_connector = KVConnectorFactory.create_connector(self.engine_config, KVConnectorRole.SCHEDULER)
-        return Scheduler(self.scheduler_config, self.cache_config, self.engine_config.lora_config,
-                         kv_connector=self.kv_connector)
+        return self._scheduler_class()(self.scheduler_config, self.cache_config, self.engine_config.lora_config,
+                                       kv_connector=self.kv_connector)
 
     def _process_model_outputs(self, sampler_output: SamplerOutput, scheduled_groups: list[ScheduledSequenceGroup],
                                stats: Stats, is_first_step: bool) -> None:

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterable
 
 from minivllm.core.scheduler import ScheduledSequenceGroup, Scheduler, SchedulerOutputs
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, resolve_obj_by_qualname
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.detokenizer import make_detokenizer
 from minivllm.engine.failure_isolation import FailureIsolationMixin
@@ -55,6 +55,8 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
     `cache_config.num_gpu_blocks` is the pool size after profiling; `scheduler.block_manager`
     holds the block tables. `LLMEngine(engine_config)` refuses a mode's configuration.
     """
+
+    mode_scheduler: type[Scheduler] = Scheduler  # the scheduler class this engine's mode needs
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
         load_general_plugins()  # `minivllm.general_plugins` entry points, once per process
@@ -93,7 +95,16 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         return engine_class(engine_config)(engine_config)
 
     def _make_scheduler(self) -> Scheduler:
-        return Scheduler(self.scheduler_config, self.cache_config, self.engine_config.lora_config)
+        return self._scheduler_class()(self.scheduler_config, self.cache_config, self.engine_config.lora_config)
+
+    def _scheduler_class(self) -> type[Scheduler]:
+        """`scheduler_cls` (vLLM's extension point): `mode_scheduler` or a subclass of it."""
+        cls = resolve_obj_by_qualname(self.scheduler_config.scheduler_cls)
+        if cls is Scheduler:
+            return self.mode_scheduler
+        if not (isinstance(cls, type) and issubclass(cls, self.mode_scheduler)):
+            raise ValueError(f"scheduler_cls must be a subclass of {self.mode_scheduler.__name__}, got {cls!r}.")
+        return cls
 
     def _initialize_kv_caches(self) -> None:
         """Profile, then size both pools, recorded in a new cache config (the executor's stays)."""

@@ -22,7 +22,7 @@ from minivllm.viz.style import COLORS, request_color
 
 LAYER_MAP_FIGSIZE = (12.0, 10.0)
 # Columns: the scheduler left of the request's path, the side layers right of it.
-_COLUMN = {"core": -1, "viz": 1, "kv_transfer": 1, "distributed": 1}
+_COLUMN = {"core": -1, "labs": -1, "viz": 1, "kv_transfer": 1, "distributed": 1}
 _BOX_WIDTH, _BOX_HEIGHT, _COLUMN_STEP, _ROW_STEP = 3.3, 0.95, 3.6, 1.25
 _TINT = 0.3  # box fill: this much of the layer colour on white
 

@@ -20,6 +20,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     "entrypoints": ("minivllm.entrypoints", "minivllm.__main__"),
     "engine": ("minivllm.engine",),
     "viz": ("minivllm.viz",),
+    "labs": ("minivllm.labs",),
     "core": ("minivllm.core",),
     "transformers_utils": ("minivllm.transformers_utils",),
     "executor": ("minivllm.executor",),
@@ -45,7 +46,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
 }
 ROWS: tuple[tuple[str, ...], ...] = (
-    ("package", "entrypoints", "viz"),
+    ("package", "entrypoints", "viz", "labs"),
     ("engine",),
     ("core", "transformers_utils", "executor"),
     ("worker",),
@@ -77,6 +78,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "engine": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine"},
     "entrypoints": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints"},
     "viz": {"foundation", "core", "engine", "executor", "viz"},
+    # The labs' checks run a learner's piece inside a real engine and compare with transformers.
+    "labs": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
+             "viz", "labs"},
     # The root __init__ re-exports the public API (LLM, SamplingParams, ...), never viz: a
     # plain `import minivllm` must not pull in matplotlib.
     "package": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
@@ -86,7 +90,7 @@ MAY_IMPORT: dict[str, set[str]] = {
 # a worker's cache tensors but import none of the stack. The worker runs their worker side; the
 # engine builds their scheduler side (the scheduler itself only calls the methods it is given).
 MAY_IMPORT["kv_transfer"] = {"foundation", "kv_transfer"}
-for _layer in ("worker", "executor", "engine", "entrypoints", "package", "viz"):
+for _layer in ("worker", "executor", "engine", "entrypoints", "package", "viz", "labs"):
     MAY_IMPORT[_layer].add("kv_transfer")
 
 # The layer map a newcomer reads first (notebook 00, `minivllm.viz.layermap`): what each layer
@@ -96,6 +100,7 @@ for _layer in ("worker", "executor", "engine", "entrypoints", "package", "viz"):
 LAYER_ROLES: dict[str, str] = {
     "entrypoints": "LLM.generate, the OpenAI server, the CLI",
     "viz": "pictures, snapshots, the simulator",
+    "labs": "the labs' checks: your piece inside the real engine",
     "engine": "LLMEngine: add_request / step / abort",
     "core": "Scheduler, BlockSpaceManager (no torch)",
     "executor": "one call to every worker (uni, mp, Ray)",

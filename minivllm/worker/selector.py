@@ -1,5 +1,6 @@
 """Which worker and model runner serve an engine: every optional mode chosen here, once
-(vLLM v0: `ParallelConfig.worker_cls` and `Worker.__init__`).
+(vLLM v0: `ParallelConfig.worker_cls` and `Worker.__init__`). A configured `worker_cls`
+replaces the mode's worker and must subclass it.
 
     worker      Worker | MultiStepWorker | PipelineStageWorker | SpecDecodeWorker
                 (+ KVConnectorWorkerMixin with a KV connector)
@@ -14,7 +15,7 @@ import functools
 import torch
 
 from minivllm.attention.selector import get_attn_backend
-from minivllm.config import EngineConfig
+from minivllm.config import EngineConfig, resolve_obj_by_qualname
 from minivllm.kernels import supports_cuda_graphs
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.kv_connector_model_runner import KVConnectorModelRunnerMixin, KVConnectorWorkerMixin
@@ -56,8 +57,20 @@ def worker_class(engine_config: EngineConfig) -> type:
         base = PipelineStageWorker
     else:
         base = Worker
+    base = _configured_worker_class(engine_config.parallel_config.worker_cls, base)
     mixins = (KVConnectorWorkerMixin,) if engine_config.kv_transfer_config is not None else ()
     return _compose(mixins, base)
+
+
+def _configured_worker_class(worker_cls: str | type, mode_worker: type) -> type:
+    """`worker_cls` (vLLM's extension point): "auto" is the mode's worker, else a subclass of it."""
+    if worker_cls == "auto":
+        return mode_worker
+    cls = resolve_obj_by_qualname(worker_cls)
+    if not (isinstance(cls, type) and issubclass(cls, mode_worker)):
+        raise ValueError(f"worker_cls must be a subclass of {mode_worker.__name__} for this configuration, "
+                         f"got {cls!r}.")
+    return cls
 
 
 @functools.cache
