@@ -13,11 +13,13 @@ pipeline stage, the one that gathers the logits and samples.
 
 A subclass says how to reach the workers (`_run_workers`): processes on this machine
 (`mp`) or Ray actors (`ray`). Workers are called with the `Worker` method itself
-(`Worker.execute_model`), not a name in a string: a typo fails where it is written.
+(`Worker.execute_model`), not a name in a string: a typo fails where it is written; `own`
+makes the call reach a `worker_cls` subclass's override of it.
 """
 
 from __future__ import annotations
 
+import functools
 from abc import abstractmethod
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -42,25 +44,35 @@ class DistributedExecutorBase(ExecutorBase):
     def _init_workers(self) -> None:
         # Both steps must run on all ranks together: init_device meets the other ranks (a
         # rendezvous), load_model's parallel layers read the groups it made.
-        self._run_workers(Worker.init_device)
-        self._run_workers(Worker.load_model)
+        self._run_workers(own(Worker.init_device))
+        self._run_workers(own(Worker.load_model))
 
     def determine_num_available_blocks(self) -> tuple[int, int]:
-        counts = self._run_workers(Worker.determine_num_available_blocks)
+        counts = self._run_workers(own(Worker.determine_num_available_blocks))
         return min(gpu for gpu, _ in counts), min(cpu for _, cpu in counts)
 
     def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int) -> None:
-        self._run_workers(Worker.initialize_cache, num_gpu_blocks, num_cpu_blocks)
+        self._run_workers(own(Worker.initialize_cache), num_gpu_blocks, num_cpu_blocks)
 
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> Iterable[SamplerOutput]:
         results = self._run_workers(run_every_step, execute_model_req)
         return results[self.engine_config.parallel_config.output_rank]
 
     def start_profile(self, trace_dir: str) -> None:
-        self._run_workers(Worker.start_profile, trace_dir)
+        self._run_workers(own(Worker.start_profile), trace_dir)
 
     def stop_profile(self) -> list[str]:
-        return self._run_workers(Worker.stop_profile)
+        return self._run_workers(own(Worker.stop_profile))
+
+
+def own(method: Callable[..., Any]) -> Callable[..., Any]:
+    """`method(worker, *args)` through the worker's class: a `worker_cls` subclass's override
+    of a `Worker` method runs, as vLLM's calls by name do (picklable: a partial of functions)."""
+    return functools.partial(_call_own, method)
+
+
+def _call_own(method: Callable[..., Any], worker: Worker, *args: Any) -> Any:
+    return getattr(worker, method.__name__)(*args)
 
 
 def run_every_step(worker: Worker, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
