@@ -321,11 +321,17 @@ def random_prompt(rng: random.Random) -> list[int]:
     return (HEADS[rng.randrange(len(HEADS))][:rng.randint(0, 12)] + [rng.randint(1, 4) for _ in range(rng.randint(0, 8))]) or [1]
 
 
-def random_operations(twin: Twin, rng: random.Random, num_ops: int) -> None:
-    """Random requests, decode steps, forks, frees, swaps and recomputes, as an engine interleaves
-    them (multi-sequence requests swap, one-sequence requests may recompute)."""
+ALL_OPERATIONS = ("add", "append", "fork", "free", "swap", "recompute")
+
+
+def random_operations(twin: Twin, rng: random.Random, num_ops: int, ops: tuple[str, ...] = ALL_OPERATIONS) -> None:
+    """Random requests, decode steps, forks, frees, swaps and recomputes (those named in `ops`),
+    as an engine interleaves them (multi-sequence requests swap, one-sequence requests may
+    recompute)."""
+    weights = {"add": 2, "append": 3, "fork": 1, "free": 1, "swap": 1, "recompute": 1}
+    choices = [op for op in ops for _ in range(weights[op])]
     for _ in range(num_ops):
-        op = rng.choice(("add", "add", "append", "append", "append", "fork", "free", "swap", "recompute"))
+        op = rng.choice(choices)
         running, swapped = twin.running(), twin.swapped()
         if op == "add" or not twin.groups:
             twin.add(random_prompt(rng), num_seqs=1 if rng.random() < 0.85 else 2)
@@ -350,17 +356,58 @@ def random_operations(twin: Twin, rng: random.Random, num_ops: int) -> None:
                 twin.recompute(rng.choice(singles))
 
 
+def random_twins(manager_cls: type, ops: tuple[str, ...], enable_caching: bool = False,
+                 num_sequences: int = NUM_RANDOM_SEQUENCES) -> None:
+    for seed in range(num_sequences):
+        rng = random.Random(seed)
+        twin = Twin(manager_cls, f"random sequence {seed}" + (" (caching on)" if enable_caching else ""),
+                    block_size=rng.choice((1, 2, 4)), num_gpu_blocks=rng.randint(4, 16),
+                    num_cpu_blocks=rng.randint(0, 8), enable_caching=enable_caching)
+        random_operations(twin, rng, NUM_RANDOM_OPS, ops)
+
+
 # ============================================================================ the manager
+def check_allocate_and_free(manager_cls: type) -> None:
+    """`allocate` and `free` of `manager_cls` against `BlockSpaceManager` (block_size 4, 8 GPU blocks)."""
+    twin = Twin(manager_cls, "case 'allocate a 6-token prompt: 2 blocks of 4 tokens'")
+    group = twin.add([1, 2, 3, 4, 5, 6])
+    twin.case = "case 'allocate a request of two waiting sequences: one table, each block's ref_count 2'"
+    pair = twin.add([1, 2, 3, 4, 5], num_seqs=2)
+    twin.case = "case 'free: a block goes back when no table holds it; freeing twice is a no-op'"
+    twin.free(group.first_seq)
+    for seq in pair.get_seqs():
+        twin.free(seq)
+    twin.case = "case 'allocate 9-token prompts until the pool is full'"
+    while twin.add(list(range(1, 10))) is not None:
+        pass
+    passed("allocate and free: one table per request, ref counts, blocks back in the pool")
+    random_twins(manager_cls, ("add", "free"))
+    passed(f"{NUM_RANDOM_SEQUENCES} random sequences of allocate / free: same tables, ref counts and free blocks")
+
+
+def check_append_slots(manager_cls: type) -> None:
+    """`append_slots` (no forks yet: never a copy) with your `allocate` and `free`."""
+    twin = Twin(manager_cls, "case 'append_slots: tokens 7 and 8 fill the last block, token 9 needs a new one'")
+    group = twin.add([1, 2, 3, 4, 5, 6])
+    for _ in range(3):
+        twin.append(group)
+    twin.case = "case 'append_slots after a prompt of exactly one full block'"
+    twin.append(twin.add([1, 2, 3, 4]))
+    twin.case = "case 'preempt by recompute: free, then allocate prompt and outputs again'"
+    twin.recompute(group)
+    passed("append_slots: the next slot in the last block, a new block when it is full")
+    random_twins(manager_cls, ("add", "append", "free", "recompute"))
+    passed(f"{NUM_RANDOM_SEQUENCES} random sequences of allocate / append_slots / free / recompute")
+
+
 def check_block_manager(manager_cls: type) -> None:
     """allocate / append_slots / fork / free of `manager_cls` on focused cases, then on random
     operation sequences, against `BlockSpaceManager` (inherited methods included)."""
-    twin = Twin(manager_cls, "case 'allocate a 6-token prompt'")
+    twin = Twin(manager_cls, "case 'fork: the child shares every block'")
     group = twin.add([1, 2, 3, 4, 5, 6])
     seq = group.first_seq
-    twin.case = "case 'append_slots into the last block, then into a new one'"
     for _ in range(3):
         twin.append(group)
-    twin.case = "case 'fork: the child shares every block'"
     child = twin.fork(seq)
     twin.case = "case 'copy-on-write: the first writer copies the shared last block, the last sharer writes in place'"
     twin.append(group)
@@ -369,7 +416,7 @@ def check_block_manager(manager_cls: type) -> None:
     twin.case = "case 'free: a shared block returns to the pool only when its last holder frees it'"
     twin.free(child)
     twin.free(seq)
-    passed("allocate, append_slots, fork, copy-on-write, free")
+    passed("fork, copy-on-write, free of shared blocks")
 
     twin = Twin(manager_cls, "case 'allocate a request of two waiting sequences: one table, ref_count 2'")
     group = twin.add([1, 2, 3, 4, 5], num_seqs=2)
@@ -388,11 +435,7 @@ def check_block_manager(manager_cls: type) -> None:
            f"{twin.case}: the request did not swap out and back in (the check's pool is too small)")
     passed("a request of two sequences; swap out and in (inherited, with your allocator)")
 
-    for seed in range(NUM_RANDOM_SEQUENCES):
-        rng = random.Random(seed)
-        twin = Twin(manager_cls, f"random sequence {seed}", block_size=rng.choice((1, 2, 4)),
-                    num_gpu_blocks=rng.randint(4, 16), num_cpu_blocks=rng.randint(0, 8))
-        random_operations(twin, rng, NUM_RANDOM_OPS)
+    random_twins(manager_cls, ALL_OPERATIONS)
     passed(f"{NUM_RANDOM_SEQUENCES} random sequences of {NUM_RANDOM_OPS} operations: "
            "same tables, ref counts and free blocks as minivllm's BlockSpaceManager")
 

@@ -17,7 +17,7 @@ from minivllm.core.block_allocator import BlockAllocator, Device, OutOfBlocksErr
 from minivllm.core.prefix_caching import PrefixCache, hash_block_tokens
 from minivllm.entrypoints.llm import LLM
 from minivllm.labs import LabCheckFailed, expect, passed
-from minivllm.labs.block_manager import NUM_RANDOM_OPS, Twin, assert_all_blocks_free, random_operations
+from minivllm.labs.block_manager import ALL_OPERATIONS, NUM_RANDOM_OPS, Twin, assert_all_blocks_free, random_twins
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.lora.request import LoRARequest
 from minivllm.sequence import Sequence
@@ -227,11 +227,7 @@ def check_prefix_caching_manager(manager_cls: type) -> None:
     expect(twin.ref.prefix_cache.num_hits == 5, f"{twin.case}: the package's manager had "
            f"{twin.ref.prefix_cache.num_hits} hits, the case expects 5 (the case itself is wrong)")
     passed("shared prefix reused, cached blocks kept after free and evicted when needed")
-    for seed in range(NUM_RANDOM_SEQUENCES):
-        rng = random.Random(seed)
-        twin = Twin(manager_cls, f"random sequence {seed} (caching on)", block_size=rng.choice((1, 2, 4)),
-                    num_gpu_blocks=rng.randint(4, 16), num_cpu_blocks=rng.randint(0, 8), enable_caching=True)
-        random_operations(twin, rng, NUM_RANDOM_OPS)
+    random_twins(manager_cls, ALL_OPERATIONS, enable_caching=True, num_sequences=NUM_RANDOM_SEQUENCES)
     passed(f"{NUM_RANDOM_SEQUENCES} random sequences of {NUM_RANDOM_OPS} operations: same tables, cached and "
            "evictable blocks and hit rate as minivllm's BlockSpaceManager")
 

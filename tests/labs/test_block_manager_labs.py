@@ -10,7 +10,8 @@ from minivllm.core.block_allocator import BlockAllocator, Device
 from minivllm.core.block_manager import BlockSpaceManager
 from minivllm.core.prefix_caching import NoPrefixCache, PrefixCache, hash_block_tokens
 from minivllm.labs import LabCheckFailed
-from minivllm.labs.block_manager import check_block_allocator, check_block_manager, check_block_manager_in_engine
+from minivllm.labs.block_manager import (check_allocate_and_free, check_append_slots, check_block_allocator,
+                                         check_block_manager, check_block_manager_in_engine)
 from minivllm.labs.prefix_caching import (check_hash_block_tokens, check_lru_allocator, check_prefix_cache,
                                           check_prefix_caching_in_engine, check_prefix_caching_manager)
 from minivllm.sequence import SequenceStatus
@@ -100,6 +101,21 @@ class CopyWithoutFreeingTheShared(BlockSpaceManager):
         if pairs:
             shared.ref_count += 1
         return pairs
+
+
+class AppendAlwaysANewBlock(BlockSpaceManager):
+    """Starts a new block for every token, whether the last one is full or not."""
+
+    def append_slots(self, seq, num_lookahead_slots=0):
+        self.block_tables[seq.seq_id].append(self.gpu_allocator.allocate(self._tick()))
+        return []
+
+
+class AppendNeverGrows(BlockSpaceManager):
+    """Never adds a block: the token after a full block has no slot."""
+
+    def append_slots(self, seq, num_lookahead_slots=0):
+        return []
 
 
 class ForkWithoutIncref(BlockSpaceManager):
@@ -232,6 +248,8 @@ class NeverFinds(PrefixCache):
 # ------------------------------------------------------------------ the tests
 def test_the_package_passes_the_unit_checks(capsys):
     check_block_allocator(BlockAllocator)
+    check_allocate_and_free(BlockSpaceManager)
+    check_append_slots(BlockSpaceManager)
     check_block_manager(BlockSpaceManager)
     check_block_allocator(LifoFreeList)
     check_block_manager(with_parts(LifoFreeList))
@@ -240,7 +258,7 @@ def test_the_package_passes_the_unit_checks(capsys):
     check_prefix_cache(PrefixCache)
     check_prefix_caching_manager(BlockSpaceManager)
     check_prefix_caching_manager(with_parts(LifoFreeList))
-    assert capsys.readouterr().out.count("✓") >= 12
+    assert capsys.readouterr().out.count("✓") >= 16
 
 
 @pytest.mark.slow
@@ -258,6 +276,11 @@ WRONG = [
     (check_block_allocator, NoDoubleFreeCheck, "double free"),
     (check_block_allocator, AllocateWithoutRefCount, "ref_count is 0, expected 1"),
     (check_block_allocator, IncrefByOne, "expected 3"),
+    (check_allocate_and_free, with_parts(FreeWithoutRefCount), "free seq 1\\nref counts"),
+    (check_allocate_and_free, TablePerWaitingSequence, "two waiting sequences"),
+    (check_allocate_and_free, FreeOfUnknownSequenceRaises, "a second time raised KeyError"),
+    (check_append_slots, AppendAlwaysANewBlock, "fill the last block"),
+    (check_append_slots, AppendNeverGrows, "token 9 needs a new one"),
     (check_block_manager, with_parts(FreeWithoutRefCount), "raised ValueError: double free"),
     (check_block_manager, CopyOnWriteSkipped, "copy-on-write pair"),
     (check_block_manager, CopyWithoutFreeingTheShared, "expected 0 copy-on-write pair"),
