@@ -52,7 +52,7 @@ def _pairs(case_p, case_q, k: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
 # ------------------------------------------------------------------ greedy
 def _greedy_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Greedy targets (one-hot at the arg-max) and drafts that agree for 0..k positions."""
-    vocab, k = 7, 3
+    vocab = 7
     argmax = torch.tensor([[3, 1, 4, 2], [3, 1, 4, 2], [3, 1, 4, 2], [3, 1, 4, 2], [5, 5, 0, 6], [6, 0, 2, 1]])
     drafts = torch.tensor([[3, 1, 4], [3, 1, 0], [3, 6, 4], [0, 1, 4], [5, 5, 0], [6, 0, 2]])
     num_proposed = torch.tensor([3, 3, 3, 3, 2, 1])
@@ -67,7 +67,8 @@ def check_greedy(sampler_cls) -> None:
     vocab = target.shape[2]
     expected = RejectionSampler()(target, drafts, num_proposed)
     one_hot_q = torch.nn.functional.one_hot(drafts, vocab).float()
-    for label, q in (("draft_probs=None (an n-gram proposer)", None), ("one-hot draft_probs (a greedy draft model)", one_hot_q)):
+    cases = (("draft_probs=None (an n-gram proposer)", None), ("one-hot draft_probs (a greedy draft model)", one_hot_q))
+    for label, q in cases:
         got = sampler_cls()(target.clone(), drafts.clone(), num_proposed.clone(), q,
                             generator=torch.Generator().manual_seed(0))
         expect(isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape),
@@ -111,7 +112,8 @@ def check_recovered_probs(sampler_cls) -> None:
         target, draft = _pairs(case_p, case_q, k=2)
         got = sampler.recovered_probs(target, draft)
         expect(tuple(got.shape) == tuple(draft.shape),
-               f"recovered_probs with k = 2, vocab {len(case_p)}: expected shape {list(draft.shape)}, got {list(got.shape)}")
+               f"recovered_probs with k = 2, vocab {len(case_p)}: expected shape {list(draft.shape)}, "
+               f"got {list(got.shape)}")
         residual = (torch.tensor(case_p) - torch.tensor(case_q)).clamp(min=0)
         want = residual / residual.sum() if residual.sum() > 0 else torch.tensor(case_p)
         expect(bool(torch.isfinite(got).all()),
@@ -219,9 +221,11 @@ def check_in_engine(worker_cls, speculative_model: str = "tiny-shakespeare-draft
     llm = LLM(**device_kwargs(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                               worker_cls=worker_cls, **engine_kwargs))
     worker = llm.llm_engine.model_executor.driver_worker
-    expect(isinstance(worker, worker_cls), f"the engine built a {type(worker).__name__}, not your {worker_cls.__name__}")
+    expect(isinstance(worker, worker_cls),
+           f"the engine built a {type(worker).__name__}, not your {worker_cls.__name__}")
     expect(type(worker.rejection_sampler) is not RejectionSampler,
-           f"{worker_cls.__name__}.rejection_sampler is still the package's RejectionSampler: set it to yours in __init__")
+           f"{worker_cls.__name__}.rejection_sampler is still the package's RejectionSampler: "
+           "set it to yours in __init__")
     kwargs = {} if prompts is None else {"prompts": prompts}
     tokens = assert_greedy_matches_transformers(max_tokens=max_tokens, llm=llm, **kwargs)
     metrics = worker.counter.metrics()
