@@ -203,6 +203,18 @@ def test_language_switch_in_a_browser(site, page):
     assert not re.search(r"\d\d_\w+", text), f"{page}: the switch names a file, not a page: {text}"
 
 
+@pytest.mark.parametrize("page, labels", [
+    ("zh/index.html", ('placeholder="搜索"', "目录", "回到页面顶部")),
+    ("notebooks/zh/07_preemption/index.html", ('placeholder="搜索"', "目录")),
+    ("index.html", ('placeholder="Search"', "Table of contents", "Back to top")),
+])
+def test_the_themes_labels_speak_the_pages_language(site, page, labels):
+    out, _ = site
+    html = (out / page).read_text(encoding="utf-8")
+    missing = [label for label in labels if label not in html]
+    assert not missing, f"{page}: labels not in the page's language: {missing}"
+
+
 def test_nav_names_notebooks_by_title(site):
     out, _ = site
     page_html = (out / "notebooks/07_preemption/index.html").read_text(encoding="utf-8")
