@@ -97,14 +97,19 @@ class StepCase:
     cache: dict  # CacheConfig keyword arguments
     requests: tuple[SimRequest, ...]
 
-    def run(self, scheduler_cls: type | None = None, max_steps: int = DEFAULT_MAX_STEPS) -> Simulator:
-        """Run the workload with `scheduler_cls` (None: the package's `Scheduler`); the simulator
-        holds the snapshots and results. A run still going after `max_steps` raises RuntimeError."""
+    def simulator(self, scheduler_cls: type | None = None, max_steps: int = DEFAULT_MAX_STEPS) -> Simulator:
+        """A simulator for this case with `scheduler_cls` (None: the package's `Scheduler`)."""
         extra = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
         sim = Simulator(SchedulerConfig(**self.scheduler, **extra), CacheConfig(**self.cache), max_steps=max_steps)
         if scheduler_cls is not None:
             expect(isinstance(sim.scheduler, scheduler_cls),
                    f"the engine built a {type(sim.scheduler).__name__}, not your {scheduler_cls.__name__}")
+        return sim
+
+    def run(self, scheduler_cls: type | None = None, max_steps: int = DEFAULT_MAX_STEPS) -> Simulator:
+        """Run the workload; the simulator holds the snapshots and results. A run still going
+        after `max_steps` raises RuntimeError."""
+        sim = self.simulator(scheduler_cls, max_steps)
         with _quiet_engine():
             sim.run(list(self.requests))
         return sim
@@ -191,35 +196,48 @@ def check_scheduler_step(scheduler_cls: type, cases: tuple[StepCase, ...] = STEP
         expected = case.run()
         number = STEP_CASES.index(case) + 1 if case in STEP_CASES else "*"
         label = f"step case {number} ({case.title!r})"
-        sim = _run_learner(case, scheduler_cls, len(expected.snapshots) + EXTRA_STEPS, label)
+        sim = _run_learner(case, scheduler_cls, expected, label)
         _compare_runs(label, expected, sim)
     numbers = ", ".join(str(STEP_CASES.index(c) + 1) for c in cases if c in STEP_CASES)
     passed(f"scheduler cases {numbers}: every step's decision agrees with the package's Scheduler")
 
 
-def _run_learner(case: StepCase, scheduler_cls: type, max_steps: int, label: str) -> Simulator:
+def _run_learner(case: StepCase, scheduler_cls: type, expected: Simulator, label: str) -> Simulator:
+    """Run the case with the learner's class; on an error, the first step that already differs
+    from the package's is the better message, so the steps that ran are compared first."""
+    max_steps = len(expected.snapshots) + EXTRA_STEPS
+    sim = case.simulator(scheduler_cls, max_steps)
     try:
-        return case.run(scheduler_cls, max_steps)
+        with _quiet_engine():
+            sim.run(list(case.requests))
     except (NotImplementedError, LabCheckFailed):
         raise
-    except Exception as error:  # the learner's code broke an invariant the engine checks
+    except Exception as error:  # the learner's code broke an invariant the engine checks, or never ends
+        _compare_steps(label, expected, sim)
         if "did not finish" in str(error):
             raise LabCheckFailed(f"{label}: the run did not finish within {max_steps} steps (the package's "
-                                 f"Scheduler needs {max_steps - EXTRA_STEPS})") from error
-        raise LabCheckFailed(f"{label}: your scheduler raised {type(error).__name__}: {error}") from error
+                                 f"Scheduler needs {len(expected.snapshots)})") from error
+        raise LabCheckFailed(f"{label}: step {sim.current_step}: your scheduler raised "
+                             f"{type(error).__name__}: {error} (the traceback above shows where)") from error
+    return sim
 
 
 def _compare_runs(label: str, expected: Simulator, sim: Simulator) -> None:
-    for theirs, ours in zip(expected.snapshots, sim.snapshots):
-        for name in DECISION_FIELDS:
-            want, got = _field(theirs, name), _field(ours, name)
-            expect(want == got, f"{label}: step {theirs.step}: {name} is {got!r}, expected {want!r}\n"
-                                f"  expected step: {_summary(theirs)}\n  your step:     {_summary(ours)}")
+    _compare_steps(label, expected, sim)
     expect(len(sim.snapshots) == len(expected.snapshots),
            f"{label}: the run took {len(sim.snapshots)} steps, expected {len(expected.snapshots)}")
     want = {rid: (r.status, r.seq_output_lens) for rid, r in expected.results.items()}
     got = {rid: (r.status, r.seq_output_lens) for rid, r in sim.results.items()}
     expect(want == got, f"{label}: requests ended as {got}, expected {want}")
+
+
+def _compare_steps(label: str, expected: Simulator, sim: Simulator) -> None:
+    """LabCheckFailed at the first step and field where the recorded decisions differ."""
+    for theirs, ours in zip(expected.snapshots, sim.snapshots):
+        for name in DECISION_FIELDS:
+            want, got = _field(theirs, name), _field(ours, name)
+            expect(want == got, f"{label}: step {theirs.step}: {name} is {got!r}, expected {want!r}\n"
+                                f"  expected step: {_summary(theirs)}\n  your step:     {_summary(ours)}")
 
 
 def _field(snapshot, name: str):
