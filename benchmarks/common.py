@@ -24,6 +24,7 @@ import platform
 import random
 import subprocess
 import time
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -196,6 +197,11 @@ class ProgressLogger:
 PROGRESS_EVERY_S = 2.0
 
 
+def running_context_tokens(engine) -> int:
+    """Tokens of KV the engine's running sequences hold (prompt plus output so far)."""
+    return sum(seq.get_len() for group in engine.scheduler.running for seq in group.get_seqs() if not seq.is_finished())
+
+
 class StepTimeline:
     """Engine stat logger: where a whole run's wall time goes, step by step.
 
@@ -209,8 +215,11 @@ class StepTimeline:
     BUCKETS = ((224, "decode, 224-256 running"), (128, "decode, 128-223 running"), (32, "decode, 32-127 running"),
                (8, "decode, 8-31 running"), (1, "decode, 1-7 running"))
 
-    def __init__(self) -> None:
-        self.last, self.running, self.steps = time.monotonic(), 0, []
+    def __init__(self, context_tokens: Callable[[], int] | None = None) -> None:
+        # context_tokens(): the summed lengths of the running sequences, read after each step,
+        # so each record knows how much KV its decode steps read (benchmarks/roofline.py).
+        self.context_tokens = context_tokens or (lambda: 0)
+        self.last, self.running, self.context, self.steps = time.monotonic(), 0, 0, []
         self.stalls: list[dict] = []  # steps that took over STALL_FACTOR x the previous one
         self.allocator_events = _allocator_events()
         self.gc_s = self.gc_started = self.gc_at_last_step = 0.0  # time in Python's garbage collector
@@ -235,8 +244,9 @@ class StepTimeline:
                                 "gc_full_collections": self.gc_full - self.gc_full_at_last_step,
                                 **{k: events[k] - self.allocator_events[k] for k in events}})
         self.allocator_events, self.gc_at_last_step, self.gc_full_at_last_step = events, self.gc_s, self.gc_full
-        self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running))
-        self.last, self.running = stats.now, stats.num_running_sys
+        self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running,
+                           self.context))
+        self.last, self.running, self.context = stats.now, stats.num_running_sys, self.context_tokens()
 
     STALL_FACTOR, STALL_MIN_S = 2.0, 0.1
 
@@ -248,22 +258,27 @@ class StepTimeline:
     def summary(self) -> dict:
         """{phase: {"steps", "seconds", "share_of_time", "output_tokens", "share_of_tokens", "output_tok_s"}}."""
         phases: dict[str, list] = {}
-        for seconds, prompt_tokens, output_tokens, running in self.steps:
-            totals = phases.setdefault(self.phase(prompt_tokens, running), [0, 0.0, 0, 0])
+        for seconds, prompt_tokens, output_tokens, running, context in self.steps:
+            totals = phases.setdefault(self.phase(prompt_tokens, running), [0, 0.0, 0, 0, 0, 0.0])
             totals[0] += 1
             totals[1] += seconds
             totals[2] += output_tokens
             totals[3] += prompt_tokens
+            if not prompt_tokens and running:  # each new token attends to its sequence's context
+                totals[4] += round(output_tokens * context / running)
+            # Forward passes: a decode step runs output_tokens / running of them (multi-step).
+            totals[5] += output_tokens / running if not prompt_tokens and running else 1
         all_s = sum(t[1] for t in phases.values()) or 1.0
         all_tokens = sum(t[2] for t in phases.values()) or 1
         order = ["prefill steps"] + [label for _, label in self.BUCKETS]
         summary = {name: {"steps": t[0], "seconds": round(t[1], 3), "share_of_time": round(t[1] / all_s, 3),
                           "output_tokens": t[2], "share_of_tokens": round(t[2] / all_tokens, 3),
-                          "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None}
+                          "prompt_tokens": t[3], "output_tok_s": round(t[2] / t[1], 1) if t[1] else None,
+                          "kv_token_reads": t[4], "forward_passes": round(t[5])}
                    for name, t in sorted(phases.items(), key=lambda kv: order.index(kv[0]))}
         for phase in summary.values():  # the first steps one by one: a compile or a stall stands out
             phase["first_steps_ms"] = []
-        for seconds, prompt_tokens, _, running in self.steps:
+        for seconds, prompt_tokens, _, running, _ in self.steps:
             listed = summary[self.phase(prompt_tokens, running)]["first_steps_ms"]
             if len(listed) < self.FIRST_STEPS_LISTED:
                 listed.append(round(1e3 * seconds, 1))

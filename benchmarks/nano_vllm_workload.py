@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (NANO_MAX_MODEL_LEN, NANO_WARMUP_PARAMS, NANO_WARMUP_PROMPT, GpuIdleProfile, ProgressLogger,
-                    StepTimeline, build_checkpoint, checked_result, engine_args_used, environment, kernel_name,
+                    StepTimeline, build_checkpoint, running_context_tokens, checked_result, engine_args_used, environment, kernel_name,
                     make_workload, resolved_engine_settings, result_path, row_workload, run_hf_cb, sync,
                     triton_cache_entries)
 
@@ -293,7 +293,7 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     sync(device)
     if progress is not None:
         llm.llm_engine.add_logger("progress", ProgressLogger(progress))
-    timeline = StepTimeline()
+    timeline = StepTimeline(context_tokens=lambda: running_context_tokens(llm.llm_engine))
     llm.llm_engine.add_logger("timeline", timeline)
     idle = None
     if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
