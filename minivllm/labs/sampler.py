@@ -99,7 +99,7 @@ def mask_cases() -> dict[str, tuple]:
         "top-k = 2 with a tie at the 2nd value (ties are kept)": (ties, *_params(1, top_k=2)[1:]),
         "top-k >= vocab and top-k = 0 (both off)": (torch.cat([_shuffled(dist, 3)] * 2), *_params(2, top_k=[7, 0])[1:]),
         "top-p = 0.6 (0.4 + 0.25 reaches it: two tokens)": (_shuffled(dist, 4), *_params(1, top_p=0.6)[1:]),
-        "top-p = 0.9": (_shuffled(dist, 5), *_params(1, top_p=0.9)[1:]),
+        "top-p = 0.85": (_shuffled(dist, 5), *_params(1, top_p=0.85)[1:]),
         "top-p = 0.01 (the most likely token always stays)": (_shuffled(dist, 6), *_params(1, top_p=0.01)[1:]),
         "top-k = 4 then top-p = 0.8 (over the 4 survivors, renormalized)":
             (_shuffled(dist, 7), *_params(1, top_k=4, top_p=0.8)[1:]),
@@ -157,9 +157,10 @@ def check_sampling_probs(sampling_probs: Callable) -> None:
             error = (got[row] - expected[row]).abs().max().item()
             if error > 1e-9:
                 worst = int((got[row] - expected[row]).abs().argmax())
+                why = ("compute the softmax in float64, z.double()" if error < 1e-5
+                       else "softmax of logits / T over the kept tokens")
                 expect(False, f"case {name!r}, row {row}: token {worst} has probability "
-                              f"{got[row, worst].item():.6f}, expected {expected[row, worst].item():.6f} "
-                              "(softmax of logits / T over the kept tokens)")
+                              f"{got[row, worst].item():.10f}, expected {expected[row, worst].item():.10f} ({why})")
     passed(f"sampling_probs: {len(cases)} cases equal the package's probabilities")
 
 

@@ -252,3 +252,12 @@ def test_lab07_engine_check_fails_on_temperature_after_softmax():
     wrong = lab07.sample_tokens_from(sampling_probs_temperature_after_softmax, seeded_draw)
     with pytest.raises(LabCheckFailed, match="the package's Sampler draws"):
         lab07.check_sampler_in_engine(*_sampler_worker(wrong))
+
+
+def test_lab07_probability_check_asks_for_float64():
+    def fp32_softmax(logits, temperature, top_k, top_p, min_p):
+        z = logits.float() / torch.where(temperature == 0, 1.0, temperature).unsqueeze(1)
+        return z.masked_fill(~kept_mask(z, top_k, top_p, min_p), -float("inf")).softmax(dim=-1).double()
+
+    with pytest.raises(LabCheckFailed, match="float64"):
+        lab07.check_sampling_probs(fp32_softmax)
