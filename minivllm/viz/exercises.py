@@ -59,6 +59,12 @@ def _expect_close(got: torch.Tensor, expected: torch.Tensor, what: str, atol: fl
         raise _Wrong(f"{what}: max abs difference {error:.3g} from the reference (allowed {atol:g})")
 
 
+def _unwritten(prediction) -> None:
+    """A prediction still at its placeholder reads "not written yet"."""
+    if prediction is NotImplemented:
+        raise NotImplementedError
+
+
 # ================================================================ notebook 00: the step's callees
 STEP_CALLEES = ("Scheduler.schedule", "UniProcExecutor.execute_model", "SequenceGroupOutputProcessor.process_outputs")
 
@@ -73,7 +79,7 @@ def check_step_order(answer: list[str]) -> bool:
     return _run("step order", None, cases)
 
 
-# ================================================================ notebooks 01/12: sizes
+# ================================================================ notebook 01: sizes
 def check_kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
     """fn(num_layers, num_kv_heads, head_dim, bytes_per_element) -> KV-cache bytes per token."""
     def cases(fn):
@@ -82,18 +88,6 @@ def check_kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
             _expect(fn(*args), 2 * math.prod(args), f"{name} {args}")
             yield
     return _run("kv_bytes_per_token", fn, cases)
-
-
-def check_num_gpu_blocks(fn: Callable[..., int]) -> bool:
-    """fn(total_bytes, gpu_memory_utilization, peak_bytes, block_bytes) -> number of KV blocks."""
-    def cases(fn):
-        GiB = 1 << 30
-        for args in [(80 * GiB, 0.9, 17 * GiB, 2 * 1 << 20), (24 * GiB, 0.9, 2 * GiB, 131072),
-                     (16 * GiB, 0.5, 8 * GiB, 1 << 20)]:
-            total, util, peak, block = args
-            _expect(fn(*args), max(int((total * util - peak) // block), 0), f"blocks for {args}")
-            yield
-    return _run("num_gpu_blocks", fn, cases)
 
 
 # ================================================================ notebooks 02/10: slot mapping
@@ -281,28 +275,73 @@ def check_gather_keys(fn: Callable[[torch.Tensor, list[int], int], torch.Tensor]
     return _run("gather_keys", fn, cases)
 
 
+# ================================================================ notebook 10: a NaN in one slot
+NAN_PROBE_SLOTS = (29, 38, 10, 1)
+
+
+def nan_key_probe(slot: int) -> tuple[list[int], list[int]]:
+    """Notebook 10's cache (blocks of 4, block tables [[7, 2], [0, 9, 4], [5]], 5, 9 and 3
+    tokens) with the key in `slot` set to NaN: (the sequences whose decode output turns NaN, the
+    rows of section 6's prefill batch that turn NaN), from the "torch" backend's kernels."""
+    from minivllm.kernels import get_ops
+
+    ops, gen = get_ops("torch"), torch.Generator().manual_seed(0)
+    block_size, seq_lens, tables = 4, [5, 9, 3], [[7, 2], [0, 9, 4], [5]]
+    kv_cache = torch.full((2, 12, block_size, 2, 8), float("nan"))
+    slots = torch.tensor([t[i // block_size] * block_size + i % block_size for t, n in zip(tables, seq_lens) for i in range(n)])
+    ops.reshape_and_cache(torch.randn(len(slots), 2, 8, generator=gen), torch.randn(len(slots), 2, 8, generator=gen),
+                          kv_cache[0], kv_cache[1], slots)
+    kv_cache[0].view(-1, 2, 8)[slot] = float("nan")
+    block_tables = torch.tensor([t + [0] * (3 - len(t)) for t in tables], dtype=torch.int32)
+    decode = ops.paged_attention_decode(torch.randn(3, 4, 8, generator=gen), kv_cache[0], kv_cache[1], block_tables,
+                                        torch.tensor(seq_lens, dtype=torch.int32), 8 ** -0.5)
+    prefill = ops.paged_prefill_attention(torch.randn(10, 4, 8, generator=gen), kv_cache[0], kv_cache[1], block_tables[:2],
+                                          torch.tensor([0, 5, 10], dtype=torch.int32),
+                                          torch.tensor(seq_lens[:2], dtype=torch.int32), 8 ** -0.5)
+    nan_rows = lambda out: out.isnan().flatten(1).any(1).nonzero().flatten().tolist()  # noqa: E731
+    return nan_rows(decode), nan_rows(prefill)
+
+
+def check_nan_key_probe(prediction: dict[int, tuple[list[int], list[int]]]) -> bool:
+    """`prediction`: for each slot of NAN_PROBE_SLOTS, (the decode sequences, the prefill rows)
+    whose output turns NaN when that slot's key is NaN (see `nan_key_probe`)."""
+    def cases(_):
+        _unwritten(prediction)
+        for slot in NAN_PROBE_SLOTS:
+            if slot not in prediction:
+                raise _Wrong(f"no prediction for slot {slot}")
+            decode, prefill = prediction[slot]
+            _expect((sorted(decode), sorted(prefill)), nan_key_probe(slot),
+                    f"slot {slot}: (decode sequences, prefill rows) that turn NaN")
+            yield
+    return _run("nan_key_probe", None, cases)
+
+
+
 # ================================================================ notebooks 10/11: attention
 def _dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
     return torch.softmax((k @ q) * scale, dim=0) @ v
 
 
-def check_online_softmax_tile(fn: Callable) -> bool:
-    """fn(m, l, acc, scores, v_tile) -> (m, l, acc): fold one tile of scores [T] and values [T, d]
-    into the running max m, running sum l and unnormalised accumulator acc [d], as the decode
-    kernel's inner loop does. After the last tile the output is acc / l."""
+def check_online_softmax_lse(fn: Callable) -> bool:
+    """fn(lse, out, scores, v_tile) -> (lse, out): fold one tile of scores [T] and values [T, d]
+    into a running state kept *normalised*: lse, the log-sum-exp of the scores seen so far, and
+    out [d], the attention output over them. It starts at (-inf, zeros); after the last tile,
+    out is softmax(scores) @ v."""
     def cases(fn):
         gen = torch.Generator().manual_seed(0)
-        for n, tile in [(10, 4), (33, 8), (5, 5), (64, 16)]:
+        for n, tile in [(10, 4), (33, 8), (5, 5), (64, 16), (40, 1)]:
             q, k, v = (torch.randn(16, generator=gen, dtype=torch.float64),
                        torch.randn(n, 16, generator=gen, dtype=torch.float64) * 3,
                        torch.randn(n, 16, generator=gen, dtype=torch.float64))
             scores = k @ q * 0.25
-            m, l, acc = torch.tensor(-math.inf, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
+            lse, out = torch.tensor(-math.inf, dtype=torch.float64), torch.zeros(16, dtype=torch.float64)
             for start in range(0, n, tile):
-                m, l, acc = fn(m, l, acc, scores[start:start + tile], v[start:start + tile])
-            _expect_close(acc / l, _dense(q, k, v, 0.25), f"{n} tokens in tiles of {tile}: acc / l")
+                lse, out = fn(lse, out, scores[start:start + tile], v[start:start + tile])
+            _expect_close(out, _dense(q, k, v, 0.25), f"{n} tokens in tiles of {tile}: out")
+            _expect_close(torch.as_tensor(lse), torch.logsumexp(scores, 0), f"{n} tokens in tiles of {tile}: lse")
             yield
-    return _run("online_softmax_tile", fn, cases)
+    return _run("online_softmax_lse", fn, cases)
 
 
 def check_merge_partials(fn: Callable) -> bool:
@@ -328,6 +367,98 @@ def check_merge_partials(fn: Callable) -> bool:
     return _run("merge_partials", fn, cases)
 
 
+# ================================================================ notebook 11: idle split-KV programs
+def check_idle_programs(prediction: dict[int, int], tile_tokens: int = 32) -> bool:
+    """`prediction`: num_kv_splits -> how many programs of the v2 launch over notebook 11's batch
+    (sequences of 1, 32 and 45 tokens, 2 KV heads, tiles of `tile_tokens`) get no tokens and
+    return at once. The expected counts come from `split_ranges`, the kernel's own arithmetic."""
+    from minivllm.viz.paged_attention import split_ranges
+
+    def cases(_):
+        _unwritten(prediction)
+        for num_splits in (2, 3, 4):
+            idle = 2 * sum(num_splits - len(split_ranges(n, num_splits, tile_tokens)) for n in (1, 32, 45))
+            _expect(prediction.get(num_splits) if isinstance(prediction, dict) else prediction, idle,
+                    f"idle programs with num_kv_splits={num_splits} (of {3 * 2 * num_splits})")
+            yield
+    return _run("idle_programs", None, cases)
+
+
+# ================================================================ notebook 12: the flattened batch
+def _prepared_batch(groups: list[tuple[int, int, int]]):
+    """The real `ModelRunner.prepare_model_input` on one sequence per group, given as
+    (num_computed_tokens, num_new_tokens, prompt_len); a group is a prefill chunk while
+    num_computed_tokens < prompt_len, and it samples only if the chunk ends the prompt."""
+    from minivllm import EngineArgs, SamplingParams
+    from minivllm.sequence import SequenceData, SequenceGroupMetadata
+    from minivllm.worker.model_runner import ModelRunner
+
+    runner = ModelRunner(EngineArgs(device="cpu").create_engine_config(), "cpu")
+    block_size, metadata = runner.engine_config.cache_config.block_size, []
+    for i, (computed, new, prompt_len) in enumerate(groups):
+        tokens = [100 + t for t in range(computed + new)]
+        is_prompt = computed < prompt_len
+        data = SequenceData(tokens[:prompt_len], tokens[prompt_len:])
+        data.num_computed_tokens = computed
+        table = list(range(10 * i, 10 * i + -(-(computed + new) // block_size)))
+        metadata.append(SequenceGroupMetadata(str(i), is_prompt, {i: data}, SamplingParams(temperature=0.0), {i: table},
+                                              new, do_sample=not is_prompt or computed + new >= prompt_len))
+    batch = runner.prepare_model_input(metadata)
+    return (batch.positions.tolist(), batch.attn_metadata.query_start_loc.tolist(), batch.attn_metadata.seq_lens.tolist(),
+            batch.sampling_metadata.selected_token_indices.tolist())
+
+
+FLAT_BATCH_FIELDS = ("positions", "query_start_loc", "seq_lens", "selected_token_indices")
+
+
+def check_flat_batch(fn: Callable[[list[tuple[int, int, int]]], tuple]) -> bool:
+    """fn(groups) -> (positions, query_start_loc, seq_lens, selected_token_indices) of the flat
+    batch, each a list; groups: one sequence each, (num_computed_tokens, num_new_tokens,
+    prompt_len), prefills first. The expected lists come from `ModelRunner.prepare_model_input`."""
+    def cases(fn):
+        for groups in [[(0, 5, 5)], [(3, 4, 7), (9, 1, 6), (5, 1, 5)], [(0, 4, 10), (12, 1, 3)],
+                       [(4, 4, 10), (0, 3, 3), (10, 1, 6), (4, 1, 3)], [(16, 1, 16), (20, 1, 2)]]:
+            got, expected = fn(groups), _prepared_batch(groups)
+            if not isinstance(got, (tuple, list)) or len(got) != 4:
+                raise _Wrong(f"groups={groups}: return the four lists {FLAT_BATCH_FIELDS}, got {got!r}")
+            for name, g, e in zip(FLAT_BATCH_FIELDS, got, expected):
+                _expect(list(g), e, f"groups={groups}: {name}")
+            yield
+    return _run("flat_batch", fn, cases)
+
+
+def cpu_pool_blocks(max_model_len: int, max_num_seqs: int = 3, space_gib: str = "0.002") -> int:
+    """The GPU-block count of an engine built on this CPU with MINIVLLM_CPU_KVCACHE_SPACE=space_gib
+    (the bundled model, fp32, blocks of 16): what `Worker.determine_num_available_blocks` gives."""
+    import os
+
+    from minivllm import EngineArgs, LLMEngine
+    from minivllm.worker.worker import CPU_KVCACHE_SPACE_ENV
+
+    saved = os.environ.get(CPU_KVCACHE_SPACE_ENV)
+    os.environ[CPU_KVCACHE_SPACE_ENV] = space_gib
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", max_model_len=max_model_len, max_num_seqs=max_num_seqs))
+        return engine.cache_config.num_gpu_blocks
+    finally:
+        if saved is None:
+            del os.environ[CPU_KVCACHE_SPACE_ENV]
+        else:
+            os.environ[CPU_KVCACHE_SPACE_ENV] = saved
+
+
+def check_cpu_pool(prediction: dict[int, int]) -> bool:
+    """`prediction`: max_model_len -> the number of KV blocks an engine gets on a CPU with
+    MINIVLLM_CPU_KVCACHE_SPACE=0.002 (GiB), max_num_seqs=3, for max_model_len 100 and 1000."""
+    def cases(_):
+        _unwritten(prediction)
+        for max_model_len in (100, 1000):
+            _expect(prediction.get(max_model_len) if isinstance(prediction, dict) else prediction,
+                    cpu_pool_blocks(max_model_len), f"num_gpu_blocks with max_model_len={max_model_len}")
+            yield
+    return _run("cpu_pool", None, cases)
+
+
 # ================================================================ notebook 13: sampling
 def check_top_p_mask(fn: Callable[[torch.Tensor, float], torch.Tensor]) -> bool:
     """fn(probs [V], top_p) -> bool mask [V] of the tokens kept: the smallest set of most likely
@@ -348,6 +479,29 @@ def check_top_p_mask(fn: Callable[[torch.Tensor, float], torch.Tensor]) -> bool:
     return _run("top_p_mask", fn, cases)
 
 
+# ================================================================ notebook 13: the filters in a row
+FILTER_PROBS = (0.30, 0.25, 0.20, 0.15, 0.10)
+FILTER_SETTINGS = ((3, 0.6, 0.0), (0, 0.6, 0.0), (0, 1.0, 0.5), (2, 1.0, 0.9))  # (top_k, top_p, min_p); 0 = off
+
+
+def check_filter_chain(prediction: list[list[int]]) -> bool:
+    """`prediction`: for each (top_k, top_p, min_p) of FILTER_SETTINGS, the token ids that survive
+    on the distribution FILTER_PROBS (token i has probability FILTER_PROBS[i]), sorted. The
+    expected sets come from the sampler's `kept_mask` (kernels/reference.py)."""
+    from minivllm.kernels.reference import kept_mask
+
+    def cases(_):
+        _unwritten(prediction)
+        logits = torch.tensor([FILTER_PROBS]).log()
+        if len(prediction) != len(FILTER_SETTINGS):
+            raise _Wrong(f"predict one list per setting ({len(FILTER_SETTINGS)}), got {len(prediction)}")
+        for guess, (k, p, min_p) in zip(prediction, FILTER_SETTINGS):
+            kept = kept_mask(logits, torch.tensor([k]), torch.tensor([p]), torch.tensor([min_p]))[0]
+            _expect(sorted(guess), kept.nonzero().flatten().tolist(), f"top_k={k}, top_p={p}, min_p={min_p}: tokens kept")
+            yield
+    return _run("filter_chain", None, cases)
+
+
 # ================================================================ notebook 14: latency metrics
 def check_latency_metrics(fn: Callable[[float, list[float]], tuple[float, float]]) -> bool:
     """fn(arrival_time, token_times) -> (TTFT, TPOT): time to first token, and time per output
@@ -360,6 +514,44 @@ def check_latency_metrics(fn: Callable[[float, list[float]], tuple[float, float]
                 raise _Wrong(f"arrival={arrival}, token_times={times}: expected {expected}, got {got}")
             yield
     return _run("latency_metrics", fn, cases)
+
+
+# ================================================================ notebook 14: multi-step runs
+MULTI_STEP_MAX_TOKENS = {"a": 5, "b": 20, "c": 9, "d": 1}
+
+
+def multi_step_tokens(max_tokens: dict[str, int] = MULTI_STEP_MAX_TOKENS) -> dict[str, list[int]]:
+    """request -> the tokens each engine step added to it (steps where it got none left out), for
+    greedy requests with these max_tokens on the bundled model, num_scheduler_steps=8."""
+    from minivllm import EngineArgs, LLMEngine, SamplingParams
+
+    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", num_scheduler_steps=8, block_size=8,
+                                                   num_gpu_blocks_override=40))
+    for request_id, n in max_tokens.items():
+        engine.add_request(request_id, "ROMEO:", SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    seen: dict[str, int] = {}
+    added: dict[str, list[int]] = {request_id: [] for request_id in max_tokens}
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            n = len(output.outputs[0].token_ids)
+            if n > seen.get(output.request_id, 0):
+                added[output.request_id].append(n - seen.get(output.request_id, 0))
+                seen[output.request_id] = n
+    return added
+
+
+def check_multi_step_tokens(prediction: dict[str, list[int]]) -> bool:
+    """`prediction`: request -> the new tokens each engine step gives it (MULTI_STEP_MAX_TOKENS,
+    num_scheduler_steps=8), checked against a real engine (`multi_step_tokens`)."""
+    def cases(_):
+        _unwritten(prediction)
+        expected = multi_step_tokens()
+        for request_id, n in MULTI_STEP_MAX_TOKENS.items():
+            got = prediction.get(request_id) if isinstance(prediction, dict) else prediction
+            _expect(list(got) if isinstance(got, (list, tuple)) else got, expected[request_id],
+                    f"request {request_id!r} (max_tokens={n}): new tokens per engine step")
+            yield
+    return _run("multi_step_tokens", None, cases)
 
 
 # ================================================================ notebook 15: SSE
@@ -397,6 +589,32 @@ def check_text_to_return(fn: Callable[[str, int, int, bool], tuple[str, int]]) -
     return _run("text_to_return", fn, cases)
 
 
+def delta_stream_texts(stop: list[str]) -> list[str]:
+    """The text of each DELTA output of notebook 15's greedy request ("ROMEO:", max_tokens=8)
+    with these stop strings, from a real engine on the bundled model."""
+    from minivllm import EngineArgs, LLMEngine, SamplingParams
+    from minivllm.sampling_params import RequestOutputKind
+
+    engine = LLMEngine.from_engine_args(EngineArgs(device="cpu", seed=0, max_model_len=256))
+    engine.add_request("delta", "ROMEO:", SamplingParams(temperature=0.0, max_tokens=8, stop=stop,
+                                                         output_kind=RequestOutputKind.DELTA))
+    texts = []
+    while engine.has_unfinished_requests():
+        texts += [output.outputs[0].text for output in engine.step()]
+    return texts
+
+
+def check_delta_stream(prediction: list[str]) -> bool:
+    """`prediction`: the text of every DELTA output, step by step, of notebook 15's request
+    with stop=[" man"], checked against a real engine (`delta_stream_texts`)."""
+    def cases(_):
+        _unwritten(prediction)
+        _expect(list(prediction) if isinstance(prediction, (list, tuple)) else prediction, delta_stream_texts([" man"]),
+                'the DELTA texts with stop=[" man"]')
+        yield
+    return _run("delta_stream", None, cases)
+
+
 # ================================================================ speculative decoding
 def check_rejection_step(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[float, torch.Tensor]]) -> bool:
     """fn(p [V], q [V], x) -> (probability of accepting the draft token x, the distribution to
@@ -417,60 +635,236 @@ def check_rejection_step(fn: Callable[[torch.Tensor, torch.Tensor, int], tuple[f
 
 
 # ================================================================ notebook 16: tensor parallelism
-def check_tp_all_reduce_bytes(fn: Callable[[int, int, int], int]) -> bool:
-    """fn(num_layers, hidden_size, bytes_per_element) -> all-reduce payload per token of one TP
-    step: two all-reduces per layer (after o_proj and down_proj) plus one for the vocabulary-split
-    embedding, each of `hidden_size` elements."""
+def check_vocab_parallel_lookup(fn: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]) -> bool:
+    """fn(weight_shard [rows, hidden], ids [T], vocab_start) -> [T, hidden]: one rank's part of a
+    vocabulary-parallel embedding, which holds rows vocab_start .. vocab_start + rows of the
+    table. Its ids get their rows, every other id zeros, so the all-reduce (a sum over the
+    ranks) gives the full lookup, as `VocabParallelEmbedding` does."""
     def cases(fn):
-        for args in [(32, 4096, 2), (4, 256, 4), (1, 8, 1), (80, 8192, 2)]:
-            layers, hidden, nbytes = args
-            _expect(fn(*args), (2 * layers + 1) * hidden * nbytes, f"num_layers, hidden_size, bytes = {args}")
+        gen = torch.Generator().manual_seed(3)
+        for vocab, hidden, tp in [(12, 4, 2), (30, 8, 3), (16, 2, 4), (10, 3, 1)]:
+            weight = torch.randn(vocab, hidden, generator=gen, dtype=torch.float64)
+            ids = torch.randint(0, vocab, (7,), generator=gen)
+            rows, total = vocab // tp, torch.zeros(len(ids), hidden, dtype=torch.float64)
+            for rank in range(tp):
+                start = rank * rows
+                part = torch.as_tensor(fn(weight[start:start + rows], ids, start), dtype=torch.float64)
+                inside = (ids >= start) & (ids < start + rows)
+                if part.shape == (len(ids), hidden) and part[~inside].abs().sum() != 0:
+                    raise _Wrong(f"vocab {vocab}, tp {tp}, rank {rank}: ids outside rows {start}..{start + rows - 1} "
+                                 f"must give zeros, got non-zero rows for ids {ids[~inside].tolist()}")
+                _expect_close(part[inside] if part.shape == (len(ids), hidden) else part, weight[ids[inside]],
+                              f"vocab {vocab}, tp {tp}, rank {rank}: the rows of ids {ids[inside].tolist()}")
+                total += part
+            _expect_close(total, weight[ids], f"vocab {vocab}, tp {tp}: the sum over ranks")
             yield
-    return _run("tp_all_reduce_bytes", fn, cases)
+    return _run("vocab_parallel_lookup", fn, cases)
 
 
-# ================================================================ notebook 17: offload or recompute
-def check_flops_per_kv_byte(fn: Callable[[int, int], float]) -> bool:
-    """fn(num_params, kv_bytes_per_token) -> FLOPs it takes to recompute one token's KV (about
-    2 per parameter, attention's quadratic term left out) per byte of KV you would load instead."""
+def tp_shapes(tp: int) -> tuple[int, int]:
+    """(rows of one rank's qkv_proj weight, KV-cache bytes per token summed over all tp ranks)
+    for the bundled model in fp32, from `ModelConfig` and `CacheEngine.get_cache_block_size`."""
+    from minivllm.config import ModelConfig, ParallelConfig
+    from minivllm.worker.cache_engine import CacheEngine
+
+    model_config, parallel = ModelConfig(), ParallelConfig(tensor_parallel_size=tp)
+    heads = model_config.hf_config.num_attention_heads // tp
+    qkv_rows = (heads + 2 * model_config.get_num_kv_heads(parallel)) * model_config.get_head_size()
+    return qkv_rows, tp * CacheEngine.get_cache_block_size(1, model_config, torch.float32, parallel)
+
+
+def check_tp_shapes(prediction: dict[int, tuple[int, int]]) -> bool:
+    """`prediction`: tp -> (rows of a rank's qkv_proj weight, KV bytes per token over all ranks)
+    for tp = 1, 2, 4, 8 (`tp_shapes`)."""
+    def cases(_):
+        _unwritten(prediction)
+        for tp in (1, 2, 4, 8):
+            got = prediction.get(tp) if isinstance(prediction, dict) else prediction
+            _expect(tuple(got) if isinstance(got, (list, tuple)) else got, tp_shapes(tp),
+                    f"tp={tp}: (qkv_proj rows per rank, KV bytes per token over all ranks)")
+            yield
+    return _run("tp_shapes", None, cases)
+
+
+# ================================================================ notebook 17: what a store gives back
+STORED_PROMPT = list(range(100, 127))  # 27 token ids, saved to the store by a first engine
+LOOKUPS = {"the same prompt": STORED_PROMPT, "its first 24 tokens": STORED_PROMPT[:24],
+           "its first 15 tokens, then others": STORED_PROMPT[:15] + [7] * 12,
+           "its first token changed": [5] + STORED_PROMPT[1:],
+           "the prompt and 13 more tokens": STORED_PROMPT + list(range(200, 213))}
+
+
+def tokens_loaded(block_size: int = 8) -> dict[str, int]:
+    """LOOKUPS name -> the tokens an engine loads from a SharedStorageConnector store that one
+    engine filled with STORED_PROMPT (the consumer's `num_cached_tokens`; blocks of 8)."""
+    import tempfile
+
+    from minivllm import EngineArgs, LLMEngine, SamplingParams
+    from minivllm.config import KVTransferConfig
+
+    store = tempfile.mkdtemp(prefix="minivllm-exercise-kv-")
+
+    def engine(role: str) -> LLMEngine:
+        return LLMEngine.from_engine_args(EngineArgs(
+            device="cpu", block_size=block_size, max_model_len=256, num_gpu_blocks_override=64,
+            kv_transfer_config=KVTransferConfig("SharedStorageConnector", role, {"shared_storage_path": store})))
+
+    def cached(e: LLMEngine, request_id: str, ids: list[int]) -> int:
+        e.add_request(request_id, {"prompt_token_ids": ids}, SamplingParams(temperature=0.0, max_tokens=1))
+        while e.has_unfinished_requests():
+            done = [o for o in e.step() if o.finished]
+        return done[0].num_cached_tokens
+
+    cached(engine("kv_producer"), "fill", STORED_PROMPT)
+    consumer = engine("kv_consumer")  # no prefix caching: every hit is a load from the store
+    return {name: cached(consumer, name, ids) for name, ids in LOOKUPS.items()}
+
+
+def check_tokens_loaded(prediction: dict[str, int]) -> bool:
+    """`prediction`: LOOKUPS name -> tokens loaded from the store (`tokens_loaded`)."""
+    def cases(_):
+        _unwritten(prediction)
+        expected = tokens_loaded()
+        for name in LOOKUPS:
+            _expect(prediction.get(name) if isinstance(prediction, dict) else prediction, expected[name],
+                    f"tokens loaded for {name}")
+            yield
+    return _run("tokens_loaded", None, cases)
+
+
+def check_block_keys(fn: Callable[[list[int], int, str], list[str]]) -> bool:
+    """fn(token_ids, block_size, root) -> one store key (a str) per reusable full block: every
+    full block but the one holding the last token. A key names the block's tokens *and* every
+    block before it, and the root (the model and the shard), so equal keys mean equal KV. Checked
+    by its properties against `block_digests`' count, not by its hash function."""
     def cases(fn):
-        for args in [(8_000_000_000, 131072), (600_000_000, 114688), (1_000_000, 3072)]:
-            params, kv = args
-            got, expected = fn(*args), 2 * params / kv
-            if not math.isclose(float(got), expected, rel_tol=1e-9):
-                raise _Wrong(f"num_params, kv_bytes_per_token = {args}: expected {expected:.6g}, got {got!r}")
+        rng = random.Random(4)
+        for block_size in (4, 8):
+            a = [rng.randrange(1000) for _ in range(5 * block_size + 3)]
+            b = a[:2 * block_size + 1] + [t + 1 for t in a[2 * block_size + 1:]]  # differs inside block 2
+            keys_a, keys_b = list(fn(a, block_size, "m")), list(fn(b, block_size, "m"))
+            _expect(len(keys_a), (len(a) - 1) // block_size, f"block_size {block_size}, {len(a)} tokens: number of keys")
+            _expect(len(list(fn(a[:4 * block_size], block_size, "m"))), 3,
+                    f"block_size {block_size}, {4 * block_size} tokens (the last block holds the last token): number of keys")
+            _expect(keys_a[:2] == keys_b[:2], True, f"block_size {block_size}: equal first two blocks give equal keys")
+            if any(x == y for x, y in zip(keys_a[2:], keys_b[2:])):
+                raise _Wrong(f"block_size {block_size}: the prompts differ in block 2, so keys 2.. must all differ")
+            shifted = a[block_size:]  # block 1 of a is block 0 of shifted: the same tokens, another prefix
+            if fn(shifted, block_size, "m")[0] == keys_a[1]:
+                raise _Wrong(f"block_size {block_size}: the same tokens after a different prefix got the same key")
+            if set(fn(a, block_size, "another model")) & set(keys_a):
+                raise _Wrong(f"block_size {block_size}: another root (model or shard) must change every key")
+            _expect(list(fn(a, block_size, "m")), keys_a, f"block_size {block_size}: keys are deterministic")
             yield
-    return _run("flops_per_kv_byte", fn, cases)
+    return _run("block_keys", fn, cases)
 
 
-# ================================================================ notebook 18: expected speedup
-def check_expected_speedup(fn: Callable[[float, int, float], float]) -> bool:
-    """fn(alpha, k, c) -> Leviathan et al.'s expected speedup: expected tokens per target pass,
-    (1 - alpha**(k+1)) / (1 - alpha), over the cost of k draft steps and one target pass, k*c + 1."""
+# ================================================================ notebook 18: one verification step
+GREEDY_STEPS = {  # case -> (the draft's k = 4 guesses, the target's arg-max at each of the k + 1 positions)
+    "a": ([5, 9, 2, 7], [5, 9, 3, 7, 1]),
+    "b": ([5, 9, 2, 7], [5, 9, 2, 7, 1]),
+    "c": ([4, 4, 4, 4], [6, 4, 4, 4, 4]),
+    "d": ([8, 3, 8, 3], [8, 3, 8, 1, 3]),
+}
+
+
+def greedy_step_tokens(guesses: list[int], target_argmax: list[int], vocab: int = 10) -> list[int]:
+    """The tokens `RejectionSampler` emits for one sequence with greedy (one-hot) target
+    distributions and a deterministic draft (one-hot q)."""
+    from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
+
+    k = len(guesses)
+    target = torch.nn.functional.one_hot(torch.tensor(target_argmax), vocab).float()[None]
+    draft = torch.nn.functional.one_hot(torch.tensor(guesses), vocab).float()[None]
+    out = RejectionSampler()(target, torch.tensor([guesses]), torch.tensor([k]), draft, generator=torch.Generator().manual_seed(0))
+    return [t for t in out[0].tolist() if t != NO_TOKEN]
+
+
+def check_greedy_step(prediction: dict[str, list[int]]) -> bool:
+    """`prediction`: GREEDY_STEPS case -> the tokens the step emits (`greedy_step_tokens`)."""
+    def cases(_):
+        _unwritten(prediction)
+        for name, (guesses, argmax) in GREEDY_STEPS.items():
+            got = prediction.get(name) if isinstance(prediction, dict) else prediction
+            _expect(list(got) if isinstance(got, (list, tuple)) else got, greedy_step_tokens(guesses, argmax),
+                    f"case {name!r}: guesses {guesses}, target arg-max {argmax}: tokens emitted")
+            yield
+    return _run("greedy_step", None, cases)
+
+
+def check_ngram_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> bool:
+    """fn(token_ids, k, n_min, n_max) -> up to k tokens that followed the latest earlier
+    occurrence of the longest suffix (n_max down to n_min tokens) that occurred before; [] if
+    none. Checked against `minivllm.spec_decode.ngram_worker.ngram_lookup`."""
+    from minivllm.spec_decode.ngram_worker import ngram_lookup
+
     def cases(fn):
-        for args in [(0.7, 4, 0.1), (0.5, 1, 0.0), (0.9, 8, 0.2), (0.0, 3, 0.1)]:
-            alpha, k, c = args
-            expected = (1 - alpha ** (k + 1)) / ((1 - alpha) * (k * c + 1))
-            got = fn(*args)
-            if not math.isclose(float(got), expected, rel_tol=1e-9):
-                raise _Wrong(f"alpha, k, c = {args}: expected {expected:.6g}, got {got!r}")
+        rng = random.Random(5)
+        fixed = [([5, 6, 7, 8, 9, 5, 6], 3, 1, 3), ([1, 2, 3, 1, 2, 3, 1, 2], 4, 1, 3), ([1, 2, 3, 4], 2, 1, 3),
+                 ([7, 7, 7, 7], 2, 1, 2), ([1, 2, 9, 1, 2, 8, 2], 2, 1, 2), ([3, 1, 2, 4, 1, 2], 5, 2, 2),
+                 ([4, 5, 4], 3, 2, 3), ([6], 2, 1, 3)]
+        randoms = [([rng.randrange(4) for _ in range(rng.randrange(2, 14))], rng.randrange(1, 5), 1, rng.randrange(1, 4))
+                   for _ in range(40)]
+        for tokens, k, n_min, n_max in fixed + randoms:
+            _expect(list(fn(list(tokens), k, n_min, n_max)), ngram_lookup(tokens, k, n_min, n_max),
+                    f"token_ids={tokens}, k={k}, n_min={n_min}, n_max={n_max}")
             yield
-    return _run("expected_speedup", fn, cases)
+    return _run("ngram_lookup", fn, cases)
 
 
-# ================================================================ notebook 19: LoRA
-def check_lora_delta(fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]) -> bool:
-    """fn(x [T, in], lora_a [r, in], lora_b [out, r], scaling) -> the LoRA term [T, out] added to
-    x @ W.T, so that the sum equals x through the merged weight W + scaling * B @ A (PEFT's layout)."""
+# ================================================================ notebook 19: adapters in a batch
+LORA_QUEUE = [1, 2, 1, 3, 0, 2, 3, 4]  # the adapter id of each waiting request, in arrival order (0: base model)
+
+
+def first_batch(max_loras: int, queue: list[int] = LORA_QUEUE) -> list[int]:
+    """The requests (their index in `queue`) the real `Scheduler` puts in its first batch, with
+    LoRA's `max_loras` slots and room for every request otherwise."""
+    from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
+    from minivllm.core.scheduler import Scheduler
+    from minivllm.lora.request import LoRARequest
+    from minivllm.sampling_params import SamplingParams
+    from minivllm.sequence import Sequence, SequenceGroup
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=256, max_model_len=64),
+                          CacheConfig(block_size=4, num_gpu_blocks=64, num_cpu_blocks=0), LoRAConfig(max_loras=max_loras))
+    for i, lora_id in enumerate(queue):
+        lora = LoRARequest(f"a{lora_id}", lora_id, f"/adapters/{lora_id}") if lora_id else None
+        seq = Sequence(i, None, [3, 4, 5], 4, lora_request=lora)
+        scheduler.add_seq_group(SequenceGroup(str(i), [seq], float(i), SamplingParams(max_tokens=2), lora_request=lora))
+    metadata, _, _ = scheduler.schedule()
+    return sorted(int(m.request_id) for m in metadata)
+
+
+def check_first_batch(prediction: dict[int, list[int]]) -> bool:
+    """`prediction`: max_loras -> the requests of LORA_QUEUE in the first batch (`first_batch`)."""
+    def cases(_):
+        _unwritten(prediction)
+        for max_loras in (1, 2, 3):
+            got = prediction.get(max_loras) if isinstance(prediction, dict) else prediction
+            _expect(sorted(got) if isinstance(got, (list, tuple)) else got, first_batch(max_loras),
+                    f"max_loras={max_loras}, adapters {LORA_QUEUE}: the requests in the first batch")
+            yield
+    return _run("first_batch", None, cases)
+
+
+def check_lora_mapping(fn: Callable[[list[int], int], tuple[list[int], list[int], list[int]]]) -> bool:
+    """fn(token_lora_indices, num_slots) -> (sorted_token_ids, num_tokens_per_slot, slot_start):
+    the rows grouped by slot (base-model rows, -1, first; batch order kept inside a group), the
+    rows each slot has, and where each slot's rows start in sorted_token_ids. Checked against
+    `LoRAMapping.build` (kernels/lora_reference.py)."""
+    from minivllm.kernels.lora_reference import LoRAMapping
+
     def cases(fn):
-        gen = torch.Generator().manual_seed(2)
-        for tokens, d_in, d_out, r, scaling in [(3, 8, 6, 2, 2.0), (1, 16, 16, 4, 0.5), (5, 4, 12, 1, 1.0)]:
-            x = torch.randn(tokens, d_in, generator=gen, dtype=torch.float64)
-            w = torch.randn(d_out, d_in, generator=gen, dtype=torch.float64)
-            a = torch.randn(r, d_in, generator=gen, dtype=torch.float64)
-            b = torch.randn(d_out, r, generator=gen, dtype=torch.float64)
-            got = x @ w.T + torch.as_tensor(fn(x, a, b, scaling), dtype=torch.float64)
-            _expect_close(got, x @ (w + scaling * b @ a).T, f"x {tuple(x.shape)}, rank {r}, scaling {scaling}: x @ W.T + delta",
-                          atol=1e-9)
+        rng = random.Random(6)
+        fixed = [([1, -1, 0, 0, 1, -1, 0, 1, 1, 0], 2), ([-1, -1, -1], 2), ([2, 2, 0], 3), ([0], 1)]
+        randoms = [([rng.randrange(-1, 4) for _ in range(rng.randrange(1, 16))], 4) for _ in range(20)]
+        for indices, num_slots in fixed + randoms:
+            mapping = LoRAMapping.build(torch.tensor(indices), num_slots)
+            expected = (mapping.sorted_token_ids.tolist(), mapping.num_tokens_per_slot.tolist(), mapping.slot_start.tolist())
+            got = fn(list(indices), num_slots)
+            if not isinstance(got, (tuple, list)) or len(got) != 3:
+                raise _Wrong(f"indices={indices}: return (sorted_token_ids, num_tokens_per_slot, slot_start), got {got!r}")
+            for name, g, e in zip(("sorted_token_ids", "num_tokens_per_slot", "slot_start"), got, expected):
+                _expect(list(g), e, f"token_lora_indices={indices}, num_slots={num_slots}: {name}")
             yield
-    return _run("lora_delta", fn, cases)
+    return _run("lora_mapping", fn, cases)
