@@ -1,7 +1,8 @@
 """MkDocs hook: the docs link to notebooks as `../notebooks/X.ipynb` (right on GitHub); on the
 site the notebooks are `docs/notebooks/` (a symlink to the repository's `notebooks/`), so those
-links are rewritten to stay inside the site (a Chinese twin: `../notebooks/zh/X.ipynb`). A notebook
-not in the tree (yet) becomes plain text instead of a broken link."""
+links are rewritten to stay inside the site (a Chinese twin: `../notebooks/zh/X.ipynb`; a lab:
+`../notebooks/labs/X.ipynb` or the capstone's `.md`). A notebook not in the tree (yet) becomes
+plain text instead of a broken link."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import posixpath
 import re
 from pathlib import Path
 
-_NOTEBOOK_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./)+notebooks/((?:zh/)?[\w.-]+\.ipynb)(#[^)]*)?\)")
+_NOTEBOOK_LINK = re.compile(r"\[([^\]]*)\]\((?:\.\./)+notebooks/((?:zh/|labs/)?[\w.-]+\.(?:ipynb|md))(#[^)]*)?\)")
 _NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 
 
