@@ -15,7 +15,9 @@ same on any machine.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
+import io
 import random
 import sys
 from collections.abc import Callable
@@ -271,7 +273,9 @@ def grade(target: str | type, *, with_engine: bool = True) -> tuple[list[Row], d
     rows = []
     for title, points, run in tests:
         try:
-            rows.append(Row(title, points, points, run()))
+            with contextlib.redirect_stdout(io.StringIO()):  # the table reports each test
+                detail = run()
+            rows.append(Row(title, points, points, detail))
         except (LabCheckFailed, NotImplementedError) as failure:
             rows.append(Row(title, points, 0, f"FAIL: {failure}"))
     return rows, results
