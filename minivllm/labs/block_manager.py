@@ -42,7 +42,7 @@ def check_block_allocator(allocator_cls: type) -> None:
     def agree(what: str) -> None:
         log.append(what)
         expect(lab.get_num_free_blocks() == ref.get_num_free_blocks(),
-               f"after {'; '.join(log)}: get_num_free_blocks() is {lab.get_num_free_blocks()}, "
+               f"after\n{format_steps(log)}\nget_num_free_blocks() is {lab.get_num_free_blocks()}, "
                f"expected {ref.get_num_free_blocks()}")
 
     agree("a new pool of 4 blocks")
@@ -96,7 +96,7 @@ def check_block_allocator(allocator_cls: type) -> None:
 
 
 # ============================================================================ the twin
-def _label_tables(bm) -> tuple[dict[int, list[str]], dict[int, str]]:
+def _label_tables(bm) -> tuple[dict[str, list[str]], dict[int, str]]:
     """Each table as labels G0, G1, ... / C0, ... in order of first appearance (seq ids in
     order): two managers agree up to block numbering iff their labelled tables agree."""
     labels: dict[int, str] = {}
@@ -109,7 +109,7 @@ def _label_tables(bm) -> tuple[dict[int, list[str]], dict[int, str]]:
                 labels[id(block)] = f"{block.device.name[0]}{counts[block.device]}"
                 counts[block.device] += 1
             row.append(labels[id(block)])
-        tables[seq_id] = row
+        tables[f"seq {seq_id}"] = row
     return tables, labels
 
 
@@ -289,16 +289,14 @@ class Twin:
     def compare(self) -> None:
         expected, got = manager_state(self.ref, self.caching), manager_state(self.lab, self.caching)
         for key, value in expected.items():
-            self._expect(got[key] == value, f"{key}: expected {value}, got {got[key]}")
+            self._expect(got[key] == value, f"{key}: {_difference(value, got[key])}")
 
     def _expect(self, ok: bool, message: str) -> None:
         if not ok:
             self._fail(message)
 
     def _fail(self, message: str) -> None:
-        shown = self.log[-NUM_FAILING_OPS_SHOWN:]
-        steps = "\n".join(f"  {i}. {op}" for i, op in enumerate(shown, len(self.log) - len(shown) + 1))
-        raise LabCheckFailed(f"{self.case}, after\n{steps}\n{message}\n(expected: minivllm's "
+        raise LabCheckFailed(f"{self.case}, after\n{format_steps(self.log)}\n{message}\n(expected: minivllm's "
                              f"BlockSpaceManager on the same calls; blocks labelled G0, G1, ... / C0, ... "
                              f"in order of first appearance, so block numbers may differ)")
 
@@ -307,6 +305,23 @@ class Twin:
 
     def swapped(self) -> list[SequenceGroup]:
         return [g for g in self.groups if g.get_seqs(status=SequenceStatus.SWAPPED)]
+
+
+def format_steps(log: list[str]) -> str:
+    """The last operations of `log`, numbered, one a line."""
+    shown = log[-NUM_FAILING_OPS_SHOWN:]
+    return "\n".join(f"  {i}. {op}" for i, op in enumerate(shown, len(log) - len(shown) + 1))
+
+
+def _difference(expected, got) -> str:
+    """`expected X, got Y`; for two dicts only the entries that differ (seq ids, block labels)."""
+    if not (isinstance(expected, dict) and isinstance(got, dict)):
+        return f"expected {expected}, got {got}"
+    keys = [k for k in sorted(set(expected) | set(got), key=str) if expected.get(k) != got.get(k)]
+    shown = "; ".join(f"{k}: expected {expected.get(k, '(none)')}, got {got.get(k, '(none)')}"
+                      for k in keys[:NUM_FAILING_OPS_SHOWN])
+    more = f"; ... {len(keys) - NUM_FAILING_OPS_SHOWN} more" if len(keys) > NUM_FAILING_OPS_SHOWN else ""
+    return f"{shown}{more} (in all: expected {expected}, got {got})"
 
 
 def _ids(seqs) -> str:

@@ -17,7 +17,8 @@ from minivllm.core.block_allocator import BlockAllocator, Device, OutOfBlocksErr
 from minivllm.core.prefix_caching import PrefixCache, hash_block_tokens
 from minivllm.entrypoints.llm import LLM
 from minivllm.labs import LabCheckFailed, expect, passed
-from minivllm.labs.block_manager import ALL_OPERATIONS, NUM_RANDOM_OPS, Twin, assert_all_blocks_free, random_twins
+from minivllm.labs.block_manager import (ALL_OPERATIONS, NUM_RANDOM_OPS, Twin, assert_all_blocks_free, format_steps,
+                                         random_twins)
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.lora.request import LoRARequest
 from minivllm.sequence import Sequence
@@ -95,10 +96,10 @@ def check_lru_allocator(allocator_cls: type) -> None:
         except (NotImplementedError, LabCheckFailed):
             raise
         except Exception as exc:
-            raise LabCheckFailed(f"after {'; '.join(log[:-1])}: {what} raised {type(exc).__name__}: {exc}") from exc
+            raise LabCheckFailed(f"after\n{format_steps(log[:-1])}\n{what} raised {type(exc).__name__}: {exc}") from exc
         want, got = _pool_state(ref), _pool_state(lab)
         for key, value in want.items():
-            expect(got[key] == value, f"after {'; '.join(log)}:\n{key}: expected {value}, got {got[key]}")
+            expect(got[key] == value, f"after\n{format_steps(log)}\n{key}: expected {value}, got {got[key]}")
 
     def allocate(now: int) -> Callable:
         def op(allocator, side):
@@ -107,7 +108,7 @@ def check_lru_allocator(allocator_cls: type) -> None:
                 pairs.append([block, None])
             else:
                 expect(block.ref_count == 1 and block.block_hash is None and not allocator.is_cached(block),
-                       f"after {'; '.join(log)}: the block allocate() returned is {block} with block_hash "
+                       f"after\n{format_steps(log)}\nthe block allocate() returned is {block} with block_hash "
                        f"{block.block_hash}: expected ref_count 1 and no content (an evicted block forgets its hash)")
                 pairs[-1][1] = block
         return op
@@ -125,10 +126,10 @@ def check_lru_allocator(allocator_cls: type) -> None:
     for i in range(3):
         step(f"free block {'abc'[i]} (time 3)", lambda al, side, i=i: al.free(pairs[i][side], 3))
     got = lab.lookup(chain[1][0], chain[1][1])
-    expect(got is pairs[1][1], f"after {'; '.join(log)}: lookup of block b's hash returned {got}: a freed cached "
+    expect(got is pairs[1][1], f"after\n{format_steps(log)}\nlookup of block b's hash returned {got}: a freed cached "
            "block must stay findable until it is evicted")
     step("incref block b, a cache hit (time 4)", lambda al, side: al.incref(pairs[1][side], 1, 4))
-    expect(pairs[1][1].ref_count == 1, f"after {'; '.join(log)}: block b's ref_count is {pairs[1][1].ref_count}, expected 1")
+    expect(pairs[1][1].ref_count == 1, f"after\n{format_steps(log)}\nblock b's ref_count is {pairs[1][1].ref_count}, expected 1")
     step("free block b (time 5)", lambda al, side: al.free(pairs[1][side], 5))
     for now in (6, 6):
         step(f"allocate (time {now}): the free list first", allocate(now))
@@ -140,7 +141,7 @@ def check_lru_allocator(allocator_cls: type) -> None:
     except OutOfBlocksError:
         pass
     else:
-        raise LabCheckFailed(f"after {'; '.join(log)}: allocate() with no free and no evictable block returned a "
+        raise LabCheckFailed(f"after\n{format_steps(log)}\nallocate() with no free and no evictable block returned a "
                              "block: raise OutOfBlocksError")
     step("free the last block allocated", lambda al, side: al.free(pairs[-1][side], 11))
     try:
@@ -179,14 +180,15 @@ def check_prefix_cache(cache_cls: type) -> None:
                    f"with table {[b.block_number for b in tables[name][0]]}")
         ref.register(s, tables[name][0], num_computed)
         lab.register(s, tables[name][1], num_computed)
-        expect(cached(lab_pool) == cached(ref_pool), f"after {'; '.join(log)}:\nthe blocks in the cache are "
-               f"{cached(lab_pool)}, expected {cached(ref_pool)}")
+        got, want = cached(lab_pool), cached(ref_pool)
+        expect(got == want, f"after\n{format_steps(log)}\nthe blocks in the cache are {got}, expected {want} "
+               f"(missing {sorted(set(want) - set(got))}, not expected {sorted(set(got) - set(want))})")
 
     def find(what: str, tokens, lora_int_id: int = 0) -> None:
         s = seq(tokens, lora_int_id)
         want = [b.block_number for b in ref.find(s)]
         got = [b.block_number for b in lab.find(s)]
-        expect(got == want, f"after {'; '.join(log)}:\nfind({list(tokens)}{', LoRA adapter 1' if lora_int_id else ''}) "
+        expect(got == want, f"after\n{format_steps(log)}\nfind({list(tokens)}{', LoRA adapter 1' if lora_int_id else ''}) "
                f"({what}) returned blocks {got}, expected {want}")
 
     a = list(range(1, 11))
