@@ -333,7 +333,8 @@ def _short(tokens: list[int]) -> str:
 
 
 def random_prompt(rng: random.Random) -> list[int]:
-    return (HEADS[rng.randrange(len(HEADS))][:rng.randint(0, 12)] + [rng.randint(1, 4) for _ in range(rng.randint(0, 8))]) or [1]
+    head = HEADS[rng.randrange(len(HEADS))][:rng.randint(0, 12)]
+    return (head + [rng.randint(1, 4) for _ in range(rng.randint(0, 8))]) or [1]
 
 
 ALL_OPERATIONS = ("add", "append", "fork", "free", "swap", "recompute")

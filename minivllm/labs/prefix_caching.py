@@ -129,7 +129,8 @@ def check_lru_allocator(allocator_cls: type) -> None:
     expect(got is pairs[1][1], f"after\n{format_steps(log)}\nlookup of block b's hash returned {got}: a freed cached "
            "block must stay findable until it is evicted")
     step("incref block b, a cache hit (time 4)", lambda al, side: al.incref(pairs[1][side], 1, 4))
-    expect(pairs[1][1].ref_count == 1, f"after\n{format_steps(log)}\nblock b's ref_count is {pairs[1][1].ref_count}, expected 1")
+    expect(pairs[1][1].ref_count == 1,
+           f"after\n{format_steps(log)}\nblock b's ref_count is {pairs[1][1].ref_count}, expected 1")
     step("free block b (time 5)", lambda al, side: al.free(pairs[1][side], 5))
     for now in (6, 6):
         step(f"allocate (time {now}): the free list first", allocate(now))
@@ -188,7 +189,8 @@ def check_prefix_cache(cache_cls: type) -> None:
         s = seq(tokens, lora_int_id)
         want = [b.block_number for b in ref.find(s)]
         got = [b.block_number for b in lab.find(s)]
-        expect(got == want, f"after\n{format_steps(log)}\nfind({list(tokens)}{', LoRA adapter 1' if lora_int_id else ''}) "
+        adapter = ", LoRA adapter 1" if lora_int_id else ""
+        expect(got == want, f"after\n{format_steps(log)}\nfind({list(tokens)}{adapter}) "
                f"({what}) returned blocks {got}, expected {want}")
 
     a = list(range(1, 11))

@@ -96,7 +96,8 @@ class CopyWithoutFreeingTheShared(BlockSpaceManager):
 
     def append_slots(self, seq, num_lookahead_slots=0):
         table = self.block_tables[seq.seq_id]
-        shared = table[(seq.get_len() - 1) // self.block_size] if len(table) * self.block_size >= seq.get_len() else None
+        index = (seq.get_len() - 1) // self.block_size
+        shared = table[index] if index < len(table) else None
         pairs = super().append_slots(seq, num_lookahead_slots)
         if pairs:
             shared.ref_count += 1
@@ -237,7 +238,8 @@ class UnchainedPrefixCache(PrefixCache):
             block = block_table[i]
             if block.block_hash is None and block.device is Device.GPU:
                 tokens = tuple(seq.get_token_ids()[i * size:(i + 1) * size])
-                self.gpu_allocator.register(block, unchained_hash(None, tokens, seq.lora_int_id), tokens, (i + 1) * size)
+                block_hash = unchained_hash(None, tokens, seq.lora_int_id)
+                self.gpu_allocator.register(block, block_hash, tokens, (i + 1) * size)
 
 
 class NeverFinds(PrefixCache):
