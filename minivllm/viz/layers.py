@@ -60,9 +60,9 @@ ROWS: tuple[tuple[str, ...], ...] = (
 # (sequence, sampling_params, config, outputs, bundled_models, viz.style) is usable by all;
 # the compute stack is kernels < attention < model_executor < worker < executor < engine <
 # entrypoints, each importing any layer below it; the scheduler (core) sits beside that stack
-# and knows nothing of it. viz (pictures, snapshots, the simulator) is course tooling on top:
-# it drives and observes the engine (through `StepObserver` and public queries) and nothing
-# in the runtime imports it. distributed (process groups, collectives) sits beside kernels:
+# and knows nothing of it. viz (pictures, snapshots, the simulator, the exercises' checkers) is
+# course tooling on top: it drives and observes the engine and its pieces (through `StepObserver`
+# and public queries) and nothing in the runtime imports it. distributed (process groups, collectives) sits beside kernels:
 # the parallel layers, the worker and the executors use it.
 _STACK = ("kernels", "attention", "model_executor", "worker", "executor")
 MAY_IMPORT: dict[str, set[str]] = {
@@ -77,7 +77,9 @@ MAY_IMPORT: dict[str, set[str]] = {
     "transformers_utils": {"foundation", "transformers_utils"},
     "engine": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine"},
     "entrypoints": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints"},
-    "viz": {"foundation", "core", "engine", "executor", "viz"},
+    # The exercises' checkers run the real pieces (a cache engine, a rejection sampler, an LLM).
+    "viz": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
+            "package", "viz"},
     # The labs' checks run a learner's piece inside a real engine and compare with transformers.
     "labs": {"foundation", "distributed", *_STACK, "core", "transformers_utils", "engine", "entrypoints",
              "viz", "labs"},
