@@ -263,16 +263,23 @@ def check_rope_angle(fn: Callable[[int, int, int, float], float]) -> bool:
 
 
 # ================================================================ notebook 10: the gather
-def check_gather_keys(fn: Callable[[torch.Tensor, list[int], int], torch.Tensor]) -> bool:
-    """fn(key_cache [num_blocks, block_size, d], block_table, seq_len) -> the sequence's keys
-    [seq_len, d] in token order, read through the block table."""
+STALE_BLOCK = 999  # a block-table entry of a freed block: no such block in the exercise's cache
+
+
+def check_gather_window(fn: Callable[[torch.Tensor, list[int], int, int], torch.Tensor]) -> bool:
+    """fn(key_cache [num_blocks, block_size, d], block_table, start, end) -> the keys of tokens
+    start .. end - 1 [end - start, d], in token order, read through the block table. Entries of
+    blocks that hold none of those tokens may be stale (STALE_BLOCK): reading them raises."""
     def cases(fn):
         cache = torch.arange(10 * 4 * 2, dtype=torch.float64).reshape(10, 4, 2)
-        for table, n in [([3, 7], 5), ([9], 4), ([0, 5, 2], 9), ([6], 1)]:
-            expected = torch.cat([cache[b] for b in table])[:n]
-            _expect_close(fn(cache, table, n), expected, f"block_table={table}, seq_len={n}")
+        for table, start, end in [([3, 7], 0, 5), ([STALE_BLOCK, 3, 7], 5, 11), ([9], 0, 4),
+                                  ([STALE_BLOCK, STALE_BLOCK, 0, 5, 2], 9, 17), ([6, STALE_BLOCK], 2, 3),
+                                  ([STALE_BLOCK, 4, STALE_BLOCK], 7, 8), ([1, 8, STALE_BLOCK], 4, 8)]:
+            expected = torch.cat([cache[b] if b != STALE_BLOCK else torch.full((4, 2), math.nan, dtype=torch.float64)
+                                  for b in table])[start:end]
+            _expect_close(fn(cache, table, start, end), expected, f"block_table={table}, tokens {start}..{end - 1}")
             yield
-    return _run("gather_keys", fn, cases)
+    return _run("gather_window", fn, cases)
 
 
 # ================================================================ notebook 10: a NaN in one slot
