@@ -5,7 +5,10 @@ The pattern of srush's puzzles: a spec in the notebook, a stub cell for the lear
 `check_...(fn)` from here, and the solution hidden in a collapsed cell. A checker never raises
 on a wrong answer (a notebook under nbval must run with the stubs in place): it prints
 "✓ ..." and returns True, or prints "✗ <the first case that fails, expected vs got>" and
-returns False. A stub that still raises `NotImplementedError` reads "not written yet".
+returns False. A stub that still raises `NotImplementedError` reads "not written yet", and so
+does a prediction left at `NotImplemented`. A predict exercise's checker takes the learner's
+value, not a function, and compares it with what the real engine or block manager does on the
+exercise's state (its `..._scenario()` function, which the notebook then runs and draws).
 `tests/viz/test_exercises.py` runs every notebook's hidden solution through its checker.
 
 The expected answers come from the real code where there is one (`BlockSpaceManager`,
@@ -39,7 +42,8 @@ def _run(name: str, fn: Callable, cases: Callable[[Callable], Iterable[None]]) -
         print(f"✗ {name}: {wrong}")
         return False
     except Exception as error:  # the learner's code crashed: show where it hurts, not a traceback
-        print(f"✗ {name}: your function raised {type(error).__name__}: {error}")
+        who = "your function" if fn is not None else "checking your answer"
+        print(f"✗ {name}: {who} raised {type(error).__name__}: {error}")
         return False
     print(f"✓ {name}: all cases pass.")
     return True
@@ -65,18 +69,62 @@ def _unwritten(prediction) -> None:
         raise NotImplementedError
 
 
-# ================================================================ notebook 00: the step's callees
-STEP_CALLEES = ("Scheduler.schedule", "UniProcExecutor.execute_model", "SequenceGroupOutputProcessor.process_outputs")
+def _bm_seq(seq_id: int, token_ids: list[int], block_size: int):
+    """A one-sequence request for driving a `BlockSpaceManager` by hand: (sequence, group)."""
+    from minivllm.sequence import Sequence, SequenceGroup
+    seq = Sequence(seq_id, None, list(token_ids), block_size)
+    return seq, SequenceGroup(f"req-{seq_id}", [seq], arrival_time=float(seq_id))
 
 
-def check_step_order(answer: list[str]) -> bool:
-    """`answer`: the three calls `LLMEngine.step` makes, in order (as "Class.method")."""
+# ================================================================ notebook 00: the step loop
+STEP_BATCHES_PROMPT_LENS, STEP_BATCHES_MAX_TOKENS = (5, 3, 7), (4, 2, 6)
+
+
+def step_batches_scenario():
+    """Exercise 00.1's run: prompts of 5, 3 and 7 tokens with max_tokens 4, 2 and 6, all added
+    at once, through the real engine (scripted model: `minivllm.viz.sim`)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest(name, list(range(1, p + 1)), [m]) for name, p, m
+                in zip("ABC", STEP_BATCHES_PROMPT_LENS, STEP_BATCHES_MAX_TOKENS)]
+    return Simulator(SchedulerConfig(max_num_seqs=8, max_model_len=64),
+                     CacheConfig(block_size=4, num_gpu_blocks=32)).run(requests)
+
+
+def check_step_batches(prediction: list[int]) -> bool:
+    """`prediction`: the number of tokens the model computes in each engine step, in order."""
     def cases(_):
-        if answer is NotImplemented:
-            raise NotImplementedError
-        _expect(list(answer), list(STEP_CALLEES), "the order of one step's calls")
+        _unwritten(prediction)
+        expected = [s.num_batched_tokens for s in step_batches_scenario().snapshots]
+        got = list(prediction)
+        if len(got) != len(expected):
+            raise _Wrong(f"the run takes {len(expected)} steps, your list has {len(got)}")
+        _expect(got, expected, "tokens per step")
         yield
-    return _run("step order", None, cases)
+    return _run("step batches", None, cases)
+
+
+def check_step_loop(fn: Callable) -> bool:
+    """fn(engine, prompts, params) -> the generated token ids of each prompt, in the prompts'
+    order, by `engine.add_request` and `engine.step()` alone (what `LLM.generate` does)."""
+    from minivllm import LLM, SamplingParams
+
+    def cases(fn):
+        llm = LLM(device="cpu", seed=0)
+        prompts = [[5, 6, 7, 8, 9], [10, 11], [12, 13, 14]]
+        for max_tokens in [(6, 2, 4), (1, 1, 1), (3, 7, 2)]:
+            params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+            expected = [list(o.outputs[0].token_ids) for o in llm.generate(
+                [{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)]
+            steps_before = llm.llm_engine.step_counter
+            got = fn(llm.llm_engine, [list(p) for p in prompts], params)
+            if llm.llm_engine.step_counter == steps_before:
+                raise _Wrong("the engine never stepped: call engine.step() until nothing is unfinished")
+            _expect([list(g) for g in got], expected, f"outputs for max_tokens={max_tokens}")
+            if llm.llm_engine.has_unfinished_requests():
+                raise _Wrong("requests are left unfinished in the engine")
+            yield
+    return _run("step loop", fn, cases)
 
 
 # ================================================================ notebook 01: sizes
