@@ -128,14 +128,73 @@ def check_step_loop(fn: Callable) -> bool:
 
 
 # ================================================================ notebook 01: sizes
-def check_kv_bytes_per_token(fn: Callable[[int, int, int, int], int]) -> bool:
-    """fn(num_layers, num_kv_heads, head_dim, bytes_per_element) -> KV-cache bytes per token."""
+PEAK_BLOCKS_REQUESTS, PEAK_BLOCKS_BLOCK_SIZE = ((15, 3), (16, 20), (40, 10)), 16
+
+
+def peak_blocks_scenario() -> list[int]:
+    """Exercise 01.1's run, as section 5 of notebook 01 runs its workload: requests (prompt,
+    output) all start at step 1, each step after the first appends one token per running
+    sequence (`append_slots`), a request is freed after its last step. Returns the GPU blocks
+    in use after each step (index 0 = step 1), read from the real `BlockSpaceManager`."""
+    from minivllm.core.block_manager import BlockSpaceManager
+    from minivllm.sequence import SequenceStatus
+    block_size, pool = PEAK_BLOCKS_BLOCK_SIZE, 64
+    bm = BlockSpaceManager(block_size, pool, 0, watermark=0.0)
+    seqs = []
+    for i, (p, _) in enumerate(PEAK_BLOCKS_REQUESTS):
+        seq, group = _bm_seq(i, [7] * p, block_size)
+        bm.allocate(group)
+        seq.status = SequenceStatus.RUNNING
+        seqs.append(seq)
+    used, running, step = [], list(range(len(seqs))), 0
+    while running:
+        step += 1
+        if step > 1:
+            for i in running:
+                seqs[i].append_token_id(7, {7: 0.0})
+                bm.append_slots(seqs[i])
+        used.append(pool - bm.get_num_free_gpu_blocks())
+        for i in [i for i in running if step == PEAK_BLOCKS_REQUESTS[i][1]]:
+            bm.free(seqs[i])
+        running = [i for i in running if step < PEAK_BLOCKS_REQUESTS[i][1]]
+    return used
+
+
+def check_peak_blocks(prediction: tuple[int, int]) -> bool:
+    """`prediction`: (the most blocks in use at once, the first step at which that happens)."""
+    def cases(_):
+        _unwritten(prediction)
+        used = peak_blocks_scenario()
+        peak = max(used)
+        _expect(tuple(prediction), (peak, used.index(peak) + 1), "(peak blocks, step of the peak)")
+        yield
+    return _run("peak blocks", None, cases)
+
+
+def check_kv_bytes_from_config(fn: Callable[[dict, str], int]) -> bool:
+    """fn(config, dtype) -> KV-cache bytes per token for a Hugging Face `config.json` (a dict)
+    and a dtype name ("float32", "float16", "bfloat16"). As `CacheEngine` reads a config: a
+    missing `num_key_value_heads` means one K/V head per attention head, an explicit
+    `head_dim` wins over `hidden_size / num_attention_heads`."""
+    from transformers import LlamaConfig
+
+    from minivllm.config import ModelConfig
+    from minivllm.worker.cache_engine import CacheEngine
+
+    configs = [
+        ("Llama-3-8B", dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, num_hidden_layers=32), "bfloat16"),
+        ("an MHA model (no num_key_value_heads)", dict(hidden_size=2048, num_attention_heads=16, num_hidden_layers=24), "float16"),
+        ("Qwen3-0.6B (head_dim 128 > 1024 / 16)", dict(hidden_size=1024, num_attention_heads=16, num_key_value_heads=8, head_dim=128, num_hidden_layers=28), "bfloat16"),
+        ("a tiny model in fp32", dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, num_hidden_layers=3), "float32"),
+    ]
+
     def cases(fn):
-        for args, name in [((32, 8, 128, 2), "Llama-3-8B in bf16"), ((32, 32, 128, 2), "Llama-2-7B in fp16"),
-                           ((40, 40, 128, 2), "OPT-13B in fp16"), ((4, 2, 32, 4), "the bundled model in fp32")]:
-            _expect(fn(*args), 2 * math.prod(args), f"{name} {args}")
+        for name, config, dtype in configs:
+            model_config = ModelConfig(skip_tokenizer_init=True, hf_config=LlamaConfig(**config))
+            expected = CacheEngine.get_cache_block_size(1, model_config, getattr(torch, dtype))
+            _expect(fn(dict(config), dtype), expected, f"{name}, {dtype}")
             yield
-    return _run("kv_bytes_per_token", fn, cases)
+    return _run("kv_bytes_from_config", fn, cases)
 
 
 # ================================================================ notebooks 02/10: slot mapping
