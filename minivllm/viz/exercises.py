@@ -229,6 +229,49 @@ def check_can_allocate(fn: Callable[[int, int, int, float], str]) -> bool:
     return _run("can_allocate", fn, cases)
 
 
+# ================================================================ notebook 02: the free list
+FREE_LIST_BLOCK_SIZE, FREE_LIST_NUM_BLOCKS = 4, 8
+
+
+def free_list_scenario():
+    """Exercise 02.3's calls on a real `BlockSpaceManager` (8 blocks of 4 tokens, watermark 0):
+    allocate A (6 tokens) and B (5), A grows by 3 tokens, free B, allocate C (13), free A,
+    allocate D (3). Returns (the manager, {name: sequence})."""
+    from minivllm.core.block_manager import BlockSpaceManager
+    from minivllm.sequence import SequenceStatus
+    bm = BlockSpaceManager(FREE_LIST_BLOCK_SIZE, FREE_LIST_NUM_BLOCKS, 0, watermark=0.0)
+    seqs = {}
+
+    def admit(name, num_tokens):
+        seq, group = _bm_seq(len(seqs), list(range(1, num_tokens + 1)), FREE_LIST_BLOCK_SIZE)
+        bm.allocate(group)
+        seq.status = SequenceStatus.RUNNING
+        seqs[name] = seq
+
+    admit("A", 6)
+    admit("B", 5)
+    for token in (7, 8, 9):
+        seqs["A"].append_token_id(token, {token: 0.0})
+        bm.append_slots(seqs["A"])
+    bm.free(seqs["B"])
+    admit("C", 13)
+    bm.free(seqs["A"])
+    admit("D", 3)
+    return bm, seqs
+
+
+def check_free_list(prediction: dict[str, list[int]]) -> bool:
+    """`prediction`: {"C": C's block table, "D": D's block table} after exercise 02.3's calls."""
+    def cases(_):
+        _unwritten(prediction)
+        bm, seqs = free_list_scenario()
+        got = dict(prediction)
+        for name in ("C", "D"):
+            _expect(list(got.get(name, [])), bm.get_block_table(seqs[name]), f"{name}'s block table")
+            yield
+    return _run("free list", None, cases)
+
+
 # ================================================================ notebook 03: copy-on-write
 def check_append_slot_cow(fn: Callable) -> bool:
     """fn(block_table, ref_counts, free_blocks) -> (block_table, copy). Append one token whose slot
