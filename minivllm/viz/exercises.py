@@ -294,6 +294,47 @@ def check_append_slot_cow(fn: Callable) -> bool:
     return _run("append_slot_cow", fn, cases)
 
 
+# ================================================================ notebook 03: fork
+def fork_scenario():
+    """Exercise 03.2's calls on a real `BlockSpaceManager` (block size 4, 10 blocks): a 9-token
+    prompt, two forks (three samples), then five rounds in which each live sample appends one
+    token (samples 0, 1, 2 in that order); sample 2 is freed after round 2. Returns (the
+    manager, the samples, the copy-on-write pairs in order)."""
+    from minivllm.core.block_manager import BlockSpaceManager
+    from minivllm.sequence import SequenceStatus
+    bm = BlockSpaceManager(4, 10, 0, watermark=0.0)
+    parent, group = _bm_seq(0, list(range(1, 10)), 4)
+    bm.allocate(group)
+    parent.status = SequenceStatus.RUNNING
+    samples = [parent]
+    for child_id in (1, 2):
+        child = parent.fork(child_id)
+        bm.fork(parent, child)
+        samples.append(child)
+    copies, live = [], list(samples)
+    for round_ in range(1, 6):
+        for seq in live:
+            seq.append_token_id(100 + seq.seq_id, {100 + seq.seq_id: 0.0})
+            copies += bm.append_slots(seq)
+        if round_ == 2:
+            bm.free(samples[2])
+            live.remove(samples[2])
+    return bm, samples, copies
+
+
+def check_fork(prediction: tuple[int, int, int]) -> bool:
+    """`prediction`: (copy-on-write copies made, GPU blocks in use at the end, reference count
+    of the prompt's first block at the end) for exercise 03.2's calls."""
+    def cases(_):
+        _unwritten(prediction)
+        bm, samples, copies = fork_scenario()
+        first = bm.gpu_allocator.blocks[bm.get_block_table(samples[0])[0]].ref_count
+        expected = (len(copies), bm.num_total_gpu_blocks - bm.get_num_free_gpu_blocks(), first)
+        _expect(tuple(prediction), expected, "(copies, blocks in use, ref count of the first block)")
+        yield
+    return _run("fork", None, cases)
+
+
 # ================================================================ notebook 04: hash chain
 def check_block_hashes(fn: Callable[[list[int], int], list[int]]) -> bool:
     """fn(token_ids, block_size) -> the chained hash of each *full* block, using
