@@ -335,19 +335,83 @@ def check_fork(prediction: tuple[int, int, int]) -> bool:
     return _run("fork", None, cases)
 
 
-# ================================================================ notebook 04: hash chain
-def check_block_hashes(fn: Callable[[list[int], int], list[int]]) -> bool:
-    """fn(token_ids, block_size) -> the chained hash of each *full* block, using
-    `hash_block_tokens(parent_hash_or_None, tuple_of_token_ids)`."""
-    def cases(fn):
-        for tokens, block_size in [(list(range(10)), 4), (list(range(8)), 4), ([5, 5, 5], 4), ([1, 2, 3, 4, 5, 6], 2)]:
-            expected, parent = [], None
-            for start in range(0, len(tokens) - len(tokens) % block_size, block_size):
-                parent = hash_block_tokens(parent, tuple(tokens[start:start + block_size]))
-                expected.append(parent)
-            _expect(list(fn(tokens, block_size)), expected, f"tokens={tokens}, block_size={block_size}")
+# ================================================================ notebook 04: prefix caching
+PREFIX_CACHE_CALLS = (  # (what happens, request, prompt token ids), in order
+    ("prefill, then free", "A", list(range(1, 9))),
+    ("prefill, then free", "B", list(range(100, 112)) + [200]),
+    ("prefill, then free", "C", list(range(1, 10))),
+    ("prefill, then free", "D", list(range(1, 9))),
+    ("prefill, keep running", "E", list(range(100, 112)) + [201]),
+)
+
+
+def prefix_cache_scenario():
+    """Exercise 04.2's calls on a real `BlockSpaceManager` with prefix caching (block size 4,
+    5 GPU blocks, watermark 0): each request of `PREFIX_CACHE_CALLS` in order is looked up,
+    allocated and prefilled (its full blocks join the cache), and freed if the call says so.
+    Returns (the manager, {request: its sequence}, {request: cached tokens it reused})."""
+    from minivllm.core.block_manager import BlockSpaceManager
+    from minivllm.sequence import SequenceStatus
+    bm = BlockSpaceManager(4, 5, 0, watermark=0.0, enable_caching=True)
+    seqs, reused = {}, {}
+    for seq_id, (what, name, token_ids) in enumerate(PREFIX_CACHE_CALLS):
+        seq, group = _bm_seq(seq_id, token_ids, 4)
+        reused[name] = bm.get_num_cached_tokens(seq)
+        bm.allocate(group)
+        group.set_status(SequenceStatus.RUNNING)
+        seq.data.num_computed_tokens = reused[name]
+        group.update_num_computed_tokens(seq.get_len() - reused[name])
+        bm.mark_blocks_as_computed(group)
+        if what.endswith("free"):
+            bm.free(seq)
+            seq.status = SequenceStatus.FINISHED_STOPPED
+        seqs[name] = seq
+    return bm, seqs, reused
+
+
+def check_prefix_cache(prediction: dict[str, int]) -> bool:
+    """`prediction`: {request: prompt tokens the prefix cache gives it} for exercise 04.2."""
+    def cases(_):
+        _unwritten(prediction)
+        _, _, reused = prefix_cache_scenario()
+        got = dict(prediction)
+        for name, expected in reused.items():
+            _expect(got.get(name), expected, f"cached tokens of request {name}")
             yield
-    return _run("block_hashes", fn, cases)
+    return _run("prefix cache", None, cases)
+
+
+def check_num_cached_tokens(fn: Callable[[set, list[int], int], int]) -> bool:
+    """fn(cached_hashes, token_ids, block_size) -> how many leading prompt tokens the prefix
+    cache serves, as `BlockSpaceManager.get_num_cached_tokens` counts them: whole blocks
+    along the hash chain (`hash_block_tokens`), up to the first miss, never the block that
+    holds the last token. `cached_hashes`: the hashes of the blocks in the cache."""
+    from minivllm.core.block_manager import BlockSpaceManager
+    from minivllm.sequence import SequenceStatus
+
+    def cases(fn):
+        rng = random.Random(3)
+        for block_size in (4, 2, 1, 16):
+            bm = BlockSpaceManager(block_size, 256, 0, watermark=0.0, enable_caching=True)
+            base = [rng.randrange(1, 50) for _ in range(6 * block_size)]
+            seq, group = _bm_seq(0, base, block_size)  # the cached prompt: computed, kept
+            bm.allocate(group)
+            group.set_status(SequenceStatus.RUNNING)
+            group.update_num_computed_tokens(len(base))
+            bm.mark_blocks_as_computed(group)
+            cached, parent = set(), None
+            for start in range(0, len(base), block_size):
+                parent = hash_block_tokens(parent, tuple(base[start:start + block_size]))
+                cached.add(parent)
+            for n, tail in [(len(base), []), (4 * block_size, [7]), (3 * block_size + 1, [9, 9]),
+                            (2 * block_size, []), (0, [5] * (2 * block_size)), (1, [])]:
+                probe, _ = _bm_seq(1, base[:n] + tail, block_size)
+                if not probe.get_len():
+                    continue
+                _expect(fn(set(cached), probe.get_token_ids(), block_size), bm.get_num_cached_tokens(probe),
+                        f"block_size={block_size}, prompt = the cached prompt's first {n} tokens + {tail}")
+                yield
+    return _run("num_cached_tokens", fn, cases)
 
 
 # ================================================================ notebook 05: batching
