@@ -441,6 +441,35 @@ def check_batching_steps(fn: Callable[[list[int], int], tuple[int, int]]) -> boo
     return _run("batching_steps", fn, cases)
 
 
+# ================================================================ notebook 05: the real engine's steps
+FIRST_TOKEN_OUTPUT_LENS, FIRST_TOKEN_SLOTS = (5, 1, 3, 2), 2
+
+
+def first_token_scenario():
+    """Exercise 05.2's run: four 3-token prompts r0..r3 with output lengths 5, 1, 3, 2, all
+    arriving at step 0, through the real engine with `max_num_seqs = 2` (scripted model)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest(f"r{i}", [1, 2, 3], [n]) for i, n in enumerate(FIRST_TOKEN_OUTPUT_LENS)]
+    return Simulator(SchedulerConfig(max_num_seqs=FIRST_TOKEN_SLOTS, max_model_len=64),
+                     CacheConfig(block_size=4, num_gpu_blocks=32)).run(requests)
+
+
+def check_first_token_steps(prediction: tuple[list[int], int]) -> bool:
+    """`prediction`: ([the step (from 0) at which each of r0..r3 gets its first token], the
+    number of steps the whole run takes) for exercise 05.2."""
+    def cases(_):
+        _unwritten(prediction)
+        result = first_token_scenario()
+        firsts = [result.results[f"r{i}"].first_token_step for i in range(len(FIRST_TOKEN_OUTPUT_LENS))]
+        got = tuple(prediction)
+        _expect(list(got[0]), firsts, "first-token step of r0..r3")
+        yield
+        _expect(got[1], len(result.snapshots), "steps of the whole run")
+        yield
+    return _run("first-token steps", None, cases)
+
+
 # ================================================================ notebook 06: the token budget
 def check_admit(fn: Callable[[list[int], int, int], list[int]]) -> bool:
     """fn(prompt_lengths, max_num_batched_tokens, max_num_seqs) -> indices admitted this step:
