@@ -490,6 +490,37 @@ def check_admit(fn: Callable[[list[int], int, int], list[int]]) -> bool:
     return _run("admit", fn, cases)
 
 
+# ================================================================ notebook 06: budget and slots
+STEP_ADMISSION_PROMPT_LENS = (30, 30, 20, 10)
+
+
+def step_admission_scenario():
+    """Exercise 06.2's run: prompts of 30, 30, 20 and 10 tokens (r0..r3), five output tokens
+    each, all waiting at step 0; `max_num_seqs=3`, `max_num_batched_tokens=64`, a pool large
+    enough that memory never binds (real engine, scripted model)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest(f"r{i}", list(range(1, p + 1)), [5]) for i, p in enumerate(STEP_ADMISSION_PROMPT_LENS)]
+    config = SchedulerConfig(max_num_seqs=3, max_num_batched_tokens=64, max_model_len=64)
+    return Simulator(config, CacheConfig(block_size=4, num_gpu_blocks=64)).run(requests)
+
+
+def check_step_admission(prediction: tuple[list[list[str]], int]) -> bool:
+    """`prediction`: ([the requests in the batch of steps 0, 1 and 2, each a list in batch
+    order], the step at which r3's prompt runs) for exercise 06.2."""
+    def cases(_):
+        _unwritten(prediction)
+        snapshots = step_admission_scenario().snapshots
+        got = tuple(prediction)
+        for step in range(3):
+            _expect(list(got[0][step]), [e.request_id for e in snapshots[step].batch], f"the batch of step {step}")
+            yield
+        r3 = next(s.step for s in snapshots if any(e.request_id == "r3" for e in s.batch))
+        _expect(got[1], r3, "the step that runs r3's prompt")
+        yield
+    return _run("step admission", None, cases)
+
+
 # ================================================================ notebook 07: preemption
 def check_choose_victim(fn: Callable[[list[str]], str]) -> bool:
     """fn(running) -> the request vLLM v0 preempts first; `running` is the running queue in
