@@ -522,14 +522,38 @@ def check_step_admission(prediction: tuple[list[list[str]], int]) -> bool:
 
 
 # ================================================================ notebook 07: preemption
-def check_choose_victim(fn: Callable[[list[str]], str]) -> bool:
-    """fn(running) -> the request vLLM v0 preempts first; `running` is the running queue in
-    scheduling order (FCFS: earliest arrival first)."""
-    def cases(fn):
-        for running in (["a", "b", "c"], ["r7"], ["x", "y"]):
-            _expect(fn(list(running)), running[-1], f"running queue {running}")
-            yield
-    return _run("choose_victim", fn, cases)
+PREEMPTION_PROMPTS = {"A": (6, 0), "B": (7, 1), "C": (3, 2)}  # request -> (prompt tokens, arrival step)
+
+
+def preemption_scenario():
+    """Exercise 07.1's run: A, B, C (prompts of 6, 7 and 3 tokens, arriving at steps 0, 1, 2,
+    nine output tokens each) on a pool of 8 GPU blocks of 4 tokens (real engine, scripted
+    model, default preemption mode)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest(name, [i + 1] * p, [9], arrival_step=t)
+                for i, (name, (p, t)) in enumerate(PREEMPTION_PROMPTS.items())]
+    return Simulator(SchedulerConfig(max_num_seqs=8, max_model_len=64),
+                     CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8)).run(requests)
+
+
+def check_preemption(prediction: tuple[str, int, int]) -> bool:
+    """`prediction`: (the request preempted first, the step at which it is preempted, the
+    tokens its prefill computes when it runs again) for exercise 07.1."""
+    def cases(_):
+        _unwritten(prediction)
+        snapshots = preemption_scenario().snapshots
+        at = next(s for s in snapshots if s.preempted_by_recompute or s.preempted_by_swap)
+        victim = (at.preempted_by_recompute + at.preempted_by_swap)[0]
+        again = next(e for s in snapshots[at.step + 1:] for e in s.batch if e.request_id == victim)
+        got = tuple(prediction)
+        _expect(got[0], victim, "the first victim")
+        yield
+        _expect(got[1], at.step, f"the step at which {victim} is preempted")
+        yield
+        _expect(got[2], again.num_tokens, f"the tokens {victim}'s prefill computes when it runs again")
+        yield
+    return _run("preemption", None, cases)
 
 
 def check_preemption_mode(fn: Callable[[int, str | None], str]) -> bool:
