@@ -587,6 +587,34 @@ def check_chunked_step(fn: Callable[[int, list[int], int], list[int]]) -> bool:
     return _run("chunked_step", fn, cases)
 
 
+# ================================================================ notebook 08: chunked prefill over steps
+def chunked_prefill_scenario():
+    """Exercise 08.2's run: three chats (4-token prompts, 12 output tokens) from step 0, a
+    40-token document (3 output tokens) arriving at step 2; chunked prefill with
+    `max_num_batched_tokens=16` (real engine, scripted model)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest(f"c{i}", [1, 2, 3, 4], [12]) for i in range(3)]
+    requests.append(SimRequest("doc", list(range(1, 41)), [3], arrival_step=2))
+    config = SchedulerConfig(max_num_seqs=8, max_model_len=64, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    return Simulator(config, CacheConfig(block_size=4, num_gpu_blocks=64)).run(requests)
+
+
+def check_chunked_prefill(prediction: tuple[list[int], int]) -> bool:
+    """`prediction`: ([the prompt tokens of the document in each step that prefills it, in
+    order], the step at which the document gets its first token) for exercise 08.2."""
+    def cases(_):
+        _unwritten(prediction)
+        result = chunked_prefill_scenario()
+        chunks = [e.num_tokens for s in result.snapshots for e in s.batch if e.request_id == "doc" and e.is_prefill]
+        got = tuple(prediction)
+        _expect(list(got[0]), chunks, "the document's prompt chunks")
+        yield
+        _expect(got[1], result.results["doc"].first_token_step, "the step of the document's first token")
+        yield
+    return _run("chunked prefill", None, cases)
+
+
 # ================================================================ notebook 09: RoPE
 def check_rope_angle(fn: Callable[[int, int, int, float], float]) -> bool:
     """fn(position, pair_index, head_dim, base) -> the rotation angle of that pair."""
