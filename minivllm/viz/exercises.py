@@ -616,17 +616,58 @@ def check_chunked_prefill(prediction: tuple[list[int], int]) -> bool:
 
 
 # ================================================================ notebook 09: RoPE
-def check_rope_angle(fn: Callable[[int, int, int, float], float]) -> bool:
-    """fn(position, pair_index, head_dim, base) -> the rotation angle of that pair."""
+def check_llama3_inv_freq(fn: Callable) -> bool:
+    """fn(inv_freq, factor, low_freq_factor, high_freq_factor, original_max_position_embeddings)
+    -> Llama 3.1's scaled inv_freq [head_dim / 2], as `compute_inv_freq(..., rope_type="llama3")`."""
+    from minivllm.model_executor.layers.rotary_embedding import compute_inv_freq
+
     def cases(fn):
-        for args in [(0, 0, 64, 10000.0), (1, 0, 64, 10000.0), (5, 3, 64, 10000.0), (100, 31, 64, 500000.0)]:
-            pos, i, d, base = args
-            expected = pos * base ** (-2 * i / d)
-            got = fn(*args)
-            if not math.isclose(got, expected, rel_tol=1e-9, abs_tol=1e-12):
-                raise _Wrong(f"position, pair, head_dim, base = {args}: expected {expected:.6g}, got {got!r}")
+        for head_dim, theta, factor, low, high, context in [(128, 500000.0, 8.0, 1.0, 4.0, 8192),
+                                                            (64, 10000.0, 4.0, 1.0, 4.0, 2048),
+                                                            (128, 500000.0, 32.0, 1.0, 4.0, 8192),
+                                                            (32, 10000.0, 8.0, 2.0, 8.0, 64)]:
+            plain = compute_inv_freq(head_dim, {"rope_type": "default", "rope_theta": theta})
+            expected = compute_inv_freq(head_dim, {"rope_type": "llama3", "rope_theta": theta, "factor": factor,
+                                                   "low_freq_factor": low, "high_freq_factor": high,
+                                                   "original_max_position_embeddings": context}).double()
+            got = torch.as_tensor(fn(plain.clone(), factor, low, high, context), dtype=torch.float64)
+            what = f"head_dim={head_dim}, theta={theta:g}, factor={factor:g}, low={low:g}, high={high:g}, context={context}"
+            _expect_close(got / expected, torch.ones_like(expected), what + ": your inv_freq / the real one", atol=1e-5)
             yield
-    return _run("rope_angle", fn, cases)
+    return _run("llama3_inv_freq", fn, cases)
+
+
+ROPE_SHIFT_REFERENCE, ROPE_SHIFT_CANDIDATES = (7, 3), ((4, 0), (3, 7), (107, 103), (8, 4), (8, 3), (14, 6))
+
+
+def rope_shift_scores() -> dict[tuple[int, int], float]:
+    """Exercise 09.2: the score q·k of one random query and key, rotated by the real
+    `RotaryEmbedding` (head_dim 32, θ = 10000) at positions (m, n), for the reference pair
+    and every candidate."""
+    from minivllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+    rope = RotaryEmbedding(32, 256, {"rope_type": "default", "rope_theta": 10000.0})
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 1, 32, generator=gen), torch.randn(1, 1, 32, generator=gen)
+    scores = {}
+    for m, n in (ROPE_SHIFT_REFERENCE, *ROPE_SHIFT_CANDIDATES):
+        q_m, _ = rope(torch.tensor([m]), q, k)
+        _, k_n = rope(torch.tensor([n]), q, k)
+        scores[(m, n)] = float((q_m * k_n).sum())
+    return scores
+
+
+def check_rope_shift(prediction: set) -> bool:
+    """`prediction`: the candidate (m, n) pairs of exercise 09.2 whose score equals the score
+    at the reference positions (7, 3)."""
+    def cases(_):
+        _unwritten(prediction)
+        scores = rope_shift_scores()
+        reference = scores[ROPE_SHIFT_REFERENCE]
+        expected = {pair for pair in ROPE_SHIFT_CANDIDATES if math.isclose(scores[pair], reference, abs_tol=1e-4)}
+        got = {tuple(pair) for pair in prediction}
+        _expect(sorted(got), sorted(expected), "the pairs with the score of (7, 3)")
+        yield
+    return _run("rope shift", None, cases)
 
 
 # ================================================================ notebook 10: the gather
