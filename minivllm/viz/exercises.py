@@ -760,9 +760,10 @@ def check_online_softmax_lse(fn: Callable) -> bool:
 
 
 def check_merge_partials(fn: Callable) -> bool:
-    """fn(outs [S, d], maxes [S], sums [S]) -> [d]: merge the splits of split-KV (v2) attention.
-    Split s attended to its own range of tokens and returned its *normalised* output outs[s], its
-    max score maxes[s] and its sum of exp(score - maxes[s]) sums[s]. An empty split has max -inf."""
+    """fn(accs [S, d], maxes [S], sums [S]) -> [d]: merge the splits of split-KV attention.
+    Split s attended to its own range of tokens and kept section 3's raw state: its max score
+    maxes[s], its sum of exp(score - maxes[s]) sums[s] and its *unnormalised* accumulator
+    accs[s] = sum of exp(score - maxes[s]) * v. An empty split has max -inf, sum 0, acc 0."""
     def cases(fn):
         gen = torch.Generator().manual_seed(1)
         for n, splits in [(12, 3), (40, 4), (7, 1), (9, 4)]:
@@ -776,7 +777,7 @@ def check_merge_partials(fn: Callable) -> bool:
                     continue  # an empty split: nothing to attend to
                 maxes[s] = scores[part].max()
                 weights = torch.exp(scores[part] - maxes[s])
-                sums[s], outs[s] = weights.sum(), weights @ v[part] / weights.sum()
+                sums[s], outs[s] = weights.sum(), weights @ v[part]  # unnormalised: acc, not acc / l
             _expect_close(fn(outs, maxes, sums), _dense(q, k, v, 1.0), f"{n} tokens in {splits} splits")
             yield
     return _run("merge_partials", fn, cases)
