@@ -34,6 +34,7 @@ from minivllm.engine.metrics import EngineStatsMixin, StatLoggerBase, Stats
 from minivllm.engine.output_processor import SequenceGroupOutputProcessor, StopChecker
 from minivllm.engine.profiler import EngineProfilerMixin
 from minivllm.engine.prompt_logprobs import record_prompt_logprobs
+from minivllm.engine.startup_log import StartupTimer
 from minivllm.engine.step_observer import StepObserver, StepObserverMixin
 from minivllm.executor import get_executor_class
 from minivllm.executor.distributed_executor import WorkerDiedError
@@ -59,6 +60,7 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
     mode_scheduler: type[Scheduler] = Scheduler  # the scheduler class this engine's mode needs
 
     def __init__(self, engine_config: EngineConfig, executor_class: type[ExecutorBase] | None = None) -> None:
+        startup = StartupTimer()  # where start-up time goes: one INFO line at the end
         load_general_plugins()  # `minivllm.general_plugins` entry points, once per process
         _check_engine_class(self, engine_config)
         self.engine_config = engine_config
@@ -72,9 +74,11 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
         self.seq_counter = itertools.count()
+        startup.lap("tokenizer")
         # None: the one `distributed_executor_backend` names (uni, mp or ray).
         self.model_executor = (executor_class or get_executor_class(engine_config))(engine_config)
-        self._initialize_kv_caches()
+        startup.lap("workers and weights")
+        self._initialize_kv_caches(startup)
         self.scheduler = self._make_scheduler()
         self._loras = LoRAAdapters(engine_config.lora_config, self.model_config.hf_config)
         stop_checker = StopChecker(self.scheduler_config.max_model_len, self.eos_token_id)
@@ -85,6 +89,7 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         self.step_counter = 0
         # Requests finished or aborted since the last step: workers drop their state.
         self._finished_requests_ids: list[str] = []
+        startup.log(logger)
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "LLMEngine":
@@ -106,10 +111,12 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
             raise ValueError(f"scheduler_cls must be a subclass of {self.mode_scheduler.__name__}, got {cls!r}.")
         return cls
 
-    def _initialize_kv_caches(self) -> None:
+    def _initialize_kv_caches(self, startup: StartupTimer) -> None:
         """Profile, then size both pools, recorded in a new cache config (the executor's stays)."""
         num_gpu_blocks, num_cpu_blocks = self.model_executor.determine_num_available_blocks()
+        startup.lap("profile run")
         self.model_executor.initialize_cache(num_gpu_blocks, num_cpu_blocks)
+        startup.lap("KV cache and graphs")
         self.cache_config = dataclasses.replace(self.cache_config, num_gpu_blocks=num_gpu_blocks,
                                                 num_cpu_blocks=num_cpu_blocks)
         self.engine_config = dataclasses.replace(self.engine_config, cache_config=self.cache_config)

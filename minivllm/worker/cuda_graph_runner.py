@@ -16,6 +16,7 @@ prefill is compute-bound anyway (big matmuls hide the launch cost).
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -44,6 +45,7 @@ class CUDAGraphModelRunner(ModelRunner):
     @torch.inference_mode()
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
         """Capture one decode graph per batch size in `graph_batch_sizes()`."""
+        start = time.perf_counter()
         sizes = self.graph_batch_sizes()
         max_model_len = self.scheduler_config.max_model_len
         buffers = _GraphBuffers(max(sizes), -(-max_model_len // self.block_size), self.device)
@@ -53,7 +55,9 @@ class CUDAGraphModelRunner(ModelRunner):
             runner = CUDAGraphRunner(self.model, kv_caches, buffers, batch_size, max_model_len)
             pool = runner.capture(pool)
             self.graph_runners[batch_size] = runner
-        logger.info("captured CUDA graphs for decode batch sizes %s", sizes)
+        # Each capture's warm-up pass compiles (or loads) the Triton kernels of its batch size.
+        logger.info("captured CUDA graphs for %d decode batch sizes %s in %.2f s", len(sizes), sizes,
+                    time.perf_counter() - start)
 
     def graph_batch_sizes(self) -> list[int]:
         limit = self.scheduler_config.max_num_seqs

@@ -1,0 +1,39 @@
+"""The engine's start-up line: one INFO line per engine, naming its phases in order with their seconds."""
+
+import logging
+import re
+
+from minivllm.engine.arg_utils import EngineArgs
+from minivllm.engine.llm_engine import LLMEngine
+from minivllm.engine.startup_log import StartupTimer
+
+PHASES = ["tokenizer", "workers and weights", "profile run", "KV cache and graphs"]
+LINE = re.compile(r"start-up (\d+\.\d+) s: (.*)")
+
+
+def test_a_cpu_engine_logs_its_start_up_phases(checkpoint_dirs, caplog):
+    path, _ = checkpoint_dirs["llama"]
+    with caplog.at_level(logging.INFO, logger="minivllm"):
+        LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, max_model_len=64))
+    lines = [r.getMessage() for r in caplog.records if r.name == "minivllm.engine.llm_engine"
+             and r.getMessage().startswith("start-up ")]
+    assert len(lines) == 1, lines
+    total, listed = LINE.fullmatch(lines[0]).groups()
+    phases = [re.fullmatch(r"(.+) (\d+\.\d+) s", part).groups() for part in listed.split(", ")]
+    assert [name for name, _ in phases] == PHASES
+    seconds = [float(s) for _, s in phases]
+    assert all(s >= 0 for s in seconds)
+    assert sum(seconds) <= float(total) + 0.01 * len(seconds)  # each printed to 0.01 s
+
+
+def test_laps_split_the_time_into_consecutive_phases(monkeypatch, caplog):
+    clock = iter([10.0, 10.5, 12.0, 12.25])
+    monkeypatch.setattr("minivllm.engine.startup_log.time.perf_counter", lambda: next(clock))
+    timer = StartupTimer()
+    timer.lap("a")
+    timer.lap("b")
+    logger = logging.getLogger("minivllm.test_startup")
+    with caplog.at_level(logging.INFO, logger="minivllm.test_startup"):
+        timer.log(logger)
+    assert timer.phases == {"a": 0.5, "b": 1.5}
+    assert caplog.records[-1].getMessage() == "start-up 2.25 s: a 0.50 s, b 1.50 s"
