@@ -694,7 +694,7 @@ def check_gather_window(fn: Callable[[torch.Tensor, list[int], int, int], torch.
 NAN_PROBE_SLOTS = (29, 38, 10, 1)
 
 
-def nan_key_probe(slot: int) -> tuple[list[int], list[int]]:
+def nan_key_scenario(slot: int) -> tuple[list[int], list[int]]:
     """Notebook 10's cache (blocks of 4, block tables [[7, 2], [0, 9, 4], [5]], 5, 9 and 3
     tokens) with the key in `slot` set to NaN: (the sequences whose decode output turns NaN, the
     rows of section 6's prefill batch that turn NaN), from the "torch" backend's kernels."""
@@ -719,14 +719,14 @@ def nan_key_probe(slot: int) -> tuple[list[int], list[int]]:
 
 def check_nan_key_probe(prediction: dict[int, tuple[list[int], list[int]]]) -> bool:
     """`prediction`: for each slot of NAN_PROBE_SLOTS, (the decode sequences, the prefill rows)
-    whose output turns NaN when that slot's key is NaN (see `nan_key_probe`)."""
+    whose output turns NaN when that slot's key is NaN (see `nan_key_scenario`)."""
     def cases(_):
         _unwritten(prediction)
         for slot in NAN_PROBE_SLOTS:
             if slot not in prediction:
                 raise _Wrong(f"no prediction for slot {slot}")
             decode, prefill = prediction[slot]
-            _expect((sorted(decode), sorted(prefill)), nan_key_probe(slot),
+            _expect((sorted(decode), sorted(prefill)), nan_key_scenario(slot),
                     f"slot {slot}: (decode sequences, prefill rows) that turn NaN")
             yield
     return _run("nan_key_probe", None, cases)
@@ -843,7 +843,7 @@ def check_flat_batch(fn: Callable[[list[tuple[int, int, int]]], tuple]) -> bool:
     return _run("flat_batch", fn, cases)
 
 
-def cpu_pool_blocks(max_model_len: int, max_num_seqs: int = 3, space_gib: str = "0.002") -> int:
+def cpu_pool_scenario(max_model_len: int, max_num_seqs: int = 3, space_gib: str = "0.002") -> int:
     """The GPU-block count of an engine built on this CPU with MINIVLLM_CPU_KVCACHE_SPACE=space_gib
     (the bundled model, fp32, blocks of 16): what `Worker.determine_num_available_blocks` gives."""
     import os
@@ -870,7 +870,7 @@ def check_cpu_pool(prediction: dict[int, int]) -> bool:
         _unwritten(prediction)
         for max_model_len in (100, 1000):
             _expect(prediction.get(max_model_len) if isinstance(prediction, dict) else prediction,
-                    cpu_pool_blocks(max_model_len), f"num_gpu_blocks with max_model_len={max_model_len}")
+                    cpu_pool_scenario(max_model_len), f"num_gpu_blocks with max_model_len={max_model_len}")
             yield
     return _run("cpu_pool", None, cases)
 
@@ -936,7 +936,7 @@ def check_latency_metrics(fn: Callable[[float, list[float]], tuple[float, float]
 MULTI_STEP_MAX_TOKENS = {"a": 5, "b": 20, "c": 9, "d": 1}
 
 
-def multi_step_tokens(max_tokens: dict[str, int] = MULTI_STEP_MAX_TOKENS) -> dict[str, list[int]]:
+def multi_step_scenario(max_tokens: dict[str, int] = MULTI_STEP_MAX_TOKENS) -> dict[str, list[int]]:
     """request -> the tokens each engine step added to it (steps where it got none left out), for
     greedy requests with these max_tokens on the bundled model, num_scheduler_steps=8."""
     from minivllm import EngineArgs, LLMEngine, SamplingParams
@@ -958,10 +958,10 @@ def multi_step_tokens(max_tokens: dict[str, int] = MULTI_STEP_MAX_TOKENS) -> dic
 
 def check_multi_step_tokens(prediction: dict[str, list[int]]) -> bool:
     """`prediction`: request -> the new tokens each engine step gives it (MULTI_STEP_MAX_TOKENS,
-    num_scheduler_steps=8), checked against a real engine (`multi_step_tokens`)."""
+    num_scheduler_steps=8), checked against a real engine (`multi_step_scenario`)."""
     def cases(_):
         _unwritten(prediction)
-        expected = multi_step_tokens()
+        expected = multi_step_scenario()
         for request_id, n in MULTI_STEP_MAX_TOKENS.items():
             got = prediction.get(request_id) if isinstance(prediction, dict) else prediction
             _expect(list(got) if isinstance(got, (list, tuple)) else got, expected[request_id],
@@ -1005,7 +1005,7 @@ def check_text_to_return(fn: Callable[[str, int, int, bool], tuple[str, int]]) -
     return _run("text_to_return", fn, cases)
 
 
-def delta_stream_texts(stop: list[str]) -> list[str]:
+def delta_stream_scenario(stop: list[str]) -> list[str]:
     """The text of each DELTA output of notebook 15's greedy request ("ROMEO:", max_tokens=8)
     with these stop strings, from a real engine on the bundled model."""
     from minivllm import EngineArgs, LLMEngine, SamplingParams
@@ -1022,10 +1022,10 @@ def delta_stream_texts(stop: list[str]) -> list[str]:
 
 def check_delta_stream(prediction: list[str]) -> bool:
     """`prediction`: the text of every DELTA output, step by step, of notebook 15's request
-    with stop=[" man"], checked against a real engine (`delta_stream_texts`)."""
+    with stop=[" man"], checked against a real engine (`delta_stream_scenario`)."""
     def cases(_):
         _unwritten(prediction)
-        _expect(list(prediction) if isinstance(prediction, (list, tuple)) else prediction, delta_stream_texts([" man"]),
+        _expect(list(prediction) if isinstance(prediction, (list, tuple)) else prediction, delta_stream_scenario([" man"]),
                 'the DELTA texts with stop=[" man"]')
         yield
     return _run("delta_stream", None, cases)
@@ -1077,7 +1077,7 @@ def check_vocab_parallel_lookup(fn: Callable[[torch.Tensor, torch.Tensor, int], 
     return _run("vocab_parallel_lookup", fn, cases)
 
 
-def tp_shapes(tp: int) -> tuple[int, int]:
+def tp_shapes_scenario(tp: int) -> tuple[int, int]:
     """(rows of one rank's qkv_proj weight, KV-cache bytes per token summed over all tp ranks)
     for the bundled model in fp32, from `ModelConfig` and `CacheEngine.get_cache_block_size`."""
     from minivllm.config import ModelConfig, ParallelConfig
@@ -1091,12 +1091,12 @@ def tp_shapes(tp: int) -> tuple[int, int]:
 
 def check_tp_shapes(prediction: dict[int, tuple[int, int]]) -> bool:
     """`prediction`: tp -> (rows of a rank's qkv_proj weight, KV bytes per token over all ranks)
-    for tp = 1, 2, 4, 8 (`tp_shapes`)."""
+    for tp = 1, 2, 4, 8 (`tp_shapes_scenario`)."""
     def cases(_):
         _unwritten(prediction)
         for tp in (1, 2, 4, 8):
             got = prediction.get(tp) if isinstance(prediction, dict) else prediction
-            _expect(tuple(got) if isinstance(got, (list, tuple)) else got, tp_shapes(tp),
+            _expect(tuple(got) if isinstance(got, (list, tuple)) else got, tp_shapes_scenario(tp),
                     f"tp={tp}: (qkv_proj rows per rank, KV bytes per token over all ranks)")
             yield
     return _run("tp_shapes", None, cases)
@@ -1110,7 +1110,7 @@ LOOKUPS = {"the same prompt": STORED_PROMPT, "its first 24 tokens": STORED_PROMP
            "the prompt and 13 more tokens": STORED_PROMPT + list(range(200, 213))}
 
 
-def tokens_loaded(block_size: int = 8) -> dict[str, int]:
+def tokens_loaded_scenario(block_size: int = 8) -> dict[str, int]:
     """LOOKUPS name -> the tokens an engine loads from a SharedStorageConnector store that one
     engine filled with STORED_PROMPT (the consumer's `num_cached_tokens`; blocks of 8)."""
     import tempfile
@@ -1137,10 +1137,10 @@ def tokens_loaded(block_size: int = 8) -> dict[str, int]:
 
 
 def check_tokens_loaded(prediction: dict[str, int]) -> bool:
-    """`prediction`: LOOKUPS name -> tokens loaded from the store (`tokens_loaded`)."""
+    """`prediction`: LOOKUPS name -> tokens loaded from the store (`tokens_loaded_scenario`)."""
     def cases(_):
         _unwritten(prediction)
-        expected = tokens_loaded()
+        expected = tokens_loaded_scenario()
         for name in LOOKUPS:
             _expect(prediction.get(name) if isinstance(prediction, dict) else prediction, expected[name],
                     f"tokens loaded for {name}")
@@ -1184,7 +1184,7 @@ GREEDY_STEPS = {  # case -> (the draft's k = 4 guesses, the target's arg-max at 
 }
 
 
-def greedy_step_tokens(guesses: list[int], target_argmax: list[int], vocab: int = 10) -> list[int]:
+def greedy_step_scenario(guesses: list[int], target_argmax: list[int], vocab: int = 10) -> list[int]:
     """The tokens `RejectionSampler` emits for one sequence with greedy (one-hot) target
     distributions and a deterministic draft (one-hot q)."""
     from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
@@ -1197,12 +1197,12 @@ def greedy_step_tokens(guesses: list[int], target_argmax: list[int], vocab: int 
 
 
 def check_greedy_step(prediction: dict[str, list[int]]) -> bool:
-    """`prediction`: GREEDY_STEPS case -> the tokens the step emits (`greedy_step_tokens`)."""
+    """`prediction`: GREEDY_STEPS case -> the tokens the step emits (`greedy_step_scenario`)."""
     def cases(_):
         _unwritten(prediction)
         for name, (guesses, argmax) in GREEDY_STEPS.items():
             got = prediction.get(name) if isinstance(prediction, dict) else prediction
-            _expect(list(got) if isinstance(got, (list, tuple)) else got, greedy_step_tokens(guesses, argmax),
+            _expect(list(got) if isinstance(got, (list, tuple)) else got, greedy_step_scenario(guesses, argmax),
                     f"case {name!r}: guesses {guesses}, target arg-max {argmax}: tokens emitted")
             yield
     return _run("greedy_step", None, cases)
@@ -1232,7 +1232,7 @@ def check_ngram_lookup(fn: Callable[[list[int], int, int, int], list[int]]) -> b
 LORA_QUEUE = [1, 2, 1, 3, 0, 2, 3, 4]  # the adapter id of each waiting request, in arrival order (0: base model)
 
 
-def first_batch(max_loras: int, queue: list[int] = LORA_QUEUE) -> list[int]:
+def first_batch_scenario(max_loras: int, queue: list[int] = LORA_QUEUE) -> list[int]:
     """The requests (their index in `queue`) the real `Scheduler` puts in its first batch, with
     LoRA's `max_loras` slots and room for every request otherwise."""
     from minivllm.config import CacheConfig, LoRAConfig, SchedulerConfig
@@ -1252,12 +1252,12 @@ def first_batch(max_loras: int, queue: list[int] = LORA_QUEUE) -> list[int]:
 
 
 def check_first_batch(prediction: dict[int, list[int]]) -> bool:
-    """`prediction`: max_loras -> the requests of LORA_QUEUE in the first batch (`first_batch`)."""
+    """`prediction`: max_loras -> the requests of LORA_QUEUE in the first batch (`first_batch_scenario`)."""
     def cases(_):
         _unwritten(prediction)
         for max_loras in (1, 2, 3):
             got = prediction.get(max_loras) if isinstance(prediction, dict) else prediction
-            _expect(sorted(got) if isinstance(got, (list, tuple)) else got, first_batch(max_loras),
+            _expect(sorted(got) if isinstance(got, (list, tuple)) else got, first_batch_scenario(max_loras),
                     f"max_loras={max_loras}, adapters {LORA_QUEUE}: the requests in the first batch")
             yield
     return _run("first_batch", None, cases)
