@@ -556,16 +556,32 @@ def check_preemption(prediction: tuple[str, int, int]) -> bool:
     return _run("preemption", None, cases)
 
 
-def check_preemption_mode(fn: Callable[[int, str | None], str]) -> bool:
-    """fn(num_running_seqs_in_group, user_mode) -> "recompute" | "swap" (vLLM v0's default rule:
-    a group of one sequence is recomputed, several are swapped; a user mode applies only to
-    one-sequence groups)."""
-    def cases(fn):
-        for args, expected in [((1, None), "recompute"), ((3, None), "swap"), ((1, "swap"), "swap"),
-                               ((4, "recompute"), "swap"), ((1, "recompute"), "recompute")]:
-            _expect(fn(*args), expected, f"num_running_seqs, preemption_mode = {args}")
+def swap_scenario():
+    """Exercise 07.2's run: A (a 6-token prompt, 12 output tokens) at step 0, B (an 8-token
+    prompt, n = 2 samples of 12 tokens) at step 1, on 8 GPU and 8 CPU blocks of 4 tokens (real
+    engine, scripted model, default preemption mode)."""
+    from minivllm.config import CacheConfig, SchedulerConfig
+    from minivllm.viz.sim import SimRequest, Simulator
+    requests = [SimRequest("A", [1] * 6, [12]), SimRequest("B", [2] * 8, [12, 12], arrival_step=1)]
+    return Simulator(SchedulerConfig(max_num_seqs=8, max_model_len=64),
+                     CacheConfig(block_size=4, num_gpu_blocks=8, num_cpu_blocks=8)).run(requests)
+
+
+def check_swap(prediction: tuple[str, str, int, int]) -> bool:
+    """`prediction`: (the first request preempted, "recompute" or "swap", the blocks copied to
+    the CPU pool, the step) for exercise 07.2."""
+    def cases(_):
+        _unwritten(prediction)
+        at = next(s for s in swap_scenario().snapshots if s.preempted_by_recompute or s.preempted_by_swap)
+        mode = "swap" if at.preempted_by_swap else "recompute"
+        victim = (at.preempted_by_swap + at.preempted_by_recompute)[0]
+        got = tuple(prediction)
+        for index, (expected, what) in enumerate([(victim, "the first victim"), (mode, f"how {victim} is preempted"),
+                                                  (len(at.blocks_to_swap_out), "the blocks copied to the CPU pool"),
+                                                  (at.step, "the step of the preemption")]):
+            _expect(got[index], expected, what)
             yield
-    return _run("preemption_mode", fn, cases)
+    return _run("swap", None, cases)
 
 
 # ================================================================ notebook 08: chunked prefill
