@@ -25,6 +25,7 @@ sys.path.insert(0, str(BENCHMARKS))
 try:
     import common  # noqa: E402
     import nano_vllm_workload  # noqa: E402
+    import startup  # noqa: E402
 finally:
     sys.path.remove(str(BENCHMARKS))
 
@@ -237,3 +238,35 @@ def test_gpu_tag_names_a_result_for_its_machine():
     assert common.gpu_tag(None) == "cpu"
     env = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1}
     assert common.result_path("throughput", env, Path("out")) == Path("out/throughput_h100.json")
+
+
+def test_startup_reads_the_engine_log_and_charges_each_triton_build_to_its_phase():
+    logged_at = 1000.0  # the start-up line's time: the engine started 4 s before it, at 996
+    messages = [(998.0, "captured CUDA graphs for 3 decode batch sizes [1, 2, 4] in 1.25 s"),
+                (logged_at, "start-up 4.00 s: tokenizer 0.50 s, workers and weights 1.00 s, profile run 1.00 s, "
+                            "KV cache and graphs 1.50 s")]
+    found = startup.parse_engine_log(messages)
+    assert found["engine_startup_s"] == 4.0 and found["graph_capture_s"] == 1.25 and found["graph_batch_sizes"] == 3
+    assert found["phases_s"] == {"tokenizer": 0.5, "workers and weights": 1.0, "profile run": 1.0,
+                                 "KV cache and graphs": 1.5}
+    builds = [("a", 995.0, 0.1), ("b", 997.6, 0.3), ("c", 998.0, 0.2), ("d", 999.0, 0.5)]
+    assert startup.builds_by_phase(builds, found) == {"config": 0.1, "profile run": 0.5, "KV cache and graphs": 0.5}
+
+
+def test_startup_smoke_end_to_end(tmp_path):
+    """benchmarks/startup.py --smoke: both cases in fresh processes on the bundled model, LLM() split
+    into the engine's logged phases, a markdown table."""
+    run = subprocess.run([sys.executable, str(BENCHMARKS / "startup.py"), "--smoke", "--out", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    report = json.loads((tmp_path / "startup_cpu.json").read_text())
+    assert list(report["cases"]) == ["empty", "filled"]
+    for case in report["cases"].values():
+        assert "error" not in case, case
+        assert list(case["phases_s"]) == ["config", "tokenizer", "workers and weights", "profile run",
+                                          "KV cache and graphs"]
+        assert all(s >= 0 for s in case["phases_s"].values())
+        assert 0 < case["import_s"] < case["first_token_s"] and case["llm_s"] >= case["engine_startup_s"] > 0
+        assert case["import_s"] + case["llm_s"] + case["generate_s"] <= case["first_token_s"]
+    table = (tmp_path / "startup_cpu.md").read_text()
+    assert "| empty |" in table and "| filled |" in table and "workers and weights" in table
