@@ -207,11 +207,14 @@ class TritonBuildTimer:
 
 
 def summarize(builds: list[tuple[str, float, float]]) -> dict:
-    """{"count", "seconds", "kernels": {name: builds}}."""
-    kernels: dict[str, int] = {}
-    for name, _, _ in builds:
-        kernels[name] = kernels.get(name, 0) + 1
-    return {"count": len(builds), "seconds": round(sum(s for _, _, s in builds), 2), "kernels": kernels}
+    """{"count", "seconds", "kernels": {name: [builds, seconds]}}, the slowest kernels first."""
+    kernels: dict[str, list] = {}
+    for name, _, seconds in builds:
+        entry = kernels.setdefault(name, [0, 0.0])
+        entry[0], entry[1] = entry[0] + 1, entry[1] + seconds
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
+    return {"count": len(builds), "seconds": round(sum(s for _, _, s in builds), 2),
+            "kernels": {name: [n, round(s, 3)] for name, (n, s) in ranked}}
 
 
 # --------------------------------------------------------------------------- the table

@@ -270,3 +270,22 @@ def test_startup_smoke_end_to_end(tmp_path):
         assert case["import_s"] + case["llm_s"] + case["generate_s"] <= case["first_token_s"]
     table = (tmp_path / "startup_cpu.md").read_text()
     assert "| empty |" in table and "| filled |" in table and "workers and weights" in table
+
+
+def test_startup_times_triton_builds_through_its_jit_hooks():
+    """The hooks as Triton calls them (keyword arguments; the cache hook's False lets the build go on)."""
+    from types import SimpleNamespace
+
+    knobs = pytest.importorskip("triton").knobs
+    previous = knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook
+    try:
+        timer = startup.TritonBuildTimer()
+        assert timer.installed and knobs.runtime.jit_cache_hook == timer.before
+        assert knobs.runtime.jit_cache_hook(key="k", repr="r", fn=SimpleNamespace(name="kernel"), compile={},
+                                            is_manual_warmup=False, already_compiled=False) is False
+        knobs.runtime.jit_post_compile_hook(key="k", repr="r", fn=SimpleNamespace(name="kernel"), compile={},
+                                            is_manual_warmup=False, already_compiled=False)
+        assert [(name, seconds >= 0) for name, _, seconds in timer.builds] == [("kernel", True)]
+        assert startup.summarize(timer.builds)["kernels"]["kernel"][0] == 1
+    finally:
+        knobs.runtime.jit_cache_hook, knobs.runtime.jit_post_compile_hook = previous
