@@ -212,21 +212,43 @@ def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> 
     return _run("slot_mapping", fn, cases)
 
 
-# ================================================================ notebooks 02/06: can_allocate
-def check_can_allocate(fn: Callable[[int, int, int, float], str]) -> bool:
-    """fn(num_required, num_free, num_total, watermark) -> "OK" | "LATER" | "NEVER"."""
-    def reference(required, free, total, watermark):
-        watermark_blocks = int(watermark * total)
-        if total - required < watermark_blocks:
-            return "NEVER"
-        return "OK" if free - required >= watermark_blocks else "LATER"
+# ================================================================ notebook 02: admission
+ADMISSION_CALLS = (("ask", "A", 30), ("ask", "B", 41), ("ask", "C", 80), ("ask", "D", 40), ("ask", "E", 1),
+                   ("ask", "F", 72), ("free", "A", 0), ("ask", "B", 41))  # (call, request, prompt tokens)
 
-    def cases(fn):
-        for args in [(3, 10, 100, 0.01), (3, 3, 100, 0.0), (3, 3, 100, 0.01), (99, 100, 100, 0.01),
-                     (100, 100, 100, 0.01), (101, 100, 100, 0.0), (5, 8, 100, 0.04), (5, 9, 100, 0.04)]:
-            _expect(fn(*args), reference(*args), f"num_required, num_free, num_total, watermark = {args}")
+
+def admission_scenario() -> list[tuple[str, str]]:
+    """Exercise 02.2's calls on a real `BlockSpaceManager` (20 GPU blocks of 4 tokens,
+    watermark 0.1): each "ask" calls `can_allocate` and allocates when it says OK; "free"
+    frees the request. Returns (request, status name) for every "ask", in order."""
+    from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
+    bm = BlockSpaceManager(4, 20, 0, watermark=0.1)
+    seqs, answers = {}, []
+    for seq_id, (call, name, num_tokens) in enumerate(ADMISSION_CALLS):
+        if call == "free":
+            bm.free(seqs.pop(name))
+            continue
+        seq, group = _bm_seq(seq_id, [1] * num_tokens, 4)
+        status = bm.can_allocate(group)
+        answers.append((name, status.name))
+        if status is AllocStatus.OK:
+            bm.allocate(group)
+            seqs[name] = seq
+    return answers
+
+
+def check_admission(prediction: list[str]) -> bool:
+    """`prediction`: "OK", "LATER" or "NEVER" for every `can_allocate` of exercise 02.2, in order."""
+    def cases(_):
+        _unwritten(prediction)
+        answers = admission_scenario()
+        got = list(prediction)
+        if len(got) != len(answers):
+            raise _Wrong(f"there are {len(answers)} calls to can_allocate, your list has {len(got)}")
+        for index, ((name, status), guess) in enumerate(zip(answers, got)):
+            _expect(guess, status, f"call {index + 1}, can_allocate({name})")
             yield
-    return _run("can_allocate", fn, cases)
+    return _run("admission", None, cases)
 
 
 # ================================================================ notebook 02: the free list
