@@ -183,7 +183,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     logits `[rows, vocab]` float, unit stride on the vocabulary; temperature, top_p, min_p `[rows]`
     float (0 = greedy; 1.0, 0.0 = off); top_k `[rows]` int (<= 0 or >= vocab = off); seeds, offsets
     `[rows]` int64. z = logits / T (T = 1 for greedy rows), kept = `kept_mask(z, ...)`; greedy rows
-    take the arg-max of z (the first among ties), the others that of kept z + `_race_noise` (a draw
+    take the arg-max of z (the first among ties), the others that of kept z + `row_race_noise` (a draw
     from softmax over the kept set). logprob = z[token] - logsumexp(kept z). Triton's noise comes
     from Philox: the same distribution, not the same tokens (greedy tokens and logprobs agree).
     """
@@ -193,7 +193,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     kept = kept_mask(z, top_k, top_p, min_p)
     kept_z = z.masked_fill(~kept, -float("inf"))
     pairs = zip(seeds.tolist(), offsets.tolist())
-    noise = [_race_noise(seed, offset, z.shape[1], z.device) for seed, offset in pairs]
+    noise = [row_race_noise(seed, offset, z.shape[1], z.device) for seed, offset in pairs]
     noise = torch.stack(noise) if noise else z.double()
     # E = 0 makes the noise +inf, and -inf + inf is NaN, which would win the arg-max: a token of
     # probability 0 (dropped, or -inf from the start) keeps score -inf whatever its noise.
@@ -246,21 +246,21 @@ def race_noise(seeds: torch.Tensor, offsets: torch.Tensor, num_tokens: int) -> t
     num_tokens]` fp32 for token ids 0..num_tokens - 1 of the rows' seeds, offsets `[rows]` int64."""
     noise = torch.empty(len(seeds), num_tokens, device=seeds.device)
     for row, (seed, offset) in enumerate(zip(seeds.tolist(), offsets.tolist())):
-        noise[row] = _race_noise(seed, offset, num_tokens, seeds.device)
+        noise[row] = row_race_noise(seed, offset, num_tokens, seeds.device)
     return noise
 
 
-def _race_noise(seed: int, offset: int, vocab_size: int, device: torch.device) -> torch.Tensor:
+def row_race_noise(seed: int, offset: int, vocab_size: int, device: torch.device) -> torch.Tensor:
     """`[vocab]` fp64 -log(E), E ~ Exp(1) per token, from a generator seeded by (seed, offset):
     arg-max(z + noise) is a draw from softmax(z) (the exponential race / Gumbel-max)."""
-    generator = torch.Generator(device=device).manual_seed(_mix_seed(seed, offset))
+    generator = torch.Generator(device=device).manual_seed(mix_seed(seed, offset))
     uniform = torch.rand(vocab_size, generator=generator, device=device, dtype=torch.float64)
     # E = -log(1 - u) > 0, finite noise: u = 0 (probability 2^-53) is taken as 2^-64, about the
     # Triton kernel's smallest.
     return -torch.log(-torch.log1p(-uniform.clamp_(min=2.0**-64)))
 
 
-def _mix_seed(seed: int, offset: int) -> int:
+def mix_seed(seed: int, offset: int) -> int:
     """A 64-bit generator seed from (seed, offset): the SplitMix64 finalizer of seed + golden
     ratio x (offset + 1), so that neighbouring seeds and offsets give unrelated streams."""
     x = (seed + 0x9E3779B97F4A7C15 * (offset + 1)) & _MASK64

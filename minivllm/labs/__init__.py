@@ -8,6 +8,8 @@ propagates as it is. One module per lab; the extension points they plug into: do
 
 from __future__ import annotations
 
+import torch
+
 
 class LabCheckFailed(AssertionError):
     """One failing case, with the message the learner reads."""
@@ -19,5 +21,27 @@ def expect(ok: bool, message: str) -> None:
         raise LabCheckFailed(message)
 
 
+def expect_yours(built, cls: type, what: str, hint: str = "") -> None:
+    """Fail the check unless the engine built the learner's `cls` as `what` (e.g. "the engine's
+    scheduler"); `hint` says where the learner's code must install it."""
+    expect(isinstance(built, cls), f"{what} is a {type(built).__name__}, not your {cls.__name__}"
+                                   + (f": {hint}" if hint else ""))
+
+
+def expect_tensor(got, shape, dtype: torch.dtype | None = None, *, what: str) -> None:
+    """Fail the check unless `got` is a tensor of `shape` (and `dtype`, when given); `what`
+    names the call, e.g. "case 'greedy': kept_mask"."""
+    want = f"{'' if dtype is None else _dtype_name(dtype) + ' '}tensor of shape {list(shape)}"
+    if not isinstance(got, torch.Tensor):
+        raise LabCheckFailed(f"{what} returned {type(got).__name__}, expected a {want}")
+    expect(list(got.shape) == list(shape) and (dtype is None or got.dtype == dtype),
+           f"{what} returned a {_dtype_name(got.dtype)} tensor of shape {list(got.shape)}, expected a {want}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
 def passed(message: str) -> None:
+    """Print the line a learner sees for a passed check: "✓ message"."""
     print(f"✓ {message}")

@@ -20,7 +20,7 @@ from typing import Callable
 import torch
 
 from minivllm.kernels import get_ops
-from minivllm.labs import LabCheckFailed, expect, passed
+from minivllm.labs import LabCheckFailed, expect, expect_tensor, passed
 from minivllm.labs.parity import PROMPTS, assert_greedy_matches_transformers
 from minivllm.viz.device import DEVICE
 
@@ -159,10 +159,10 @@ def check_gather_kv(gather_kv: Callable) -> None:
         for i, (table, n) in enumerate(zip(batch.tables, case.seq_lens)):
             where = f"case '{case.name}', sequence {i} ({n} tokens, block_size {case.block_size}, block table {table})"
             got = gather_kv(batch.key_cache, batch.value_cache, batch.block_tables[i], n)
+            expect(isinstance(got, (tuple, list)) and len(got) == 2,
+                   f"{where}: gather_kv returned {type(got).__name__}, expected a pair (keys, values)")
             for what, tensor, true in zip(("keys", "values"), got, (batch.keys[i], batch.values[i])):
-                expect(tuple(tensor.shape) == tuple(true.shape),
-                       f"{where}: {what} of shape {tuple(tensor.shape)}, expected {tuple(true.shape)} "
-                       "[seq_len, num_kv_heads, head_dim]")
+                expect_tensor(tensor, true.shape, what=f"{where}: gather_kv's {what} ([seq_len, num_kv_heads, head_dim])")
                 t = next((t for t in range(n) if not torch.equal(tensor[t], true[t])), None)
                 if t is not None:
                     raise LabCheckFailed(
@@ -213,12 +213,8 @@ def check_paged_decode(paged_attention_decode: Callable, device: str | torch.dev
 
 def _compare(got: torch.Tensor, batch: PagedBatch, where: str) -> None:
     """LabCheckFailed naming the first wrong sequence of `batch`, the error and the likely mistake."""
-    expect(isinstance(got, torch.Tensor), f"{where}: returned {type(got).__name__}, expected a tensor")
-    expect(tuple(got.shape) == tuple(batch.query.shape),
-           f"{where}: output of shape {tuple(got.shape)}, expected the query's {tuple(batch.query.shape)} "
-           "[num_tokens, num_heads, head_dim]")
-    expect(got.dtype == batch.query.dtype, f"{where}: output dtype {got.dtype}, expected the query's "
-           f"{batch.query.dtype}")
+    expect_tensor(got, batch.query.shape, batch.query.dtype,
+                  what=f"{where}: the op (the query's shape and dtype, [num_tokens, num_heads, head_dim])")
     expected = expected_output(batch)
     error = (got.double() - expected).abs()
     if not got.isnan().any() and error.max().item() <= ATOL:

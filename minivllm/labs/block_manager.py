@@ -18,7 +18,7 @@ from minivllm.core.block_allocator import BlockAllocator, Device, OutOfBlocksErr
 from minivllm.core.block_manager import AllocStatus, BlockSpaceManager
 from minivllm.entrypoints.llm import LLM
 from minivllm.labs import LabCheckFailed, expect, passed
-from minivllm.labs.parity import PROMPTS, assert_greedy_matches_transformers
+from minivllm.labs.parity import PROMPTS, assert_greedy_matches_transformers, stall_guard
 from minivllm.sampling_params import SamplingParams
 from minivllm.sequence import Sequence, SequenceGroup, SequenceStatus
 from minivllm.viz.device import engine_kwargs as device_kwargs
@@ -509,7 +509,8 @@ def check_block_manager_in_engine(manager_cls: type, max_tokens: int = 16) -> No
     outputs = {}
     for name, cls in (("minivllm's BlockSpaceManager", BlockSpaceManager), ("yours", counting(manager_cls))):
         llm = LLM(**device_kwargs(block_manager_cls=cls))
-        results = llm.generate(list(PROMPTS), params, use_tqdm=False)
+        with stall_guard(llm):
+            results = llm.generate(list(PROMPTS), params, use_tqdm=False)
         outputs[name] = [[list(c.token_ids) for c in r.outputs] for r in results]
         assert_all_blocks_free(llm, f"n=2 sampling with {name}")
     num_copies = cls.instances[-1].num_copies

@@ -23,7 +23,7 @@ from minivllm.config import CacheConfig, EngineConfig
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.step_observer import StepObserver
 from minivllm.entrypoints.llm import LLM
-from minivllm.labs import expect, passed
+from minivllm.labs import expect, expect_yours, passed
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sampling_params import SamplingParams
@@ -239,8 +239,7 @@ def check_model_input_in_engine(worker_cls: type, runner_cls: type, max_tokens: 
     llm = LLM(**device_kwargs(worker_cls=worker_cls, enable_chunked_prefill=True, max_num_batched_tokens=16,
                               max_num_seqs=4, enable_prefix_caching=True, max_model_len=256))
     runner = llm.llm_engine.model_executor.driver_worker.model_runner
-    expect(isinstance(runner, runner_cls), f"the engine's model runner is a {type(runner).__name__}, not your "
-                                           f"{runner_cls.__name__}: set self.model_runner in the worker's __init__")
+    expect_yours(runner, runner_cls, "the engine's model runner", "set self.model_runner in the worker's __init__")
     # Fill the prefix cache with the shared opening, then the batch that reuses it.
     llm.generate(SHARED_PREFIX, SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
     counter = MixedStepCounter()

@@ -10,11 +10,13 @@ ignore end-of-sequence, so every prompt yields `max_tokens` tokens to compare.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
 from minivllm.bundled_models import resolve_model
+from minivllm.engine.step_observer import StepObserver
 from minivllm.entrypoints.llm import LLM
 from minivllm.labs import LabCheckFailed, passed
 from minivllm.sampling_params import SamplingParams
@@ -26,6 +28,9 @@ PROMPTS = (
     "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\n",
     "KING HENRY VI:\n",
 )
+# A learner's scheduler or block manager that never lets a request run would keep `generate`
+# stepping forever; this many steps in a row that schedule nothing fail the check instead.
+MAX_IDLE_STEPS = 100
 
 
 def assert_greedy_matches_transformers(prompts=PROMPTS, max_tokens: int = 16, *, llm: LLM | None = None,
@@ -37,7 +42,8 @@ def assert_greedy_matches_transformers(prompts=PROMPTS, max_tokens: int = 16, *,
         llm = LLM(**device_kwargs(**engine_kwargs))
     inputs = [{"prompt_token_ids": list(p)} if not isinstance(p, str) else p for p in prompts]
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    outputs = llm.generate(inputs, params, use_tqdm=False)
+    with stall_guard(llm):
+        outputs = llm.generate(inputs, params, use_tqdm=False)
     model_dir = llm.llm_engine.model_config.model
     ours = [list(output.outputs[0].token_ids) for output in outputs]
     for index, output in enumerate(outputs):
@@ -45,6 +51,29 @@ def assert_greedy_matches_transformers(prompts=PROMPTS, max_tokens: int = 16, *,
         _compare(index, output.prompt or output.prompt_token_ids, ours[index], theirs)
     passed(f"{len(outputs)} prompts x {max_tokens} tokens: token-identical to transformers")
     return ours
+
+
+@contextlib.contextmanager
+def stall_guard(llm: LLM):
+    """Inside it, `llm`'s engine raises `LabCheckFailed` after `MAX_IDLE_STEPS` empty steps in a row."""
+    guard = _StallGuard()
+    llm.llm_engine.add_step_observer(guard)
+    try:
+        yield
+    finally:
+        llm.llm_engine.remove_step_observer(guard)
+
+
+class _StallGuard(StepObserver):
+    def __init__(self) -> None:
+        self.idle_steps = 0
+
+    def on_scheduled(self, engine, scheduler_outputs) -> None:
+        self.idle_steps = self.idle_steps + 1 if scheduler_outputs.is_empty() else 0
+        if self.idle_steps >= MAX_IDLE_STEPS:
+            raise LabCheckFailed(f"the engine scheduled nothing for {MAX_IDLE_STEPS} steps in a row with "
+                                 f"{engine.get_num_unfinished_requests()} requests unfinished: your piece "
+                                 "never lets them run (no prompt admitted, no block given)")
 
 
 def transformers_greedy(model_dir: str, prompt_token_ids: tuple[int, ...], max_tokens: int) -> list[int]:

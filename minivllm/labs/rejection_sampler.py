@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from minivllm.labs import LabCheckFailed, expect, passed
+from minivllm.labs import LabCheckFailed, expect, expect_tensor, expect_yours, passed
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
 from minivllm.spec_decode.spec_decode_worker import SpecDecodeWorker
@@ -71,9 +71,7 @@ def check_greedy(sampler_cls) -> None:
     for label, q in cases:
         got = sampler_cls()(target.clone(), drafts.clone(), num_proposed.clone(), q,
                             generator=torch.Generator().manual_seed(0))
-        expect(isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(expected.shape),
-               f"greedy, {label}: expected a [batch, k + 1] = {list(expected.shape)} tensor, got "
-               f"{list(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+        expect_tensor(got, expected.shape, what=f"greedy, {label}: the sampler ([batch, k + 1])")
         for row in range(len(drafts)):
             expect(got[row].tolist() == expected[row].tolist(),
                    f"greedy, {label}, row {row}: drafts {drafts[row].tolist()} ({num_proposed[row]} proposed), "
@@ -93,9 +91,7 @@ def check_accept_probs(sampler_cls) -> None:
         target, draft = _pairs(case_p, case_q)
         got = sampler.accept_probs(target.expand(len(drafts), -1, -1), draft.expand(len(drafts), -1, -1),
                                    drafts.unsqueeze(1))
-        expect(tuple(got.shape) == (len(drafts), 1),
-               f"accept_probs with {len(drafts)} sequences, k = 1, vocab {vocab}: expected shape "
-               f"[{len(drafts)}, 1], got {list(got.shape)}")
+        expect_tensor(got, (len(drafts), 1), what=f"accept_probs with {len(drafts)} sequences, k = 1, vocab {vocab}")
         want = torch.minimum(torch.ones(()), torch.tensor(case_p)[drafts] / q_row[drafts])
         for token, g, w in zip(drafts.tolist(), got[:, 0].tolist(), want.tolist()):
             expect(abs(g - w) < 1e-5,
@@ -111,9 +107,7 @@ def check_recovered_probs(sampler_cls) -> None:
     for case_p, case_q in DISTRIBUTION_CASES:
         target, draft = _pairs(case_p, case_q, k=2)
         got = sampler.recovered_probs(target, draft)
-        expect(tuple(got.shape) == tuple(draft.shape),
-               f"recovered_probs with k = 2, vocab {len(case_p)}: expected shape {list(draft.shape)}, "
-               f"got {list(got.shape)}")
+        expect_tensor(got, draft.shape, what=f"recovered_probs with k = 2, vocab {len(case_p)}")
         residual = (torch.tensor(case_p) - torch.tensor(case_q)).clamp(min=0)
         want = residual / residual.sum() if residual.sum() > 0 else torch.tensor(case_p)
         expect(bool(torch.isfinite(got).all()),
@@ -221,8 +215,7 @@ def check_in_engine(worker_cls, speculative_model: str = "tiny-shakespeare-draft
     llm = LLM(**device_kwargs(speculative_model=speculative_model, num_speculative_tokens=num_speculative_tokens,
                               worker_cls=worker_cls, **engine_kwargs))
     worker = llm.llm_engine.model_executor.driver_worker
-    expect(isinstance(worker, worker_cls),
-           f"the engine built a {type(worker).__name__}, not your {worker_cls.__name__}")
+    expect_yours(worker, worker_cls, "the engine's worker")
     expect(type(worker.rejection_sampler) is not RejectionSampler,
            f"{worker_cls.__name__}.rejection_sampler is still the package's RejectionSampler: "
            "set it to yours in __init__")

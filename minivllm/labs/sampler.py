@@ -22,16 +22,10 @@ import torch
 
 from minivllm.entrypoints.llm import LLM
 from minivllm.kernels import reference
-from minivllm.labs import expect, passed
+from minivllm.labs import expect, expect_tensor, expect_yours, passed
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.sampling_params import SamplingParams
 from minivllm.viz.device import engine_kwargs as device_kwargs
-
-
-def mix_seed(seed: int, offset: int) -> int:
-    """The generator seed of a request's draw at one position: a 64-bit mix of (request seed,
-    position), so each position has its own stream and no state is kept between steps."""
-    return reference._mix_seed(seed, offset)
 
 
 def sample_tokens_from(sampling_probs: Callable, seeded_draw: Callable) -> Callable:
@@ -62,7 +56,7 @@ def reference_draw(probs: torch.Tensor, seeds: torch.Tensor, offsets: torch.Tens
     """The package's race on `probs`: arg-max of log p + its noise of (seed, offset)."""
     scores = []
     for row, seed, offset in zip(probs, seeds.tolist(), offsets.tolist()):
-        noise = reference._race_noise(seed, offset, probs.shape[1], probs.device)
+        noise = reference.row_race_noise(seed, offset, probs.shape[1], probs.device)
         scores.append(torch.where(row > 0, row.log() + noise, -math.inf))
     return torch.stack(scores).argmax(dim=-1)
 
@@ -115,9 +109,7 @@ def check_kept_mask(kept_mask: Callable) -> None:
     for name, (z, top_k, top_p, min_p) in mask_cases().items():
         expected = reference.kept_mask(z, top_k, top_p, min_p)
         got = kept_mask(z.clone(), top_k, top_p, min_p)
-        expect(isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == torch.bool,
-               f"case {name!r}: expected a bool tensor of shape {tuple(expected.shape)}, got "
-               f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}")
+        expect_tensor(got, expected.shape, torch.bool, what=f"case {name!r}: kept_mask")
         for row in range(z.shape[0]):
             want, have = set(expected[row].nonzero().flatten().tolist()), set(got[row].nonzero().flatten().tolist())
             if want != have:
@@ -145,9 +137,7 @@ def check_sampling_probs(sampling_probs: Callable) -> None:
     for name, params in cases.items():
         expected = reference_probs(logits, *params)
         got = sampling_probs(logits.clone(), *params)
-        expect(isinstance(got, torch.Tensor) and got.shape == expected.shape and got.dtype == torch.float64,
-               f"case {name!r}: expected float64 probabilities of shape {tuple(expected.shape)}, got "
-               f"{getattr(got, 'dtype', type(got).__name__)} {tuple(getattr(got, 'shape', ()))}")
+        expect_tensor(got, expected.shape, torch.float64, what=f"case {name!r}: sampling_probs")
         for row in range(logits.shape[0]):
             kept_expected, kept_got = expected[row] > 0, got[row] > 0
             if not torch.equal(kept_expected, kept_got):
@@ -191,9 +181,7 @@ def check_seeded_draw(seeded_draw: Callable, num_draws: int = 4000) -> None:
     many = row.expand(num_draws, -1).clone()
     seeds, offsets = torch.full((num_draws,), 1234), torch.arange(num_draws)
     tokens = seeded_draw(many.clone(), seeds, offsets)
-    expect(isinstance(tokens, torch.Tensor) and tokens.shape == (num_draws,) and tokens.dtype == torch.int64,
-           f"seeded_draw must return int64 token ids of shape ({num_draws},), got "
-           f"{getattr(tokens, 'dtype', type(tokens).__name__)} {tuple(getattr(tokens, 'shape', ()))}")
+    expect_tensor(tokens, (num_draws,), torch.int64, what=f"seeded_draw of {num_draws} rows")
     expect(bool((row[tokens] > 0).all()), "a token of probability 0 was drawn")
     statistic, dof = _chi_square(tokens, row)
     limit = _chi_square_limit(dof)
@@ -272,8 +260,7 @@ def check_sampler_in_engine(worker_cls: type, sampler_cls: type, max_tokens: int
     settings = dict(max_num_seqs=4, max_model_len=256, attention_backend="torch")
     llm = LLM(**device_kwargs(worker_cls=worker_cls, **settings))
     sampler = llm.llm_engine.model_executor.driver_worker.model_runner.sampler
-    expect(isinstance(sampler, sampler_cls), f"the engine's sampler is a {type(sampler).__name__}, not your "
-                                             f"{sampler_cls.__name__}: set self.sampler in the runner's __init__")
+    expect_yours(sampler, sampler_cls, "the engine's sampler", "set self.sampler in the runner's __init__")
     assert_greedy_matches_transformers(ENGINE_PROMPTS, max_tokens, llm=llm)
     params = seeded_params(max_tokens)
     ours = [list(o.outputs[0].token_ids) for o in llm.generate(list(ENGINE_PROMPTS), params, use_tqdm=False)]

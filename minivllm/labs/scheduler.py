@@ -20,9 +20,9 @@ import logging
 from dataclasses import dataclass
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.scheduler import Scheduler, SchedulingBudget
+from minivllm.core.scheduler import SchedulingBudget
 from minivllm.entrypoints.llm import LLM
-from minivllm.labs import LabCheckFailed, expect, passed
+from minivllm.labs import LabCheckFailed, expect, expect_yours, passed
 from minivllm.labs.parity import assert_greedy_matches_transformers
 from minivllm.viz.device import engine_kwargs
 from minivllm.viz.sim import DEFAULT_MAX_STEPS, SimRequest, Simulator, make_workload
@@ -102,13 +102,15 @@ class StepCase:
         extra = {} if scheduler_cls is None else {"scheduler_cls": scheduler_cls}
         sim = Simulator(SchedulerConfig(**self.scheduler, **extra), CacheConfig(**self.cache), max_steps=max_steps)
         if scheduler_cls is not None:
-            expect(isinstance(sim.scheduler, scheduler_cls),
-                   f"the engine built a {type(sim.scheduler).__name__}, not your {scheduler_cls.__name__}")
+            expect_yours(sim.scheduler, scheduler_cls, "the engine's scheduler")
         return sim
 
-    def run(self, scheduler_cls: type | None = None, max_steps: int = DEFAULT_MAX_STEPS) -> Simulator:
+    def run(self, scheduler_cls: type | None = None, max_steps: int | None = None) -> Simulator:
         """Run the workload; the simulator holds the snapshots and results. A run still going
-        after `max_steps` raises RuntimeError."""
+        after `max_steps` (default: the package's steps + EXTRA_STEPS for a learner's class)
+        raises RuntimeError."""
+        if max_steps is None:
+            max_steps = DEFAULT_MAX_STEPS if scheduler_cls is None else len(self.run().snapshots) + EXTRA_STEPS
         sim = self.simulator(scheduler_cls, max_steps)
         with _quiet_engine():
             sim.run(list(self.requests))
@@ -276,9 +278,7 @@ def check_scheduler_in_engine(scheduler_cls: type, modes: tuple[str, ...] = ("re
     for mode in modes:
         llm = LLM(**engine_kwargs(**ENGINE_KWARGS, preemption_mode=mode, scheduler_cls=scheduler_cls))
         scheduler = llm.llm_engine.scheduler
-        expect(isinstance(scheduler, scheduler_cls),
-               f"preemption_mode={mode!r}: the engine built a {type(scheduler).__name__}, not your "
-               f"{scheduler_cls.__name__}")
+        expect_yours(scheduler, scheduler_cls, f"preemption_mode={mode!r}: the engine's scheduler")
         assert_greedy_matches_transformers(ENGINE_PROMPTS, ENGINE_MAX_TOKENS, llm=llm)
         expect(scheduler.num_cumulative_preemption > 0,
                f"preemption_mode={mode!r}: the run finished without a preemption (num_cumulative_preemption "

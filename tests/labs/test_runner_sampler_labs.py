@@ -183,7 +183,7 @@ def sampling_probs_temperature_after_softmax(logits, temperature, top_k, top_p, 
 def seeded_draw(probs, seeds, offsets):
     tokens = []
     for row, seed, offset in zip(probs, seeds.tolist(), offsets.tolist()):
-        generator = torch.Generator(device=probs.device).manual_seed(lab07.mix_seed(seed, offset))
+        generator = torch.Generator(device=probs.device).manual_seed(reference.mix_seed(seed, offset))
         uniform = torch.rand(probs.shape[1], generator=generator, dtype=torch.float64, device=probs.device)
         tokens.append(int((row / -torch.log1p(-uniform)).argmax()))
     return torch.tensor(tokens, dtype=torch.int64, device=probs.device)

@@ -231,15 +231,15 @@ def test_a_zero_noise_draw_never_samples_a_token_of_probability_zero(monkeypatch
     """Bug found with vLLM 0.6's own sampler tests: the exponential race's E ~ Exp(1) may be
     drawn as exactly 0, its noise -log(E) is then +inf, and -inf + inf is NaN, which wins the
     arg-max, so a token masked to -inf was drawn. A generator rarely draws 0, so the test
-    forces it for the impossible token (the PyTorch spec's noise, `reference._race_noise`)."""
-    real_noise = spec._race_noise
+    forces it for the impossible token (the PyTorch spec's noise, `reference.row_race_noise`)."""
+    real_noise = spec.row_race_noise
 
     def zero_for_token_0(*args):
         noise = real_noise(*args)
         noise[0] = float("inf")
         return noise
 
-    monkeypatch.setattr(spec, "_race_noise", zero_for_token_0)
+    monkeypatch.setattr(spec, "row_race_noise", zero_for_token_0)
     metadata_list = [decode_metadata(str(i), SamplingParams(temperature=1.0), [[1, 2, 3, 4]]) for i in range(8)]
     for dtype in (torch.float16, torch.float32):
         logits = torch.zeros(8, VOCAB, dtype=dtype)
