@@ -105,6 +105,7 @@ def measure(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - PROCESS_START
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # into OUT/logs/<case>.log
     log = LogRecorder()
     builds = TritonBuildTimer()  # imports triton (minivllm's kernels would, inside LLM())
     hooks_s = time.perf_counter() - PROCESS_START - import_s
