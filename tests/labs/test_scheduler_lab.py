@@ -10,7 +10,7 @@ import pytest
 from minivllm.core.block_manager import AllocStatus
 from minivllm.core.scheduler import PreemptionMode, Scheduler, SchedulingBudget
 from minivllm.labs import LabCheckFailed
-from minivllm.labs.scheduler import check_budget, check_scheduler_in_engine, check_scheduler_step
+from minivllm.labs.scheduler import STEP_CASES, check_budget, check_scheduler_in_engine, check_scheduler_step
 
 
 # ------------------------------------------------------------------ wrong budgets
@@ -181,3 +181,20 @@ def test_engine_check_passes_on_the_package_in_both_modes():
 def test_engine_check_wants_the_preemptions_counted():
     with pytest.raises(LabCheckFailed, match="without a preemption"):
         check_scheduler_in_engine(ForgetsToCount, modes=("recompute",))
+
+
+class AdmitsNothing(Scheduler):
+    """A skeleton whose admission returns without doing anything."""
+
+    def _schedule_prefills(self, state, enable_chunking):
+        return None
+
+
+def test_engine_check_fails_instead_of_hanging_on_a_scheduler_that_runs_nothing():
+    with pytest.raises(LabCheckFailed, match="scheduled nothing for 100 steps"):
+        check_scheduler_in_engine(AdmitsNothing, modes=("recompute",))
+
+
+def test_a_learner_scheduler_s_demo_run_is_bounded():
+    with pytest.raises(RuntimeError, match="did not finish within"):
+        STEP_CASES[5].run(AdmitsNothing)
