@@ -56,7 +56,7 @@ PAGES = {
     "usage/index.html": ["Using minivllm", "download.pytorch.org/whl/cpu", "How generation ends"],
     "modules/index.html": ["Who calls whom", "Common misconceptions", "The preemption victim is the back"],
     "learning-path/index.html": ["read next in vLLM", "block_manager_v1.py"],
-    "exercises/index.html": ["check_slot_mapping"],
+    "exercises/index.html": ["check_slot_owner"],
     "notebooks/00_tour/index.html": ["A tour of minivllm", "Exercise 00.1"],
     "notebooks/02_blocks_and_block_tables/index.html": ["Blocks and block tables", "slot_mapping"],
     "notebooks/14_engine_end_to_end/index.html": ["The engine, end to end"],

@@ -24,6 +24,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from minivllm.attention.metadata import slot_of
 from minivllm.core.block_manager import hash_block_tokens
 
 
@@ -198,18 +199,22 @@ def check_kv_bytes_from_config(fn: Callable[[dict, str], int]) -> bool:
 
 
 # ================================================================ notebooks 02/10: slot mapping
-def check_slot_mapping(fn: Callable[[list[int], list[int], int], list[int]]) -> bool:
-    """fn(block_table, positions, block_size) -> the flat cache slot of each position."""
+def check_slot_owner(fn: Callable[[dict[str, list[int]], dict[str, int], int, int], tuple[str, int] | None]) -> bool:
+    """fn(block_tables, lengths, slot, block_size) -> (sequence, position) whose K/V the flat
+    cache slot holds, or None when no token lives there (a free block, or past a sequence's end)."""
     def cases(fn):
         rng = random.Random(0)
         for block_size in (1, 4, 16):
-            table = rng.sample(range(64), 6)
-            positions = sorted(rng.sample(range(6 * block_size), min(10, 6 * block_size)))
-            expected = [table[p // block_size] * block_size + p % block_size for p in positions]
-            _expect(list(fn(table, positions, block_size)), expected,
-                    f"block_table={table}, block_size={block_size}, positions={positions}")
+            blocks = rng.sample(range(24), 12)
+            tables = {"A": blocks[:5], "B": blocks[5:7], "C": blocks[7:11]}
+            lengths = {name: (len(table) - 1) * block_size + rng.randint(1, block_size) for name, table in tables.items()}
+            owner = {slot_of(table[p // block_size], p, block_size): (name, p)
+                     for name, table in tables.items() for p in range(lengths[name])}
+            for slot in rng.sample(range(24 * block_size), min(24 * block_size, 40)):
+                _expect(fn(tables, lengths, slot, block_size), owner.get(slot),
+                        f"block_tables={tables}, lengths={lengths}, block_size={block_size}, slot={slot}")
             yield
-    return _run("slot_mapping", fn, cases)
+    return _run("slot_owner", fn, cases)
 
 
 # ================================================================ notebook 02: admission
