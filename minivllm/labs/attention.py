@@ -214,7 +214,7 @@ def check_paged_decode(paged_attention_decode: Callable, device: str | torch.dev
 def _compare(got: torch.Tensor, batch: PagedBatch, where: str) -> None:
     """LabCheckFailed naming the first wrong sequence of `batch`, the error and the likely mistake."""
     expect_tensor(got, batch.query.shape, batch.query.dtype,
-                  what=f"{where}: the op (the query's shape and dtype, [num_tokens, num_heads, head_dim])")
+                  what=f"{where}: your op (its output is shaped and typed like the query)")
     expected = expected_output(batch)
     error = (got.double() - expected).abs()
     if not got.isnan().any() and error.max().item() <= ATOL:
