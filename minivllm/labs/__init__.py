@@ -31,15 +31,16 @@ def expect_yours(built, cls: type, what: str, hint: str = "") -> None:
 def expect_tensor(got, shape, dtype: torch.dtype | None = None, *, what: str) -> None:
     """Fail the check unless `got` is a tensor of `shape` (and `dtype`, when given); `what`
     names the call, e.g. "case 'greedy': kept_mask"."""
-    want = f"{'' if dtype is None else _dtype_name(dtype) + ' '}tensor of shape {list(shape)}"
+    want = _describe(shape, dtype)
     if not isinstance(got, torch.Tensor):
-        raise LabCheckFailed(f"{what} returned {type(got).__name__}, expected a {want}")
+        raise LabCheckFailed(f"{what} returned {type(got).__name__}, expected {want}")
     expect(list(got.shape) == list(shape) and (dtype is None or got.dtype == dtype),
-           f"{what} returned a {_dtype_name(got.dtype)} tensor of shape {list(got.shape)}, expected a {want}")
+           f"{what} returned {_describe(got.shape, got.dtype)}, expected {want}")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _describe(shape, dtype: torch.dtype | None) -> str:
+    dtype_part = "" if dtype is None else f" and dtype {str(dtype).removeprefix('torch.')}"
+    return f"a tensor of shape {list(shape)}{dtype_part}"
 
 
 def passed(message: str) -> None:
