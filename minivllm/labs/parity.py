@@ -48,7 +48,7 @@ def assert_greedy_matches_transformers(prompts=PROMPTS, max_tokens: int = 16, *,
     ours = [list(output.outputs[0].token_ids) for output in outputs]
     for index, output in enumerate(outputs):
         theirs = transformers_greedy(model_dir, tuple(output.prompt_token_ids), max_tokens)
-        _compare(index, output.prompt or output.prompt_token_ids, ours[index], theirs)
+        _compare(index, output.prompt or output.prompt_token_ids, ours[index], theirs, output.outputs[0])
     passed(f"{len(outputs)} prompts x {max_tokens} tokens: token-identical to transformers")
     return ours
 
@@ -96,10 +96,12 @@ def _hf_model(model_dir: str):
     return transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
 
-def _compare(index: int, prompt, ours: list[int], theirs: list[int]) -> None:
+def _compare(index: int, prompt, ours: list[int], theirs: list[int], completion) -> None:
     for position, (a, b) in enumerate(zip(ours, theirs)):
         if a != b:
             raise LabCheckFailed(f"prompt {index} ({prompt!r:.40}): token {position} is {a}, transformers "
                                  f"says {b} (the first {position} tokens agree)")
     if len(ours) != len(theirs):
-        raise LabCheckFailed(f"prompt {index} ({prompt!r:.40}): {len(ours)} tokens, transformers {len(theirs)}")
+        raise LabCheckFailed(f"prompt {index} ({prompt!r:.40}): {len(ours)} tokens, transformers {len(theirs)} "
+                             f"(the engine ended it: finish_reason {completion.finish_reason!r}"
+                             + (f", {completion.finish_message}" if completion.finish_message else "") + ")")
