@@ -171,8 +171,10 @@ def check_slots(slots_for: Callable[[list[int], int, int, int], list[int]]) -> N
                   ([12, 0, 9], 14, 18, 16), ([0], 0, 1, 16)]
     for table, start, num_tokens, block_size in slot_cases:
         expected = [slot_of(table[p // block_size], p, block_size) for p in range(start, start + num_tokens)]
-        got = list(slots_for(list(table), start, num_tokens, block_size))
         call = f"slots_for({table}, start={start}, num_tokens={num_tokens}, block_size={block_size})"
+        got = slots_for(list(table), start, num_tokens, block_size)
+        expect(isinstance(got, (list, tuple)), f"{call} returned {type(got).__name__}, expected a list of slots")
+        got = list(got)
         expect(len(got) == len(expected), f"{call} returned {len(got)} slots, expected {len(expected)}: {expected}")
         for i, (a, b) in enumerate(zip(expected, got)):
             expect(a == b, f"{call}: position {start + i} (block table entry {(start + i) // block_size}) "
