@@ -33,6 +33,7 @@ from torch import nn
 from minivllm.distributed import (destroy_distributed_environment, init_distributed_environment,
                                   initialize_model_parallel)
 from minivllm.labs import LabCheckFailed, expect, passed
+from minivllm.model_executor.model_loader import default_dtype
 
 LAYER_NAMES = ("ColumnParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "RowParallelLinear")
 TP = 2
@@ -258,7 +259,7 @@ def replace_parallel_linears(model: nn.Module, layers: Any, model_config: Any) -
         kind = type(module).__name__
         if kind not in LAYER_NAMES or type(module) is not getattr(linear, kind):
             continue
-        with _default_dtype(param.dtype), param.device:
+        with default_dtype(param.dtype), param.device:
             new = getattr(layers, kind)(*_constructor_args(module))
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, new)
@@ -281,16 +282,6 @@ def _constructor_args(module: nn.Module) -> tuple:
     if kind == "ColumnParallelLinear":
         return module.input_size, module.output_size, bias, module.gather_output
     return module.input_size, module.output_size, bias, module.reduce_results
-
-
-@contextlib.contextmanager
-def _default_dtype(dtype: torch.dtype):
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(previous)
 
 
 @contextlib.contextmanager

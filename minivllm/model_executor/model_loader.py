@@ -40,7 +40,7 @@ def get_model(model_config: Any, device: torch.device | str = "cpu",
     model_class = get_model_class(getattr(hf_config, "architectures", None))
     _warn_unsupported_features(hf_config, model_config.max_model_len)
     # Built straight on the device in the target dtype (the rotary table asks for fp32).
-    with _default_dtype(dtype), device:
+    with default_dtype(dtype), device:
         model = model_class(hf_config, attn_backend=backend)
     model_dir = resolve_model_dir(model_config.model, model_config.revision)
     loaded = model.load_weights(iterate_weights(model_dir))
@@ -71,7 +71,8 @@ def resolve_dtype(dtype: torch.dtype | str | None, hf_config: Any,
 
 
 @contextmanager
-def _default_dtype(dtype: torch.dtype):
+def default_dtype(dtype: torch.dtype):
+    """Build tensors in `dtype` inside the block (parameters are created in the default dtype)."""
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
