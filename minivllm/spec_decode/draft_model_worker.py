@@ -11,7 +11,7 @@ serves both: swaps, copy-on-write copies and prefix hits apply to both caches
 
 Invariant: before a decode step of a sequence of length L, the target's cache holds
 positions 0..L-2 and the draft's at least 0..L-3. Each step the draft first recomputes
-positions L-2 and L-1 (a 2-token "prefill", idempotent at L-2), then feeds its own proposals,
+positions L-2 and L-1 (two decode rows, idempotent at L-2), then feeds its own proposals,
 writing L .. L+k-2; the k-th proposal is only sampled, so the next step's start covers it.
 It runs that start for every decoding sequence, speculating or not. A stale draft cache can
 only cost acceptance, never change what is emitted.
@@ -34,7 +34,7 @@ from minivllm.spec_decode.util import Proposals, sampling_probs
 from minivllm.worker.worker import Worker
 
 # The start of a decode step's proposal: the last two tokens (see the module docstring).
-_CATCH_UP_TOKENS = 2
+CATCH_UP_TOKENS = 2
 
 
 class _Seq(NamedTuple):
@@ -70,7 +70,7 @@ class DraftModelWorker(Worker):
         hidden = self._catch_up(seqs)
         # Each sequence's last catch-up row predicts its first guess.
         wanting = [(i, seq) for i, seq in enumerate(seqs) if seq.wanted]
-        hidden = hidden[[_CATCH_UP_TOKENS * i + _CATCH_UP_TOKENS - 1 for i, _ in wanting]]
+        hidden = hidden[[CATCH_UP_TOKENS * i + CATCH_UP_TOKENS - 1 for i, _ in wanting]]
         spec = [seq for _, seq in wanting]
         token_ids = torch.zeros(len(spec), k, dtype=torch.long, device=self.device)
         probs = torch.zeros(len(spec), k, self.model_config.hf_config.vocab_size, device=self.device)
@@ -89,16 +89,16 @@ class DraftModelWorker(Worker):
         return Proposals(token_ids, [seq.wanted for seq in spec], probs)
 
     def _catch_up(self, seqs: list[_Seq]) -> torch.Tensor:
-        """Positions L-2 and L-1 of every sequence, as 2-token prefills: `[2 * num_seqs, hidden]`."""
+        """Positions L-2 and L-1 of every sequence, as two decode rows each (batch expansion,
+        as the target's scoring pass; a graph replay on a GPU): `[2 * num_seqs, hidden]`."""
         input_ids, positions, tables = [], [], []
         for seq in seqs:
             length = seq.data.get_len()
-            input_ids += seq.data.get_token_ids()[length - _CATCH_UP_TOKENS:]
-            positions += range(length - _CATCH_UP_TOKENS, length)
-            tables.append(seq.metadata.block_tables[seq.seq_id])
-        context_lens = [seq.data.get_len() - _CATCH_UP_TOKENS for seq in seqs]
-        md = build_attn_metadata(tables, context_lens, [_CATCH_UP_TOKENS] * len(seqs), len(seqs),
-                                 self.cache_config.block_size, self.device)
+            input_ids += seq.data.get_token_ids()[length - CATCH_UP_TOKENS:]
+            positions += range(length - CATCH_UP_TOKENS, length)
+            tables += [seq.metadata.block_tables[seq.seq_id]] * CATCH_UP_TOKENS
+        md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
+                                 self.device)
         return self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
                                            to_device(torch.tensor(positions, dtype=torch.long), self.device),
                                            md, self.kv_caches)

@@ -5,8 +5,8 @@ owns a proposer (`DraftModelWorker` or `NGramWorker`) and runs each decode step 
 
     1. propose   the proposer guesses k_i <= k tokens for sequence i (its lookahead slots)
     2. score     ONE target forward pass over each sequence's last token and its guesses,
-                 k_i + 1 new tokens laid out as a prefill chunk over the cached context;
-                 row j predicts the token after guess j
+                 k_i + 1 decode rows over the cached context (batch expansion, a CUDA-graph
+                 replay on a GPU); row j predicts the token after guess j
     3. accept    the rejection sampler keeps a prefix of the guesses and draws one more token
 
 The accepted tokens come back as consecutive `SamplerOutput`s, as a multi-step run's do:
@@ -31,11 +31,15 @@ from minivllm.model_executor.layers.rejection_sampler import RejectionSampler, n
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput,
                                SequenceOutput)
-from minivllm.spec_decode.draft_model_worker import DraftModelWorker
+from minivllm.spec_decode.draft_model_worker import CATCH_UP_TOKENS, DraftModelWorker
 from minivllm.spec_decode.metrics import AcceptanceCounter, SpecDecodeWorkerMetrics
 from minivllm.spec_decode.ngram_worker import NGramWorker
 from minivllm.spec_decode.util import Proposals, sampling_probs
+from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.worker import Worker
+
+# The largest batch-expanded pass replayed from a graph; larger ones run eagerly.
+_MAX_GRAPH_ROWS = 512
 
 
 @dataclass
@@ -54,6 +58,12 @@ class SpecDecodeWorker(Worker):
         self.proposer = NGramWorker(spec, self.device) if spec.method == "ngram" else DraftModelWorker(engine_config)
         self.rejection_sampler = RejectionSampler(self.model_runner.backend)
         self.counter = AcceptanceCounter(spec.num_speculative_tokens)
+        # Batch expansion scores k + 1 rows per sequence, the draft catches up with 2: capture
+        # graphs for those batches (up to a bound: past it a pass is compute-bound anyway).
+        max_num_seqs = self.scheduler_config.max_num_seqs
+        _raise_graph_rows(self.model_runner, max_num_seqs * (spec.num_speculative_tokens + 1))
+        if isinstance(self.proposer, DraftModelWorker):
+            _raise_graph_rows(self.proposer.model_runner, max_num_seqs * CATCH_UP_TOKENS)
 
     # ------------------------------------------------------------------ both models
     def load_model(self) -> None:
@@ -117,8 +127,19 @@ class SpecDecodeWorker(Worker):
 
     def _score(self, metadata_list: list[SequenceGroupMetadata], guesses: dict[int, list[int]]):
         """The target's logits at every scored position: `[num_tokens, vocab]`, and the first
-        row of each group. Group i's sequence computes its last token and `guesses[i]`."""
-        input_ids, positions, tables, context_lens, query_lens, first_rows = [], [], [], [], [], []
+        row of each group. Group i's sequence computes its last token and `guesses[i]`.
+
+        Batch expansion (vLLM's `BatchExpansionTop1Scorer`): each scored token is a decode row
+        of its own, over the same block table, seeing one more token than the row before:
+
+            tokens     t   g0  g1  g2         (last token, then the guesses)
+            positions  L-1 L   L+1 L+2
+            seq_lens   L   L+1 L+2 L+3        row j attends to the guesses before it
+
+        Every row writes its K/V before any row attends (the layer writes, then reads), so a
+        (k+1)-token scoring pass is a decode batch: a CUDA-graph replay on a GPU.
+        """
+        input_ids, positions, tables, first_rows = [], [], [], []
         for i, metadata in enumerate(metadata_list):
             first_rows.append(len(input_ids))
             for seq_id, data in metadata.seq_data.items():
@@ -126,11 +147,8 @@ class SpecDecodeWorker(Worker):
                 start = data.get_len() - 1
                 input_ids += tokens
                 positions += range(start, start + len(tokens))
-                tables.append(metadata.block_tables[seq_id])
-                context_lens.append(start)
-                query_lens.append(len(tokens))
-        # Every sequence is a "prefill" of its new tokens over its cached context.
-        md = build_attn_metadata(tables, context_lens, query_lens, len(query_lens), self.cache_config.block_size,
+                tables += [metadata.block_tables[seq_id]] * len(tokens)
+        md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
                                  self.device)
         hidden = self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
                                              to_device(torch.tensor(positions, dtype=torch.long), self.device),
@@ -181,3 +199,8 @@ class SpecDecodeWorker(Worker):
             outputs.append(SamplerOutput(groups))
         outputs[0] = SpecDecodeSamplerOutput(outputs[0].outputs, spec_decode_worker_metrics=self.counter.metrics())
         return outputs
+
+
+def _raise_graph_rows(runner, rows: int) -> None:
+    if isinstance(runner, CUDAGraphModelRunner):
+        runner.max_decode_rows = max(runner.max_decode_rows, min(rows, _MAX_GRAPH_ROWS))

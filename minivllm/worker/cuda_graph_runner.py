@@ -41,6 +41,9 @@ class CUDAGraphModelRunner(ModelRunner):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.graph_runners: dict[int, CUDAGraphRunner] = {}
+        # The most decode rows one forward pass runs: a row per sequence. A speculative
+        # worker raises it before capture (its scoring pass is k + 1 rows per sequence).
+        self.max_decode_rows = self.scheduler_config.max_num_seqs
 
     @torch.inference_mode()
     def capture_model(self, kv_caches: list[torch.Tensor]) -> None:
@@ -60,7 +63,7 @@ class CUDAGraphModelRunner(ModelRunner):
                     time.perf_counter() - start)
 
     def graph_batch_sizes(self) -> list[int]:
-        limit = self.scheduler_config.max_num_seqs
+        limit = self.max_decode_rows
         sizes = [s for s in _SMALL_GRAPH_BATCH_SIZES if s <= limit]
         sizes += list(range(_GRAPH_BATCH_SIZE_STEP, limit + 1, _GRAPH_BATCH_SIZE_STEP))
         if sizes[-1] < limit:
