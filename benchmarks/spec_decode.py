@@ -32,6 +32,7 @@ stops paying. Every speculative run's tokens are compared with `none`'s (greedy:
 in fp32; `agreement` is the fraction of requests whose tokens match exactly).
 
     python benchmarks/spec_decode.py --out spec_decode.json            # GPU: all rows
+    python benchmarks/spec_decode.py --shape llama-3-8b --self-draft --batch-sizes 1 --workloads repeat
     python benchmarks/spec_decode.py --device cpu --batch-sizes 1 --max-tokens 16   # smoke test
 """
 
@@ -40,11 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import platform
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from common import build_checkpoint
 from minivllm import EngineArgs, LLMEngine, SamplingParams
 from minivllm.spec_decode.metrics import expected_speedup
 
@@ -153,8 +156,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", help="the models' dtype; float32 tells numerics from logic when "
                                                    "agreement with the baseline is below 1 (bf16 on a GPU)")
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for the baseline or the draft")
+    p.add_argument("--shape", default=None, help="target: a random-weight checkpoint of benchmarks/configs/SHAPE "
+                                                 "(e.g. llama-3-8b) instead of --model")
+    p.add_argument("--self-draft", action="store_true", help="the target is its own draft (acceptance 1: "
+                                                            "what the mechanism itself costs)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
+    if args.shape:
+        device = "cuda" if torch.cuda.is_available() and args.device != "cpu" else "cpu"
+        args.model = str(build_checkpoint(args.shape, Path(tempfile.mkdtemp()), device))
+    if args.self_draft:
+        args.draft = args.model or "tiny-shakespeare"
     rows = []
     for kind in args.workloads:
         for batch in args.batch_sizes:
@@ -173,6 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
         meta = {"device": device, "torch": torch.__version__, "host": platform.node(), "k": args.k,
+                "shape": args.shape, "self_draft": args.self_draft,
                 "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager, "dtype": args.dtype}
         args.out.write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "tokens"}
                                                                 for r in rows]}, indent=2))
