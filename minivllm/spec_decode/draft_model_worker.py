@@ -30,7 +30,7 @@ from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
-from minivllm.spec_decode.util import Proposals, sampling_probs
+from minivllm.spec_decode.util import Proposals, expand_batch, sampling_probs
 from minivllm.worker.worker import Worker
 
 # The start of a decode step's proposal: the last two tokens (see the module docstring).
@@ -91,12 +91,10 @@ class DraftModelWorker(Worker):
     def _catch_up(self, seqs: list[_Seq]) -> torch.Tensor:
         """Positions L-2 and L-1 of every sequence, as two decode rows each (batch expansion,
         as the target's scoring pass; a graph replay on a GPU): `[2 * num_seqs, hidden]`."""
-        input_ids, positions, tables = [], [], []
-        for seq in seqs:
-            length = seq.data.get_len()
-            input_ids += seq.data.get_token_ids()[length - CATCH_UP_TOKENS:]
-            positions += range(length - CATCH_UP_TOKENS, length)
-            tables += [seq.metadata.block_tables[seq.seq_id]] * CATCH_UP_TOKENS
+        input_ids, positions, tables = expand_batch(
+            [seq.data.get_token_ids()[-CATCH_UP_TOKENS:] for seq in seqs],
+            [seq.data.get_len() - CATCH_UP_TOKENS for seq in seqs],
+            [seq.metadata.block_tables[seq.seq_id] for seq in seqs])
         md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
                                  self.device)
         return self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),

@@ -34,7 +34,7 @@ from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroup
 from minivllm.spec_decode.draft_model_worker import CATCH_UP_TOKENS, DraftModelWorker
 from minivllm.spec_decode.metrics import AcceptanceCounter, SpecDecodeWorkerMetrics
 from minivllm.spec_decode.ngram_worker import NGramWorker
-from minivllm.spec_decode.util import Proposals, sampling_probs
+from minivllm.spec_decode.util import Proposals, expand_batch, sampling_probs
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.worker import Worker
 
@@ -139,15 +139,14 @@ class SpecDecodeWorker(Worker):
         Every row writes its K/V before any row attends (the layer writes, then reads), so a
         (k+1)-token scoring pass is a decode batch: a CUDA-graph replay on a GPU.
         """
-        input_ids, positions, tables, first_rows = [], [], [], []
+        tokens, starts, seq_tables, first_rows = [], [], [], []
         for i, metadata in enumerate(metadata_list):
-            first_rows.append(len(input_ids))
+            first_rows.append(sum(map(len, tokens)))
             for seq_id, data in metadata.seq_data.items():
-                tokens = [data.get_last_token_id()] + guesses.get(i, [])
-                start = data.get_len() - 1
-                input_ids += tokens
-                positions += range(start, start + len(tokens))
-                tables += [metadata.block_tables[seq_id]] * len(tokens)
+                tokens.append([data.get_last_token_id()] + guesses.get(i, []))
+                starts.append(data.get_len() - 1)
+                seq_tables.append(metadata.block_tables[seq_id])
+        input_ids, positions, tables = expand_batch(tokens, starts, seq_tables)
         md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
                                  self.device)
         hidden = self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),

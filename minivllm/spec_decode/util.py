@@ -6,6 +6,9 @@
 `kernels/reference.py`'s `kept_mask` (top-k, top-p, min-p), the spec `SampleTokens` draws from.
 Greedy rows become one-hot at the arg-max, so the rejection sampler treats greedy decoding as
 sampling from a distribution with one certain token.
+
+`expand_batch` lays out the target's scoring pass and the draft's catch-up as decode rows
+(batch expansion, vLLM's `spec_decode/batch_expansion.py`).
 """
 
 from __future__ import annotations
@@ -33,6 +36,26 @@ class Proposals:
     token_ids: torch.Tensor
     num_proposed: list[int]
     probs: torch.Tensor | None
+
+
+def expand_batch(tokens: list[list[int]], first_positions: list[int],
+                 block_tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
+    """Batch expansion: token j of sequence i becomes a decode row of its own at position
+    `first_positions[i] + j`, over sequence i's block table -> (input_ids, positions,
+    block_tables), one entry per row. A row's seq_len is its position + 1, so it attends to
+    the sequence's rows before it (every row writes its K/V before any row attends).
+
+    >>> expand_batch([[5, 6, 7], [9]], [9, 20], [[7], [3, 5]])
+    ([5, 6, 7, 9], [9, 10, 11, 20], [[7], [7], [7], [3, 5]])
+    """
+    if not len(tokens) == len(first_positions) == len(block_tables):
+        raise ValueError("tokens, first_positions and block_tables need one entry per sequence.")
+    input_ids, positions, tables = [], [], []
+    for seq_tokens, first, table in zip(tokens, first_positions, block_tables):
+        input_ids += seq_tokens
+        positions += range(first, first + len(seq_tokens))
+        tables += [table] * len(seq_tokens)
+    return input_ids, positions, tables
 
 
 def sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
