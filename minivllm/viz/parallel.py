@@ -10,6 +10,7 @@ Course tooling (notebook 16), outside the runtime:
     overlapped_schedule the schedule the same stage times would give with several batches in
                         flight (vLLM v0's virtual engines)
     draw_pipeline_schedule  the Gantt chart: one row per stage, one box per (stage, batch)
+    draw_tp_speedups    measured TP speed-ups as bars beside the ideal (tp×)
 
     >>> overlapped_schedule([[1.0, 1.0], [1.0, 1.0]])  # two batches, two stages
     [(0, 0, 0.0, 1.0), (1, 0, 1.0, 2.0), (0, 1, 1.0, 2.0), (1, 1, 2.0, 3.0)]
@@ -152,3 +153,21 @@ def draw_pipeline_schedule(ax, intervals: list[Interval], title: str = "") -> No
     ax.invert_yaxis()
     ax.set_xlabel("time (s)")
     ax.set_title(title)
+
+
+def draw_tp_speedups(ax, speedups: dict[str, float], ideal: float, title: str = "") -> None:
+    """`speedups`: measurement -> TP=n over TP=1 (higher is better), one bar each, beside a
+    dashed line at the `ideal` (n: every rank's share of the work, and nothing added)."""
+    names = list(speedups)
+    ax.barh(range(len(names)), [speedups[n] for n in names], height=0.6, color=COLORS["gpu"],
+            edgecolor=COLORS["edge"], linewidth=0.5, label="measured")
+    for y, name in enumerate(names):
+        ax.text(speedups[name], y, f" {speedups[name]:.2f}×", va="center", fontsize=8)
+    ax.axvline(ideal, color=COLORS["finished"], linestyle="--", linewidth=1.5, label=f"ideal ({ideal:g}×)")
+    ax.axvline(1.0, color=COLORS["copied"], linewidth=1, label="no gain (1×)")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_ylim(len(names) - 0.5, -0.5)
+    ax.set_xlim(0, max(ideal, *speedups.values()) * 1.15)
+    ax.set_xlabel("speed-up over TP=1")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")

@@ -6,7 +6,9 @@ keeps, per speculative step, each sequence's proposals and the tokens the reject
 emitted. The runtime keeps nothing for it. `draw_spec_steps` draws one sequence's steps as
 rows of tokens (accepted guesses, the rejected guess, the target's own token, guesses never
 looked at); `draw_speedup_curves` draws curves of speedup against the acceptance rate
-(computed by `minivllm.spec_decode.metrics.expected_speedup`) with measured points on them.
+(computed by `minivllm.spec_decode.metrics.expected_speedup`) with measured points on them;
+`draw_measured_speedups` sets the rows of `benchmarks/spec_decode.py` (measured speedup)
+beside the speedup the theory expects for each.
 """
 
 from __future__ import annotations
@@ -151,3 +153,36 @@ def draw_distributions(ax, distributions: dict[str, list[float]], labels: list[s
     ax.set_xlabel("token")
     ax.set_ylabel("probability")
     ax.legend(fontsize=8)
+
+
+def row_label(row: dict) -> str:
+    """A `benchmarks/spec_decode.py` row's name: proposer, batch and workload.
+
+    >>> row_label({"proposer": "ngram", "batch": 8, "workload": "repeat"})
+    'n-gram, batch 8, repeat'
+    """
+    proposer = "n-gram" if row["proposer"] == "ngram" else row["proposer"]
+    return f"{proposer}, batch {row['batch']}, {row['workload']}"
+
+
+def draw_measured_speedups(ax, rows: list[dict], labels: list[str] | None = None, title: str = "") -> None:
+    """Two bars per speculating row of `benchmarks/spec_decode.py` (keys `speedup` and
+    `expected_speedup`): the measured speedup over the target alone, and the one Leviathan et
+    al.'s Theorem 3.8 expects from the row's alpha and draft cost c. Bars left of the line at
+    1 are slowdowns. `labels` name the rows (default: `row_label`)."""
+    labels = labels or [row_label(r) for r in rows]
+    ys = range(len(rows))
+    for offset, key, name, color in ((-0.2, "speedup", "measured", COLORS["generated"]),
+                                     (0.2, "expected_speedup", "expected (Theorem 3.8)", COLORS["idle"])):
+        values = [r[key] for r in rows]
+        ax.barh([y + offset for y in ys], values, height=0.4, label=name, color=color,
+                edgecolor=COLORS["edge"], linewidth=0.5)
+        for y, value in zip(ys, values):
+            ax.text(value, y + offset, f" {value:.2f}×", va="center", fontsize=7)
+    ax.axvline(1.0, color=COLORS["copied"], linewidth=1)
+    ax.set_yticks(list(ys), labels, fontsize=8)
+    ax.set_ylim(len(rows) - 0.5, -0.5)
+    ax.set_xlim(0, max(max(r["speedup"], r["expected_speedup"]) for r in rows) * 1.2)
+    ax.set_xlabel("speedup over the target alone (time per token)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="lower right")

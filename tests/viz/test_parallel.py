@@ -21,3 +21,19 @@ def test_one_batch_at_a_time_leaves_the_bubble():
     assert stage_durations(measured) == [[1.0, 1.0], [1.0, 1.0]]
     assert utilization(measured) == [0.5, 0.5]  # each of 2 stages idle half the time
     assert utilization(overlapped_schedule(stage_durations(measured))) == pytest.approx([2 / 3, 2 / 3])
+
+
+def test_draw_tp_speedups_draws_one_bar_per_measurement_and_the_ideal():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz.parallel import draw_tp_speedups
+
+    fig, ax = plt.subplots()
+    draw_tp_speedups(ax, {"throughput": 1.38, "batch-1 decode": 1.32}, ideal=2.0)
+    assert [p.get_width() for p in ax.patches] == [1.38, 1.32]
+    assert [line.get_xdata()[0] for line in ax.lines] == [2.0, 1.0]  # the ideal, then no gain
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["throughput", "batch-1 decode"]
+    plt.close(fig)
