@@ -170,4 +170,4 @@ def draw_tp_speedups(ax, speedups: dict[str, float], ideal: float, title: str = 
     ax.set_xlim(0, max(ideal, *speedups.values()) * 1.15)
     ax.set_xlabel("speed-up over TP=1")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
