@@ -48,18 +48,22 @@ class CacheEngine:
         self.ops = get_ops(attn_backend)
         # Zeros: a kernel may load a whole tile of a block and mask the unused slots, and a
         # masked probability of 0 times a garbage NaN value would still be NaN.
-        self.gpu_cache = self._allocate(self.num_gpu_blocks, self.device, torch.zeros)
-        # The swap pool is read only after swap_out wrote it: no zeroing, so its pages cost no
-        # RAM until used. Pinned host memory lets the GPU copy blocks by DMA, asynchronously.
-        pin = self.device.type == "cuda"
-        self.cpu_cache = self._allocate(self.num_cpu_blocks, torch.device("cpu"), torch.empty, pin_memory=pin)
+        shape = (KV_PAIR, self.num_gpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        self.gpu_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
+        self.cpu_cache = self._allocate_swap_pool(pin_memory=self.device.type == "cuda")
 
-    def _allocate(self, num_blocks: int, device: torch.device, factory, pin_memory: bool = False) -> list[torch.Tensor]:
-        shape = (KV_PAIR, num_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        return [
-            factory(shape, dtype=self.dtype, device=device, pin_memory=pin_memory)
-            for _ in range(self.num_layers)
-        ]
+    def _allocate_swap_pool(self, pin_memory: bool) -> list[torch.Tensor]:
+        """One host buffer `[num_layers, 2, num_cpu_blocks, ...]`, a view per layer.
+
+        Pinned host memory lets the GPU copy blocks by DMA, asynchronously. torch's pinned
+        allocator rounds every allocation up to a power of two, so one tensor per layer would
+        pin up to twice the pool's size; one buffer pins no more than `swap_space` when that is
+        a power of two (4 GiB by default). No zeroing: a block is read only after swap_out wrote
+        it, and unpinned pages (a CPU engine's) cost no RAM until used.
+        """
+        shape = (self.num_layers, KV_PAIR, self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
+        pool = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin_memory)
+        return list(pool.unbind(0))
 
     def swap_in(self, block_mapping: torch.Tensor) -> None:
         """Copy CPU blocks to GPU blocks. block_mapping: `[num_pairs, 2]` (cpu_block, gpu_block)."""

@@ -27,6 +27,15 @@ def test_layout_and_block_bytes_match_the_allocated_tensors(llama_dir):
     assert CacheEngine.get_cache_block_size(4, model_config, torch.bfloat16) == by_hand // 2
 
 
+def test_the_swap_pool_is_one_buffer_with_a_view_per_layer(llama_dir):
+    """One host allocation: torch's pinned allocator rounds each allocation up to a power of two."""
+    engine, _ = make_cache_engine(llama_dir)
+    layers = engine.cpu_cache
+    assert len({layer.untyped_storage().data_ptr() for layer in layers}) == 1
+    assert all(layer.is_contiguous() for layer in layers)
+    assert [b.data_ptr() - a.data_ptr() for a, b in zip(layers, layers[1:])] == [layers[0].nbytes] * (len(layers) - 1)
+
+
 def fill_block(caches, block, value):
     for layer in caches:
         layer[:, block] = value
