@@ -12,11 +12,15 @@ builds it (model, dtype, max_model_len=4096, nothing else), then one greedy toke
     filled  the same folder again, as the empty case left it: every kernel loads from disk
 
 `LLM()` is split by the engine's own start-up line (`minivllm/engine/startup_log.py`:
-tokenizer, workers and weights, profile run, KV cache and graphs) and the CUDA graph
-capture line. Triton's JIT hooks (`triton.knobs.runtime`) time every kernel build in the
-process, so the compile time shows by phase (a build in the filled case is a load from
-disk). The checkpoint (random bf16 weights, benchmarks/common.py) is written by a process
-of its own first, so the measured processes find it on disk like any model. Results go to
+tokenizer, workers and weights, profile run, KV cache and graphs), the CUDA graph capture
+line, and the model config line (`minivllm/config.py`): transformers' AutoConfig with the
+imports it makes, the bulk of the config phase before the engine. Triton's JIT hooks
+(`triton.knobs.runtime`) time every kernel build in the process, so the compile time shows
+by phase (a build in the filled case is a load from disk). Each case also records whether
+Python's compiled bytecode of torch and transformers was on disk when it started: without
+it every process compiles those modules again, inside its import and config phases. The
+checkpoint (random bf16 weights, benchmarks/common.py) is written by a process of its own
+first, so the measured processes find it on disk like any model. Results go to
 OUT/startup_<gpu>.json, the markdown table to the same name with .md, logs to OUT/logs/.
 """
 
@@ -47,6 +51,7 @@ TARGETS_S = {"empty": 20.0, "filled": 8.0}  # the project's targets, import to f
 STARTUP_LINE = re.compile(r"start-up ([\d.]+) s: (.*)")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s(?:,|$)")
 GRAPHS_LINE = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes .* in ([\d.]+) s")
+HF_CONFIG_LINE = re.compile(r"model config: \S+ in ([\d.]+) s \(transformers' AutoConfig; (\d+) modules imported\)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -105,6 +110,7 @@ def measure(args: argparse.Namespace) -> int:
     from minivllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - PROCESS_START
+    bytecode = bytecode_on_disk(("torch", "transformers"))  # before LLM() imports transformers
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # into OUT/logs/<case>.log
     log = LogRecorder()
     builds = TritonBuildTimer()  # imports triton (minivllm's kernels would, inside LLM())
@@ -129,13 +135,26 @@ def measure(args: argparse.Namespace) -> int:
               "triton_hooks": builds.installed,
               "triton_builds_in_llm": summarize(builds.builds[:num_built_in_llm]),
               "triton_builds_in_generate": summarize(builds.builds[num_built_in_llm:]),
-              "device": device, "engine_log": [m for _, m in log.messages], "environment": environment(device)}
+              "device": device, "bytecode": bytecode, "engine_log": [m for _, m in log.messages],
+              "environment": environment(device)}
     if "phases_s" in found:
         # LLM() before the engine's own clock: EngineArgs -> EngineConfig (transformers' AutoConfig).
         result["phases_s"] = {"config": round(llm_s - found["engine_startup_s"], 2), **found["phases_s"]}
         result["triton_build_s_by_phase"] = builds_by_phase(builds.builds[:num_built_in_llm], found)
     Path(args.result).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def bytecode_on_disk(packages: tuple[str, ...]) -> dict:
+    """{"dont_write_bytecode", package: whether its __init__'s compiled bytecode exists}, found
+    without importing the package (`PYTHONPYCACHEPREFIX`, if set, is where Python looks)."""
+    import importlib.util
+
+    found: dict = {"dont_write_bytecode": bool(sys.flags.dont_write_bytecode)}
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        found[name] = bool(spec and spec.cached and os.path.exists(spec.cached))
+    return found
 
 
 class LogRecorder(logging.Handler):
@@ -154,7 +173,8 @@ class LogRecorder(logging.Handler):
 
 def parse_engine_log(messages: list[tuple[float, str]]) -> dict:
     """{"engine_startup_s", "engine_startup_logged_at", "phases_s": {phase: s}, "graph_capture_s",
-    "graph_batch_sizes"} from the start-up line and the graph capture line."""
+    "graph_batch_sizes", "hf_config_s", "hf_config_modules"} from the start-up line, the graph
+    capture line and the (first) model config line."""
     found: dict = {}
     for created, message in messages:
         if match := STARTUP_LINE.match(message):
@@ -162,6 +182,8 @@ def parse_engine_log(messages: list[tuple[float, str]]) -> dict:
             found["phases_s"] = {name.strip(): float(s) for name, s in PHASE.findall(match.group(2))}
         elif match := GRAPHS_LINE.match(message):
             found["graph_batch_sizes"], found["graph_capture_s"] = int(match.group(1)), float(match.group(2))
+        elif (match := HF_CONFIG_LINE.match(message)) and "hf_config_s" not in found:
+            found["hf_config_s"], found["hf_config_modules"] = float(match.group(1)), int(match.group(2))
     return found
 
 
@@ -223,14 +245,16 @@ def markdown_table(report: dict) -> str:
     env = report.get("environment", {})
     lines = [f"Start-up, {report['model']}, {env.get('gpu', 'CPU')} ({env.get('date', '?')}, commit "
              f"{env.get('commit', '?')}): seconds from the process's first line",
-             "", "| Triton cache | import | LLM() | first token | Triton builds in LLM() | LLM() phases |",
-             "|---|---|---|---|---|---|"]
+             "", "| Triton cache | Python bytecode | import | LLM() | first token | Triton builds in LLM() | LLM() phases |",
+             "|---|---|---|---|---|---|---|"]
     for case, r in report["cases"].items():
         if "error" in r:
-            lines.append(f"| {case} | {r['error']} | | | | |")
+            lines.append(f"| {case} | | {r['error']} | | | | |")
             continue
         built_in = r.get("triton_build_s_by_phase", {})
         phases = ", ".join(f"{name} {s:.1f}" + (f" (Triton {built_in[name]:.1f})" if built_in.get(name) else "")
+                           + (f" (AutoConfig {r['hf_config_s']:.1f}, {r['hf_config_modules']} modules)"
+                              if name == "config" and "hf_config_s" in r else "")
                            for name, s in r.get("phases_s", {}).items())
         if "graph_capture_s" in r:
             phases += f" (graph capture {r['graph_capture_s']:.1f}, {r['graph_batch_sizes']} sizes)"
@@ -238,7 +262,9 @@ def markdown_table(report: dict) -> str:
         built = f"{builds['count']} in {builds['seconds']:.1f} s" if r.get("triton_hooks") else "no hooks"
         target = report["targets_s"].get(case)
         first = f"{r['first_token_s']:.1f}" + (f" (target {target:.0f})" if target and not report["smoke"] else "")
-        lines.append(f"| {case} | {r['import_s']:.1f} | {r['llm_s']:.1f} | {first} | {built} | {phases} |")
+        bytecode = r.get("bytecode", {})
+        on_disk = "on disk" if bytecode.get("transformers") and bytecode.get("torch") else "compiled in the process"
+        lines.append(f"| {case} | {on_disk} | {r['import_s']:.1f} | {r['llm_s']:.1f} | {first} | {built} | {phases} |")
     return "\n".join(lines)
 
 

@@ -8,8 +8,11 @@ through transformers, and `DeviceConfig` asks torch for a GPU, only when they ar
 from __future__ import annotations
 
 import importlib
+import logging
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +29,8 @@ _SUPPORTED_DTYPES = ("auto", "float32", "float16", "bfloat16")
 _GiB = 1 << 30
 # How long to wait for the Hugging Face hub before saying it cannot be reached.
 _HUB_CHECK_TIMEOUT_S = 3.0
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -58,9 +63,7 @@ class ModelConfig:
             _check_model_source(self.model, self.revision, "config.json")
             if self.tokenizer != self.model:
                 _check_model_source(self.tokenizer, self.revision, "tokenizer_config.json")
-            from transformers import AutoConfig  # deferred: keeps this module torch-free
-
-            self.hf_config = AutoConfig.from_pretrained(self.model, revision=self.revision)
+            self.hf_config = _load_hf_config(self.model, self.revision)
         derived = _derive_max_model_len(self.hf_config)
         if self.max_model_len is None:
             self.max_model_len = derived
@@ -112,6 +115,22 @@ class ModelConfig:
     def get_head_size(self) -> int:
         cfg = self.hf_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+def _load_hf_config(model: str, revision: str | None) -> Any:
+    """transformers' `AutoConfig.from_pretrained`, timed: one INFO line per model.
+
+    The seconds are nearly all imports, not JSON: transformers' config class for the model
+    type imports much of transformers' modeling code while it is defined, so the line also
+    counts the modules the call imported (docs/benchmarks.md, "Start-up").
+    """
+    start, num_modules = time.perf_counter(), len(sys.modules)
+    from transformers import AutoConfig  # deferred: keeps this module torch-free
+
+    hf_config = AutoConfig.from_pretrained(model, revision=revision)
+    logger.info("model config: %s in %.2f s (transformers' AutoConfig; %d modules imported)",
+                type(hf_config).__name__, time.perf_counter() - start, len(sys.modules) - num_modules)
+    return hf_config
 
 
 def _derive_max_model_len(hf_config: Any) -> int:
