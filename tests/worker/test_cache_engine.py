@@ -1,5 +1,6 @@
 """CacheEngine: the block size formula against real tensors, and block moves."""
 
+import pytest
 import torch
 
 from minivllm.config import CacheConfig, ModelConfig
@@ -34,6 +35,20 @@ def test_the_swap_pool_is_one_buffer_with_a_view_per_layer(llama_dir):
     assert len({layer.untyped_storage().data_ptr() for layer in layers}) == 1
     assert all(layer.is_contiguous() for layer in layers)
     assert [b.data_ptr() - a.data_ptr() for a, b in zip(layers, layers[1:])] == [layers[0].nbytes] * (len(layers) - 1)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs a GPU")
+def test_a_gpu_engines_swap_pool_is_pinned_and_swaps_by_dma(llama_dir):
+    model_config = ModelConfig(model=llama_dir[0])
+    cache_config = CacheConfig(block_size=4)
+    cache_config.num_gpu_blocks, cache_config.num_cpu_blocks = 6, 4
+    engine = CacheEngine(cache_config, model_config, "cuda", torch.float16)
+    assert all(layer.is_pinned() for layer in engine.cpu_cache)
+    fill_block(engine.gpu_cache, 5, 2.0)
+    engine.swap_out(torch.tensor([[5, 3]]))
+    torch.cuda.synchronize()
+    assert all(torch.all(layer[:, 3] == 2.0) for layer in engine.cpu_cache)
 
 
 def fill_block(caches, block, value):
