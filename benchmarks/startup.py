@@ -106,11 +106,11 @@ def run_logged(out: Path, name: str, cmd: list[str], timeout_s: float, env: dict
 # --------------------------------------------------------------------------- the measured process
 def measure(args: argparse.Namespace) -> int:
     """Import, `LLM()`, first token: seconds since this process's first line, with the log's phases."""
+    bytecode = bytecode_on_disk(("torch", "transformers"))  # before anything imports them (a millisecond)
     import minivllm  # noqa: F401  (light: no torch)
     from minivllm import LLM, SamplingParams
 
     import_s = time.perf_counter() - PROCESS_START
-    bytecode = bytecode_on_disk(("torch", "transformers"))  # before LLM() imports transformers
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")  # into OUT/logs/<case>.log
     log = LogRecorder()
     builds = TritonBuildTimer()  # imports triton (minivllm's kernels would, inside LLM())
