@@ -185,4 +185,4 @@ def draw_measured_speedups(ax, rows: list[dict], labels: list[str] | None = None
     ax.set_xlim(0, max(max(r["speedup"], r["expected_speedup"]) for r in rows) * 1.2)
     ax.set_xlabel("speedup over the target alone (time per token)")
     ax.set_title(title)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
