@@ -56,6 +56,7 @@ SPEAKERS = ["ROMEO:", "JULIET:", "KING HENRY:", "HAMLET:", "MENENIUS:", "GLOUCES
 PASSAGE_TOKENS = 160
 REPEATED_PREFIX = 16  # the repeat workload's prompt ends with the passage's first tokens again
 DRAFT = "tiny-shakespeare-draft"
+SHAPE_MAX_MODEL_LEN = 2048  # a --shape model's context, within one prefill batch (no chunked prefill)
 
 
 def make_engine(args, model: str | None, batch: int, **spec) -> LLMEngine:
@@ -64,6 +65,7 @@ def make_engine(args, model: str | None, batch: int, **spec) -> LLMEngine:
     tokens_per_seq = PASSAGE_TOKENS + REPEATED_PREFIX + 8 + args.max_tokens + args.k + 16
     return LLMEngine.from_engine_args(EngineArgs(
         model=model, device=args.device, dtype=args.dtype, max_num_seqs=max(batch, 8), enforce_eager=args.enforce_eager,
+        max_model_len=SHAPE_MAX_MODEL_LEN if args.shape else None,
         max_num_batched_tokens=max(2048, batch * (PASSAGE_TOKENS + REPEATED_PREFIX + 8)),
         num_gpu_blocks_override=2 * batch * -(-tokens_per_seq // 16) + 64, **spec))
 
