@@ -292,8 +292,8 @@ class SchedulerConfig:
             the GPU, so the host's scheduling and batch preparation are paid once per
             `num_scheduler_steps` tokens instead of once per token.
         num_lookahead_slots: slots a decoding sequence reserves beyond its next token: at
-            least `num_scheduler_steps - 1` (multi-step), `num_speculative_tokens` with
-            speculative decoding (vLLM's field; `EngineArgs` sets it).
+            least `num_scheduler_steps - 1` (multi-step), R * (k + 1) - 1 with speculation
+            (k tokens, R = num_scheduler_steps rounds) (vLLM's field; `EngineArgs` sets it).
         async_scheduling: with multi-step, schedule the next run and queue it on the GPU
             while the current run's last step still computes (`AsyncScheduler.schedule_ahead`;
             vLLM v1's async scheduling), so the GPU does not wait for the host between runs.
@@ -510,10 +510,9 @@ class SpeculativeConfig:
     def method(self) -> str:
         return "ngram" if self.draft_model_config is None else "draft_model"
 
-    @property
-    def num_lookahead_slots(self) -> int:
-        """Slots a speculating sequence needs beyond its next token: one per proposed token."""
-        return self.num_speculative_tokens
+    def num_lookahead_slots(self, num_rounds: int = 1) -> int:
+        """Slots beyond a sequence's next token: one per guess, k + 1 per further round (multi-step)."""
+        return num_rounds * (self.num_speculative_tokens + 1) - 1
 
     @staticmethod
     def maybe_create_spec_config(
@@ -536,9 +535,9 @@ class SpeculativeConfig:
             raise ValueError("speculative_model needs num_speculative_tokens (tokens proposed per step).")
         if target_scheduler_config.enable_chunked_prefill:
             raise ValueError("speculative decoding and chunked prefill cannot be combined (as in vLLM 0.6).")
-        if target_scheduler_config.num_scheduler_steps > 1:
-            raise ValueError("speculative decoding and multi-step scheduling (num_scheduler_steps > 1) "
-                             "cannot be combined (as in vLLM 0.6).")
+        if target_scheduler_config.async_scheduling:
+            raise ValueError("speculative decoding cannot be combined with async_scheduling: the next round's "
+                             "guesses need the host to have seen this round's tokens.")
         if speculative_model == NGRAM_MODEL:
             return SpeculativeConfig(num_speculative_tokens, None, ngram_prompt_lookup_max,
                                      1 if ngram_prompt_lookup_min is None else ngram_prompt_lookup_min)

@@ -142,9 +142,9 @@ class EngineArgs:
         speculative_config = SpeculativeConfig.maybe_create_spec_config(
             model_config, scheduler_config, self.speculative_model, self.num_speculative_tokens,
             self.ngram_prompt_lookup_max, self.ngram_prompt_lookup_min)
-        if speculative_config is not None:
-            scheduler_config = dataclasses.replace(
-                scheduler_config, num_lookahead_slots=speculative_config.num_lookahead_slots)
+        if speculative_config is not None:  # slots for every round's guesses
+            rounds = scheduler_config.num_scheduler_steps
+            scheduler_config = dataclasses.replace(scheduler_config, num_lookahead_slots=speculative_config.num_lookahead_slots(rounds))
         return EngineConfig(
             model_config=model_config,
             cache_config=cache_config,
@@ -171,11 +171,11 @@ class EngineArgs:
         return DEFAULT_GPU_SCHEDULER_STEPS if fast_path else 1
 
     def _async_scheduling(self, device_config: DeviceConfig) -> bool:
-        """The given value, else on wherever multi-step runs (a KV connector's loads and saves
-        need the host between runs)."""
+        """The given value, else on wherever multi-step runs (a KV connector's loads and saves,
+        and speculation's next guesses, need the host between runs)."""
         if self.async_scheduling is not None:
             return self.async_scheduling
-        return self._num_scheduler_steps(device_config) > 1 and self.kv_transfer_config is None
+        return self._num_scheduler_steps(device_config) > 1 and not (self.kv_transfer_config or self.speculative_model)
 
     def _lora_config(self) -> LoRAConfig | None:
         if not self.enable_lora:

@@ -2,8 +2,8 @@
 
 As vLLM picks `MultiStepWorker` over `Worker`, the engine of a mode is the plain `LLMEngine`
 wrapped by that mode's subclass, each in a file of its own. The configuration rules out the
-other combinations (`EngineConfig`: speculative decoding with multi-step or a connector, async
-scheduling with a connector or without multi-step).
+other combinations (`EngineConfig`: speculative decoding with async scheduling or a connector,
+async scheduling with a connector or without multi-step).
 """
 
 from __future__ import annotations

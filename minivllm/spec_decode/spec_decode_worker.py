@@ -19,6 +19,7 @@ Rejected guesses' K/V lie at or past the next step's input position: nothing is 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -29,8 +30,8 @@ from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
 from minivllm.model_executor.layers.rejection_sampler import RejectionSampler, num_emitted
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
-from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput,
-                               SequenceOutput)
+from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceData, SequenceGroupMetadata,
+                               SequenceGroupOutput, SequenceOutput)
 from minivllm.spec_decode.draft_model_worker import CATCH_UP_TOKENS, DraftModelWorker
 from minivllm.spec_decode.metrics import AcceptanceCounter, SpecDecodeWorkerMetrics
 from minivllm.spec_decode.ngram_worker import NGramWorker
@@ -58,6 +59,9 @@ class SpecDecodeWorker(Worker):
         self.proposer = NGramWorker(spec, self.device) if spec.method == "ngram" else DraftModelWorker(engine_config)
         self.rejection_sampler = RejectionSampler(self.model_runner.backend)
         self.counter = AcceptanceCounter(spec.num_speculative_tokens)
+        self.num_speculative_tokens = spec.num_speculative_tokens
+        # Rounds of propose-score-accept per schedule (the scheduler reserved their slots).
+        self.num_rounds = self.scheduler_config.num_scheduler_steps
         # Batch expansion scores k + 1 rows per sequence, the draft catches up with 2: capture
         # graphs for those batches (up to a bound: past it a pass is compute-bound anyway).
         max_num_seqs = self.scheduler_config.max_num_seqs
@@ -86,29 +90,54 @@ class SpecDecodeWorker(Worker):
     @torch.inference_mode()
     def execute_model(self, execute_model_req: ExecuteModelRequest) -> list[SamplerOutput]:
         """One `SamplerOutput` for a prefill or a step where no one speculates; else one per
-        emitted token position (1 + the most proposals any sequence had)."""
+        emitted token position, over every round of the run: `num_scheduler_steps` rounds
+        when every sequence speculates (multi-step), one otherwise."""
         req = execute_model_req
         metadata_list = req.seq_group_metadata_list
         self.apply_block_moves(req)
+        self.model_runner.release_requests(req.finished_requests_ids)
         if not metadata_list:  # a step of block moves only (a swap-out)
-            return [self._plain_step(req)]
+            return [self._plain_step(metadata_list)]
         if any(m.is_prompt for m in metadata_list):
             self.proposer.run_prefill(metadata_list)
-            return [self._plain_step(req)]
+            return [self._plain_step(metadata_list)]
+        outputs = self._round(metadata_list)
+        if self.num_rounds > 1 and all(self._num_proposals(m) for m in metadata_list):
+            outputs = self._more_rounds(metadata_list, outputs)
+        return outputs
+
+    def _round(self, metadata_list: list[SequenceGroupMetadata]) -> list[SamplerOutput]:
+        """Propose, score and accept once."""
         num_proposals = [self._num_proposals(m) for m in metadata_list]
         proposals = self.proposer.propose(metadata_list, num_proposals)
         if not any(proposals.num_proposed):
-            return [self._plain_step(req)]
-        self.model_runner.release_requests(req.finished_requests_ids)
+            return [self._plain_step(metadata_list)]
         return self._score_and_accept(metadata_list, num_proposals, proposals)
 
-    def _plain_step(self, req: ExecuteModelRequest) -> SamplerOutput:
-        return self.model_runner.execute_model(req.seq_group_metadata_list, self.kv_caches, req.finished_requests_ids)
+    def _more_rounds(self, metadata_list: list[SequenceGroupMetadata], outputs: list[SamplerOutput]
+                     ) -> list[SamplerOutput]:
+        """Rounds 2 .. num_rounds of a multi-step run: each group goes on from the tokens the
+        rounds before emitted, within the lookahead slots its blocks hold (out of slots, it stops;
+        past a stop string or EOS, the engine drops its tokens, as after a multi-step run)."""
+        last_round = outputs
+        for _ in range(self.num_rounds - 1):
+            metadata_list = [_advanced(m, _emitted(last_round, i)) for i, m in enumerate(metadata_list)]
+            live = [i for i, m in enumerate(metadata_list) if m.num_lookahead_slots >= 0]
+            if not live:
+                break
+            last_round = [_spread(o, live, len(metadata_list)) for o in self._round([metadata_list[i] for i in live])]
+            outputs = outputs + last_round
+        outputs[0] = SpecDecodeSamplerOutput(outputs[0].outputs, spec_decode_worker_metrics=self.counter.metrics())
+        return outputs
 
-    @staticmethod
-    def _num_proposals(metadata: SequenceGroupMetadata) -> int:
+    def _plain_step(self, metadata_list: list[SequenceGroupMetadata]) -> SamplerOutput:
+        return self.model_runner.execute_model(metadata_list, self.kv_caches)
+
+    def _num_proposals(self, metadata: SequenceGroupMetadata) -> int:
+        """Guesses a sequence makes this round: k, fewer when its slots run out, none when its
+        sampling needs more than the logits (penalties, seeds, logprobs)."""
         can = DeviceSampler.depends_on_logits_alone(metadata.sampling_params, list(metadata.seq_data.values()))
-        return metadata.num_lookahead_slots if can else 0
+        return min(metadata.num_lookahead_slots, self.num_speculative_tokens) if can else 0
 
     def _score_and_accept(self, metadata_list: list[SequenceGroupMetadata], num_proposals: list[int],
                           proposals: Proposals) -> list[SamplerOutput]:
@@ -203,3 +232,26 @@ class SpecDecodeWorker(Worker):
 def _raise_graph_rows(runner, rows: int) -> None:
     if isinstance(runner, CUDAGraphModelRunner):
         runner.max_decode_rows = max(runner.max_decode_rows, min(rows, _MAX_GRAPH_ROWS))
+
+
+def _emitted(outputs: list[SamplerOutput], group: int) -> list[int]:
+    """The tokens a round emitted for one group (a lone sequence), in order."""
+    return [o.outputs[group].samples[0].output_token for o in outputs if o.outputs[group].samples]
+
+
+def _advanced(metadata: SequenceGroupMetadata, tokens: list[int]) -> SequenceGroupMetadata:
+    """The group after its sequence emitted `tokens`: a copy (the engine's own data stays as
+    it is) with that many fewer lookahead slots left."""
+    ((seq_id, data),) = metadata.seq_data.items()
+    data = SequenceData(data.prompt_token_ids, data.output_token_ids + tokens,
+                        num_computed_tokens=data.num_computed_tokens + len(tokens))
+    return dataclasses.replace(metadata, seq_data={seq_id: data},
+                               num_lookahead_slots=metadata.num_lookahead_slots - len(tokens))
+
+
+def _spread(output: SamplerOutput, live: list[int], num_groups: int) -> SamplerOutput:
+    """A round's output over the live groups, laid out over all groups (no samples elsewhere)."""
+    groups = [SequenceGroupOutput(samples=[]) for _ in range(num_groups)]
+    for row, group in enumerate(live):
+        groups[group] = output.outputs[row]
+    return SamplerOutput(groups)

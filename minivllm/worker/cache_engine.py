@@ -53,14 +53,10 @@ class CacheEngine:
         self.cpu_cache = self._allocate_swap_pool(pin_memory=self.device.type == "cuda")
 
     def _allocate_swap_pool(self, pin_memory: bool) -> list[torch.Tensor]:
-        """One host buffer `[num_layers, 2, num_cpu_blocks, ...]`, a view per layer.
-
-        Pinned host memory lets the GPU copy blocks by DMA, asynchronously. torch's pinned
-        allocator rounds every allocation up to a power of two, so one tensor per layer would
-        pin up to twice the pool's size; one buffer pins no more than `swap_space` when that is
-        a power of two (4 GiB by default). No zeroing: a block is read only after swap_out wrote
-        it, and unpinned pages (a CPU engine's) cost no RAM until used.
-        """
+        """One host buffer `[num_layers, 2, num_cpu_blocks, ...]`, a view per layer. Pinned, for
+        asynchronous DMA copies; torch rounds each pinned allocation up to a power of two, so one
+        buffer pins less than a tensor per layer would. No zeroing: a block is read only after
+        swap_out wrote it, and unpinned pages (a CPU engine's) cost no RAM until used."""
         shape = (self.num_layers, KV_PAIR, self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
         pool = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin_memory)
         return list(pool.unbind(0))

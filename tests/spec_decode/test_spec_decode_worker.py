@@ -101,6 +101,33 @@ def test_greedy_output_is_the_targets_under_preemption(spec_checkpoints, referen
         assert metrics.draft_acceptance_rate > 0.3
 
 
+ROUNDS = 3
+
+
+@pytest.mark.parametrize("preemption_mode", [None, "swap"])
+@pytest.mark.parametrize("proposer", ["copy", "ngram"])
+def test_several_rounds_per_schedule_keep_the_targets_output(spec_checkpoints, reference, proposer, preemption_mode):
+    """num_scheduler_steps > 1: each schedule runs up to ROUNDS propose-score-accept rounds
+    (multi-step composed with speculation) in the slots the scheduler reserved for all of them."""
+    spec = {"copy": dict(speculative_model=spec_checkpoints["target"]),
+            "ngram": dict(speculative_model="[ngram]", ngram_prompt_lookup_max=3)}[proposer]
+    engine, recorder = make_engine(spec_checkpoints["target"], num_speculative_tokens=K, num_scheduler_steps=ROUNDS,
+                                   preemption_mode=preemption_mode, **SMALL_POOL, **spec)
+    assert tokens(run(engine, PROMPTS, GREEDY)) == reference
+    assert recorder.preemptions > 0 and recorder.spec.draft_tokens > 0
+    if proposer == "copy":
+        assert recorder.spec.draft_acceptance_rate == 1.0
+
+
+def test_rounds_emit_up_to_rounds_times_k_plus_1_tokens_per_schedule(spec_checkpoints):
+    prompt, params = PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    engine, _ = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["target"],
+                            num_speculative_tokens=K, num_scheduler_steps=ROUNDS)
+    run(engine, prompt, params)
+    # 1 prefill step (1 token), then up to ROUNDS * (K + 1) = 12 tokens per schedule: 23 = 12 + 11.
+    assert engine.step_counter == 1 + 2
+
+
 def test_fewer_steps_than_tokens_when_drafts_are_accepted(spec_checkpoints):
     prompt, params = PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     engine, _ = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["target"],
@@ -110,22 +137,24 @@ def test_fewer_steps_than_tokens_when_drafts_are_accepted(spec_checkpoints):
     assert engine.step_counter == 1 + 6
 
 
-def test_stop_conditions_inside_the_accepted_tokens(spec_checkpoints, reference):
-    """A stop token, max_tokens or max_model_len reached in the middle of the accepted tokens:
-    the output stops there, as without speculation."""
+@pytest.mark.parametrize("rounds", [1, ROUNDS])
+def test_stop_conditions_inside_the_accepted_tokens(spec_checkpoints, reference, rounds):
+    """A stop token, max_tokens or max_model_len reached in the middle of the accepted tokens
+    (or of a later round's): the output stops there, as without speculation."""
     stop_at = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True,
                               stop_token_ids=[reference[str(i)][0][4 + i % 3]]) for i in range(len(PROMPTS))]
     lengths = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (1, 2, 3, 5, 6, 7)]
     params = stop_at + lengths
     expected = tokens(run(make_engine(spec_checkpoints["target"], max_model_len=50)[0], PROMPTS * 2, params))
     engine, recorder = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["target"],
-                                   num_speculative_tokens=K, max_model_len=50)
+                                   num_speculative_tokens=K, max_model_len=50, num_scheduler_steps=rounds)
     assert tokens(run(engine, PROMPTS * 2, params)) == expected
     assert {reason for _, reason in expected.values()} == {"stop", "length"}
     assert recorder.spec.draft_tokens > 0
 
 
-def test_requests_that_cannot_speculate_decode_plainly_beside_those_that_do(spec_checkpoints):
+@pytest.mark.parametrize("rounds", [1, ROUNDS])
+def test_requests_that_cannot_speculate_decode_plainly_beside_those_that_do(spec_checkpoints, rounds):
     """n > 1, a seed, logprobs or penalties: no lookahead or no proposals for that request; it
     rides along in the scoring pass with one token and the plain sampler, and its output is
     what it is without speculation."""
@@ -149,7 +178,7 @@ def test_requests_that_cannot_speculate_decode_plainly_beside_those_that_do(spec
 
     expected = all_outputs(make_engine(spec_checkpoints["target"])[0])
     engine, recorder = make_engine(spec_checkpoints["target"], speculative_model=spec_checkpoints["target"],
-                                   num_speculative_tokens=K)
+                                   num_speculative_tokens=K, num_scheduler_steps=rounds)
     assert all_outputs(engine) == expected
     assert recorder.spec.draft_tokens > 0
 
@@ -187,7 +216,7 @@ def test_beam_search_is_refused_when_speculating(spec_checkpoints):
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           enable_chunked_prefill=True), "chunked prefill"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
-          num_scheduler_steps=4), "multi-step"),
+          num_scheduler_steps=4, async_scheduling=True), "async_scheduling"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
           tensor_parallel_size=2, distributed_executor_backend="mp"), "one worker"),
     (dict(speculative_model="[ngram]", num_speculative_tokens=K, ngram_prompt_lookup_max=2,
@@ -204,6 +233,10 @@ def test_lookahead_slots_are_the_speculative_tokens(spec_checkpoints):
                         num_speculative_tokens=5, ngram_prompt_lookup_max=2).create_engine_config()
     assert config.scheduler_config.num_lookahead_slots == 5
     assert config.speculative_config.method == "ngram" and config.speculative_config.ngram_prompt_lookup_min == 1
+    rounds = EngineArgs(model=spec_checkpoints["target"], device="cpu", speculative_model="[ngram]",
+                        num_speculative_tokens=5, ngram_prompt_lookup_max=2, num_scheduler_steps=3)
+    config = rounds.create_engine_config()  # 3 rounds of up to 6 tokens: the next one and 17 more
+    assert config.scheduler_config.num_lookahead_slots == 17 and not config.scheduler_config.async_scheduling
 
 
 def test_acceptance_metrics_reach_the_log_line_and_prometheus_with_vllms_names(spec_checkpoints):
