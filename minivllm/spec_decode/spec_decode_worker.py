@@ -168,11 +168,12 @@ class SpecDecodeWorker(Worker):
         Every row writes its K/V before any row attends (the layer writes, then reads), so a
         (k+1)-token scoring pass is a decode batch: a CUDA-graph replay on a GPU.
         """
-        tokens, starts, seq_tables, first_rows = [], [], [], []
+        tokens, starts, seq_tables, first_rows, num_rows = [], [], [], [], 0
         for i, metadata in enumerate(metadata_list):
-            first_rows.append(sum(map(len, tokens)))
+            first_rows.append(num_rows)
             for seq_id, data in metadata.seq_data.items():
                 tokens.append([data.get_last_token_id()] + guesses.get(i, []))
+                num_rows += len(tokens[-1])
                 starts.append(data.get_len() - 1)
                 seq_tables.append(metadata.block_tables[seq_id])
         input_ids, positions, tables = expand_batch(tokens, starts, seq_tables)
