@@ -11,10 +11,11 @@ offline on a fresh machine. The recipe is nanoGPT's Shakespeare run with Llama's
    the model continues each; EOS ends the speech, so generation stops by itself.
 3. Train a byte-level BPE tokenizer (vocab 4096, `<s>` `</s>` `<pad>`) on the training split.
 4. Train `LlamaForCausalLM` (~5M parameters, grouped-query attention) on random 512-token
-   windows of the documents laid end to end, each window starting with BOS; keep the
-   best-validation weights.
+   windows of the documents laid end to end, each window starting at a document's BOS; keep
+   the best-validation weights.
 
-`--init-from DIR` skips step 3 and starts from a checkpoint's weights and tokenizer (fine-tuning).
+`--init-from DIR` skips step 3 and starts from a checkpoint's weights and tokenizer (fine-tuning);
+with `--self-distill` that checkpoint is also the teacher (see `self_distillation_loss`).
 `--distill-from DIR --size draft` trains a draft model for speculative decoding: DIR's
 tokenizer (a draft must share the target's vocabulary), fresh weights of the `draft` size,
 and the target's next-token distributions as soft labels (knowledge distillation: the loss is
@@ -29,15 +30,17 @@ say, which is what the acceptance rate rewards). The bundled draft model was mad
 
 (its model card gives the losses and the acceptance rate against tiny-shakespeare).
 
-The bundled model was made in three runs (its model card gives each exactly): a from-scratch
+The bundled model was made in four runs (its model card gives each exactly): a from-scratch
 run on one GPU on the corpus as plain text (commit 9bac8cd's script), a CPU fine-tune on the
-speech documents in the inline layout (`--forms inline`), then a GPU fine-tune over the mixed
-layouts of step 2:
+speech documents in the inline layout (`--forms inline`), a GPU fine-tune over the mixed
+layouts of step 2, then a GPU self-distillation that keeps the words and moves the ends of
+speeches:
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
-        --init-from <run 2's checkpoint> --out /tmp/tiny-forms --device cuda --steps 400 \\
-        --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --dropout 0.1 \\
-        --eval-interval 100 --form-weights corpus=0.45,inline=0.25,verse=0.3 --select last
+        --init-from <run 3's checkpoint> --self-distill --correction-weight 5 --out /tmp/tiny-verse \\
+        --device cuda --steps 2400 --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 \\
+        --warmup-steps 20 --dropout 0.1 --eval-interval 200 \\
+        --form-weights corpus=0.35,inline=0.2,verse=0.45 --select last
 
 The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
 ~400 at the default batch): validation loss bottoms out there and climbs after. Keeping the
@@ -79,8 +82,10 @@ SIZES = {
 
 # The layouts of a speech a learner types as a prompt, with their share of the training documents.
 PROMPT_FORMS = {"corpus": 0.5, "inline": 0.3, "verse": 0.2}
-# A verse document needs a few lines, so that one line typed as a prompt is continued.
+# A verse document needs a few lines, so that one line typed as a prompt is continued. An inline
+# one needs two: `<s>ROMEO: line\n</s>` would read as a lone line of verse followed by EOS.
 MIN_VERSE_LINES = 3
+MIN_INLINE_LINES = 2
 
 # Each message renders as a speech in the corpus's layout ("<s>ROMEO:\n<lines>\n</s>"), so a
 # chat prompt looks like a scene, the model answers in character and ends its answer with EOS.
@@ -109,6 +114,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, required=True, help="folder for the checkpoint")
     p.add_argument("--init-from", type=Path, default=None,
                    help="start from this checkpoint's weights and tokenizer (fine-tune)")
+    p.add_argument("--self-distill", action="store_true",
+                   help="with --init-from: learn its next-token distributions, ending speeches where the documents do")
+    p.add_argument("--correction-weight", type=float, default=1.0,
+                   help="--self-distill: weight of the positions where the start would end a speech that goes on")
     p.add_argument("--forms", choices=["inline", "mixed"], default="mixed",
                    help="how speeches are laid out: all inline, or mixed over PROMPT_FORMS")
     p.add_argument("--form-weights", type=parse_form_weights, default=PROMPT_FORMS,
@@ -148,6 +157,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.distill_from is not None and args.init_from is not None:
         raise ValueError("--distill-from trains fresh weights: it cannot be combined with --init-from.")
+    if args.self_distill and args.init_from is None:
+        raise ValueError("--self-distill learns from the --init-from checkpoint: pass --init-from.")
     if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads.")
     if args.steps < 1 or args.batch_size < 1 or args.block_size < 2:
@@ -191,7 +202,8 @@ def speech_document(speech: str, form: str = "inline") -> str:
 def speech_documents(speeches: list[str], forms: str, seed: int,
                      weights: dict[str, float] = PROMPT_FORMS) -> list[str]:
     """`--forms inline`: every speech inline; `mixed`: each speech's form drawn by `PROMPT_FORMS`'
-    weights, so the model continues whichever of them a learner types."""
+    weights, so the model continues whichever of them a learner types (a verse document starts
+    at a random line of its speech)."""
     if forms == "inline":
         return [speech_document(speech) for speech in speeches]
     rng = random.Random(seed)
@@ -200,8 +212,18 @@ def speech_documents(speeches: list[str], forms: str, seed: int,
         form = rng.choices(list(weights), list(weights.values()))[0]
         if form == "verse" and speech.count("\n") < MIN_VERSE_LINES:
             form = "corpus"
-        documents.append(speech_document(speech, form))
+        if form == "inline" and speech.count("\n") < MIN_INLINE_LINES:
+            form = "corpus"
+        documents.append(verse_from_a_random_line(speech, rng) if form == "verse" else speech_document(speech, form))
     return documents
+
+
+def verse_from_a_random_line(speech: str, rng: random.Random) -> str:
+    """The lines alone, from a random line on (at least `MIN_VERSE_LINES` of them): whichever
+    line a learner types, a sentence's last one too, starts a document that goes on after it."""
+    lines = speech.split("\n")[1:]
+    start = rng.randrange(len(lines) - MIN_VERSE_LINES + 1)
+    return "\n".join(lines[start:]) + "\n"
 
 
 def split_corpus(speeches: list[str], val_fraction: float = VAL_FRACTION) -> tuple[list[str], list[str]]:
@@ -252,11 +274,14 @@ def encode_documents(tokenizer: PreTrainedTokenizerFast, documents: list[str]) -
 
 def sample_batch(tokens: torch.Tensor, batch_size: int, block_size: int, bos_id: int,
                  generator: torch.Generator) -> torch.Tensor:
-    """Random windows of the stream, BOS first: [batch_size, block_size]."""
-    span = block_size - 1
-    starts = torch.randint(0, len(tokens) - span, (batch_size,), generator=generator)
-    windows = torch.stack([tokens[s : s + span] for s in starts.tolist()])
-    return torch.cat([torch.full((batch_size, 1), bos_id), windows], dim=1)
+    """Random windows of the stream, each starting at a document's BOS: [batch_size, block_size].
+
+    A window cut mid-speech behind a BOS would teach that `<s>` + the speech's last line + `</s>`
+    is a whole document, and the model would end a line of verse typed as a prompt at once.
+    """
+    starts = (tokens[: len(tokens) - block_size + 1] == bos_id).nonzero().squeeze(1)
+    picks = starts[torch.randint(0, len(starts), (batch_size,), generator=generator)]
+    return torch.stack([tokens[s : s + block_size] for s in picks.tolist()])
 
 
 def fixed_windows(tokens: torch.Tensor, block_size: int, bos_id: int,
@@ -334,6 +359,31 @@ def distillation_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, batch:
     return -(target * log_q).sum(dim=-1).mean()
 
 
+def self_distillation_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, batch: torch.Tensor,
+                           bos_id: int, eos_id: int, correction_weight: float = 1.0) -> torch.Tensor:
+    """Distillation from the model's own starting point, where the documents decide the stops:
+
+        next token is EOS or BOS   the target is that token (a document ends, the next begins)
+        any other token            the teacher's distribution with EOS's share removed
+
+    So the words stay what the teacher would say (its held-out quality is kept) while the
+    end of a speech moves to where the documents put it. The corrections (the teacher gives EOS
+    more than a tenth, the document goes on) are a few positions in a thousand; each counts
+    `correction_weight` times.
+    """
+    next_tokens = batch[:, 1:]
+    with torch.no_grad():
+        target = torch.softmax(teacher(input_ids=batch).logits[:, :-1].float(), dim=-1)
+        corrections = target[..., eos_id] > 0.1
+        target[..., eos_id] = 0.0
+        target /= target.sum(dim=-1, keepdim=True)
+        boundary = (next_tokens == bos_id) | (next_tokens == eos_id)
+        target[boundary] = F.one_hot(next_tokens[boundary], target.shape[-1]).float()
+        weight = 1.0 + (correction_weight - 1.0) * (corrections & ~boundary).float()
+    log_q = torch.log_softmax(model(input_ids=batch).logits[:, :-1].float(), dim=-1)
+    return (-(target * log_q).sum(dim=-1) * weight).sum() / weight.sum()
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup, then cosine decay from lr to min_lr at the last step."""
     if step < args.warmup_steps:
@@ -390,8 +440,9 @@ def train(args: argparse.Namespace) -> dict:
     hooks = add_residual_dropout(model, args.dropout)
     optimizer = make_optimizer(model, args)
     teacher = None
-    if args.distill_from is not None:
-        teacher = LlamaForCausalLM.from_pretrained(args.distill_from, dtype=torch.float32).to(args.device).eval()
+    if args.distill_from is not None or args.self_distill:
+        source = args.distill_from or args.init_from
+        teacher = LlamaForCausalLM.from_pretrained(source, dtype=torch.float32).to(args.device).eval()
     on_gpu = args.device.startswith("cuda")
     autocast = ((lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if on_gpu
                 else contextlib.nullcontext)
@@ -420,6 +471,9 @@ def train(args: argparse.Namespace) -> dict:
         with autocast():
             if teacher is None:
                 loss = model(input_ids=batch, labels=batch).loss
+            elif args.self_distill:
+                loss = self_distillation_loss(model, teacher, batch, bos_id, tokenizer.eos_token_id,
+                                              args.correction_weight)
             else:
                 loss = distillation_loss(model, teacher, batch)
         optimizer.zero_grad(set_to_none=True)

@@ -252,9 +252,11 @@ def test_minivllm_stops_at_the_models_eos_and_at_a_stop_string(model, tokenizer)
 
 
 # The ways a learner starts a prompt: a speaker's name in the corpus's layout (a line break
-# after it) or with the first words on its line, a line of verse, a chat turn.
+# after it) or with the first words on its line, a line of verse (one that ends a sentence too,
+# with or without its line break), a chat turn.
 PROMPT_FORMS = ["JULIET:\n", "ROMEO:", "First Citizen:\n", "KING HENRY VI: My lords,",
-                "Friends, Romans, countrymen, lend me your ears;\n"]
+                "Friends, Romans, countrymen, lend me your ears;\n",
+                "To be, or not to be: that is the question.\n", "The king is dead."]
 
 
 def test_every_prompt_form_is_continued_with_text_and_then_ends():

@@ -1,0 +1,55 @@
+"""The pieces of `scripts/train_tiny_model.py` that decide what the bundled model learns: where a
+training window starts, how a verse document is cut, and the self-distillation target."""
+
+import importlib.util
+import random
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+REPO = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("train_tiny_model", REPO / "scripts" / "train_tiny_model.py")
+script = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(script)
+
+BOS, EOS = 0, 1
+
+
+def test_every_window_starts_at_a_documents_bos():
+    stream = torch.tensor([BOS, 5, 6, EOS, BOS, 7, EOS, BOS, 8, 9, 9, EOS, BOS, 4, EOS])
+    batch = script.sample_batch(stream, 64, 4, BOS, torch.Generator().manual_seed(0))
+    starts = {i for i, token in enumerate(stream.tolist()) if token == BOS and i + 4 <= len(stream)}
+    seen = set()
+    for window in batch:
+        [start] = [s for s in starts if torch.equal(stream[s : s + 4], window)]
+        seen.add(start)
+    assert seen == starts  # every document start is drawn, and nothing else
+
+
+def test_a_verse_document_runs_from_any_line_to_the_speechs_end():
+    speech = "HAMLET:\n" + "\n".join(f"line {i}." for i in range(6))
+    rng = random.Random(0)
+    documents = {script.verse_from_a_random_line(speech, rng) for _ in range(200)}
+    assert len(documents) == 6 - script.MIN_VERSE_LINES + 1
+    for document in documents:
+        assert document.endswith("line 5.\n") and "HAMLET" not in document
+        assert document.count("\n") >= script.MIN_VERSE_LINES
+
+
+def test_self_distillation_learns_the_teachers_words_and_the_documents_stops():
+    """Teacher uniform over 5 tokens (so P(EOS) = 0.2 everywhere); batch `<s> 3 4 </s>`:
+    where the document goes on the target is uniform over the other 4 tokens, where it
+    ends the target is EOS; the continuing positions are corrections (teacher EOS > 0.1)."""
+    batch = torch.tensor([[BOS, 3, 4, EOS]])
+    teacher = lambda input_ids: SimpleNamespace(logits=torch.zeros(1, 4, 5))  # noqa: E731
+    student_logits = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(0))
+    student = lambda input_ids: SimpleNamespace(logits=student_logits)  # noqa: E731
+    log_q = F.log_softmax(student_logits[0, :3], dim=-1)
+    go_on = torch.tensor([0.25, 0.0, 0.25, 0.25, 0.25])
+    ce = torch.stack([-(go_on * log_q[0]).sum(), -(go_on * log_q[1]).sum(), -log_q[2, EOS]])
+    plain = script.self_distillation_loss(student, teacher, batch, BOS, EOS)
+    weighted = script.self_distillation_loss(student, teacher, batch, BOS, EOS, correction_weight=5.0)
+    torch.testing.assert_close(plain, ce.mean())
+    torch.testing.assert_close(weighted, (5 * ce[0] + 5 * ce[1] + ce[2]) / 11)
