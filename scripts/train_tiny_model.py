@@ -30,16 +30,22 @@ say, which is what the acceptance rate rewards). The bundled draft model was mad
 
 (its model card gives the losses and the acceptance rate against tiny-shakespeare).
 
-The bundled model was made in four runs (its model card gives each exactly): a from-scratch
+The bundled model was made in five runs (its model card gives each exactly): a from-scratch
 run on one GPU on the corpus as plain text (commit 9bac8cd's script), a CPU fine-tune on the
 speech documents in the inline layout (`--forms inline`), a GPU fine-tune over the mixed
-layouts of step 2, then a GPU self-distillation that keeps the words and moves the ends of
-speeches:
+layouts of step 2, a GPU self-distillation that keeps the words and moves the ends of
+speeches, then the same with loop correction (`loop_correction_loss`):
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
         --init-from <run 3's checkpoint> --self-distill --correction-weight 5 --out /tmp/tiny-verse \\
         --device cuda --steps 2400 --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 \\
         --warmup-steps 20 --dropout 0.1 --eval-interval 200 \\
+        --form-weights corpus=0.35,inline=0.2,verse=0.45 --select last
+    python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
+        --init-from /tmp/tiny-verse --self-distill --correction-weight 5 \\
+        --loop-correction-every 2 --loop-weight 30 --out /tmp/tiny-loops \\
+        --device cuda --steps 1200 --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 \\
+        --warmup-steps 20 --dropout 0.1 --eval-interval 400 \\
         --form-weights corpus=0.35,inline=0.2,verse=0.45 --select last
 
 The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
@@ -118,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="with --init-from: learn its next-token distributions, ending speeches where the documents do")
     p.add_argument("--correction-weight", type=float, default=1.0,
                    help="--self-distill: weight of the positions where the start would end a speech that goes on")
+    p.add_argument("--loop-correction-every", type=int, default=0,
+                   help="--self-distill: every N steps also correct the loops of the model's own greedy text (0: never)")
+    p.add_argument("--loop-weight", type=float, default=5.0,
+                   help="weight of a repeated word's position in the loop correction")
     p.add_argument("--forms", choices=["inline", "mixed"], default="mixed",
                    help="how speeches are laid out: all inline, or mixed over PROMPT_FORMS")
     p.add_argument("--form-weights", type=parse_form_weights, default=PROMPT_FORMS,
@@ -161,6 +171,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise ValueError("--self-distill learns from the --init-from checkpoint: pass --init-from.")
     if args.hidden_size % args.num_heads or args.num_heads % args.num_kv_heads:
         raise ValueError("hidden_size must divide by num_heads, and num_heads by num_kv_heads.")
+    if args.loop_correction_every < 0 or args.loop_weight < 1:
+        raise ValueError("--loop-correction-every must be >= 0 and --loop-weight >= 1.")
+    if args.loop_correction_every and not args.self_distill:
+        raise ValueError("--loop-correction-every needs --self-distill: its targets come from the teacher.")
     if args.steps < 1 or args.batch_size < 1 or args.block_size < 2:
         raise ValueError("steps and batch_size must be >= 1 and block_size >= 2.")
     return args
@@ -384,6 +398,78 @@ def self_distillation_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, b
     return (-(target * log_q).sum(dim=-1) * weight).sum() / weight.sum()
 
 
+# Loop correction: the model continues short prefixes greedily, and wherever it repeats a word
+# of an n-gram it has already written, the target is the teacher's distribution without that
+# word. A small model's greedy text falls into loops ("Romeo! Romeo! Romeo!") that no
+# next-token target on real text ever shows it; this is sequence-level unlikelihood training
+# (Welleck et al. 2019) with the teacher's own second choice in place of a bare push-down, so
+# the words around a loop stay the teacher's. Only words are corrected: a line break or a comma
+# repeats in any verse.
+LOOP_NGRAM = 4
+LOOP_PREFIX_TOKENS = (2, 24)  # a prompt's length: a name, a line of verse
+LOOP_NEW_TOKENS = 96
+
+
+def repeated_ngram_mask(tokens: list[int], start: int, words: set[int], n: int = LOOP_NGRAM) -> list[bool]:
+    """For each position: is it a word inside an n-gram (ending at or after `start`) seen earlier?
+
+        tokens  a b c a b c a        n = 3, start = 3, every token a word
+        mask    . . . x x x x        "a b c", "b c a" and "c a b" each repeat
+    """
+    mask, seen = [False] * len(tokens), set()
+    for end in range(n, len(tokens) + 1):
+        gram = tuple(tokens[end - n : end])
+        if end > start and gram in seen:
+            for i in range(max(start, end - n), end):
+                mask[i] = tokens[i] in words
+        seen.add(gram)
+    return mask
+
+
+@torch.no_grad()
+def greedy_continuations(model: LlamaForCausalLM, windows: torch.Tensor, tokenizer: PreTrainedTokenizerFast,
+                         words: set[int], generator: torch.Generator
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each window's first few tokens continued greedily: the text, its repeated words and the
+    positions written up to EOS, each [batch, prefix + LOOP_NEW_TOKENS]."""
+    prefix_len = int(torch.randint(*LOOP_PREFIX_TOKENS, (1,), generator=generator))
+    prefixes = windows[:, :prefix_len]
+    model.eval()
+    text = model.generate(prefixes, max_new_tokens=LOOP_NEW_TOKENS, do_sample=False,
+                          eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                          attention_mask=torch.ones_like(prefixes))
+    model.train()
+    repeated, written = [], []
+    for row in text.tolist():
+        tail = row[prefix_len:]
+        length = prefix_len + (tail.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in tail else len(tail))
+        pad = [False] * (len(row) - length)
+        repeated.append(repeated_ngram_mask(row[:length], prefix_len, words) + pad)
+        written.append([False] * prefix_len + [True] * (length - prefix_len) + pad)
+    as_mask = lambda rows: torch.tensor(rows, device=text.device)  # noqa: E731
+    return text, as_mask(repeated), as_mask(written)
+
+
+def loop_correction_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, text: torch.Tensor,
+                         repeated: torch.Tensor, written: torch.Tensor, eos_id: int, weight: float
+                         ) -> torch.Tensor:
+    """Distillation on the model's own greedy text: the teacher's distribution at every written
+    position, without the repeated word where one repeats (that position counts `weight` times).
+    EOS keeps the teacher's share: the repeated word's goes to other words, so the model learns
+    to say something new, not to stop sooner everywhere."""
+    next_tokens, repeated, written = text[:, 1:], repeated[:, 1:], written[:, 1:]
+    with torch.no_grad():
+        target = torch.softmax(teacher(input_ids=text).logits[:, :-1].float(), dim=-1)
+        eos_share = target[..., eos_id].clone()
+        target[repeated] = target[repeated].scatter(-1, next_tokens[repeated][:, None], 0.0)
+        target[..., eos_id] = 0.0
+        target *= ((1.0 - eos_share) / target.sum(dim=-1))[..., None]
+        target[..., eos_id] = eos_share
+        weights = written.float() * (1.0 + (weight - 1.0) * repeated.float())
+    log_q = torch.log_softmax(model(input_ids=text).logits[:, :-1].float(), dim=-1)
+    return (-(target * log_q).sum(dim=-1) * weights).sum() / weights.sum().clamp(min=1.0)
+
+
 def lr_at(step: int, args: argparse.Namespace) -> float:
     """Linear warmup, then cosine decay from lr to min_lr at the last step."""
     if step < args.warmup_steps:
@@ -430,6 +516,7 @@ def train(args: argparse.Namespace) -> dict:
     val_by_form = {form: encode_documents(tokenizer, [speech_document(s, form) for s in val_speeches])
                    for form in PROMPT_FORMS}
     bos_id = tokenizer.bos_token_id
+    words = {i for i in range(len(tokenizer)) if any(c.isalpha() for c in tokenizer.decode([i]))}
     print(f"corpus: {len(text):,} chars, {len(train_speeches):,} + {len(val_speeches):,} speeches -> "
           f"train {len(train_tokens):,} tokens, val {len(val_tokens):,} tokens, vocab {len(tokenizer)}",
           flush=True)
@@ -461,7 +548,7 @@ def train(args: argparse.Namespace) -> dict:
     history, best = [], {"val_loss": float("inf"), "step": 0, "train_loss": float("nan")}
     best_state = None
     tokens_per_step = args.batch_size * args.block_size
-    t_train, step = time.time(), 0
+    t_train, step, repeated_share = time.time(), 0, float("nan")
     model.train()
     for step in range(1, args.steps + 1):
         for group in optimizer.param_groups:
@@ -476,6 +563,12 @@ def train(args: argparse.Namespace) -> dict:
                                               args.correction_weight)
             else:
                 loss = distillation_loss(model, teacher, batch)
+        if args.loop_correction_every and step % args.loop_correction_every == 0:
+            text, repeated, written = greedy_continuations(model, batch, tokenizer, words, generator)
+            with autocast():
+                loss = loss + loop_correction_loss(model, teacher, text, repeated, written,
+                                                    tokenizer.eos_token_id, args.loop_weight)
+            repeated_share = repeated.sum().item() / max(1, written.sum().item())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip)
@@ -484,7 +577,8 @@ def train(args: argparse.Namespace) -> dict:
         if step % args.log_interval == 0 or step == 1:
             elapsed = time.time() - t_train
             print(f"step {step:5d} | loss {loss.item():.4f} | lr {lr_at(step - 1, args):.2e} | "
-                  f"{step * tokens_per_step / elapsed:,.0f} tok/s", flush=True)
+                  f"{step * tokens_per_step / elapsed:,.0f} tok/s"
+                  + (f" | repeated {repeated_share:.3f}" if args.loop_correction_every else ""), flush=True)
         out_of_time = args.max_minutes is not None and time.time() - t_start > 60 * args.max_minutes
         if step % args.eval_interval == 0 or step == args.steps or out_of_time:
             val_loss = evaluate(model, val_windows, args.batch_size, args.device, autocast)

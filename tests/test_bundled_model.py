@@ -253,10 +253,13 @@ def test_minivllm_stops_at_the_models_eos_and_at_a_stop_string(model, tokenizer)
 
 # The ways a learner starts a prompt: a speaker's name in the corpus's layout (a line break
 # after it) or with the first words on its line, a line of verse (one that ends a sentence too,
-# with or without its line break), a chat turn.
+# with or without its line break; one that repeats a name, which invites a greedy loop), a line
+# of prose, a chat turn.
 PROMPT_FORMS = ["JULIET:\n", "ROMEO:", "First Citizen:\n", "KING HENRY VI: My lords,",
                 "Friends, Romans, countrymen, lend me your ears;\n",
-                "To be, or not to be: that is the question.\n", "The king is dead."]
+                "To be, or not to be: that is the question.\n", "The king is dead.",
+                "O Romeo, Romeo! wherefore art thou Romeo?", "O Romeo, Romeo! wherefore art thou Romeo?\n",
+                "Hello, my friend."]
 
 
 def test_every_prompt_form_is_continued_with_text_and_then_ends():

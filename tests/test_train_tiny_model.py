@@ -53,3 +53,30 @@ def test_self_distillation_learns_the_teachers_words_and_the_documents_stops():
     weighted = script.self_distillation_loss(student, teacher, batch, BOS, EOS, correction_weight=5.0)
     torch.testing.assert_close(plain, ce.mean())
     torch.testing.assert_close(weighted, (5 * ce[0] + 5 * ce[1] + ce[2]) / 11)
+
+
+def test_a_repeated_ngram_marks_its_words_from_the_continuation_on():
+    """`start` = 2: the prefix `5 6` is never marked; `5 6 7` written twice marks its second
+    copy, except the comma-like token 9, which is not a word."""
+    tokens = [5, 6, 7, 5, 6, 9, 5, 6, 7, 5, 6, 9]
+    mask = script.repeated_ngram_mask(tokens, start=2, words={5, 6, 7}, n=3)
+    assert mask == [False] * 6 + [True, True, True, True, True, False]
+    assert not any(script.repeated_ngram_mask([5, 6, 7, 8, 5, 6], start=0, words={5, 6, 7, 8}, n=3))
+
+
+def test_the_loop_correction_moves_a_repeated_words_share_to_other_words_not_to_eos():
+    """Teacher over 4 tokens [EOS 0.1, 2: 0.3, 3: 0.4, 4: 0.2] everywhere; text `<s> 3 3 4`
+    with the second 3 repeated: there the target is [0.1, 0.3 * 1.8, 0, 0.2 * 1.8] (EOS keeps
+    0.1, the other words share the 0.9 left), elsewhere the teacher's; positions before the continuation do not count."""
+    probs = torch.tensor([0.0, 0.1, 0.3, 0.4, 0.2])
+    teacher = lambda input_ids: SimpleNamespace(logits=probs.clamp(min=1e-30).log().expand(1, 4, 5))  # noqa: E731
+    student_logits = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(0))
+    student = lambda input_ids: SimpleNamespace(logits=student_logits)  # noqa: E731
+    text = torch.tensor([[BOS, 3, 3, 4]])
+    repeated = torch.tensor([[False, False, True, False]])
+    written = torch.tensor([[False, True, True, True]])
+    log_q = F.log_softmax(student_logits[0, :3], dim=-1)
+    corrected = torch.tensor([0.0, 0.1, 0.54, 0.0, 0.36])
+    ce = torch.stack([-(probs * log_q[0]).sum(), -(corrected * log_q[1]).sum(), -(probs * log_q[2]).sum()])
+    loss = script.loop_correction_loss(student, teacher, text, repeated, written, EOS, weight=4.0)
+    torch.testing.assert_close(loss, (ce[0] + 4 * ce[1] + ce[2]) / 6)
