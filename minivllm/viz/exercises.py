@@ -1065,11 +1065,11 @@ def delta_stream_scenario(stop: list[str]) -> list[str]:
 
 def check_delta_stream(prediction: list[str]) -> bool:
     """`prediction`: the text of every DELTA output, step by step, of notebook 15's request
-    with stop=[" man"], checked against a real engine (`delta_stream_scenario`)."""
+    with stop=[" love"], checked against a real engine (`delta_stream_scenario`)."""
     def cases(_):
         _unwritten(prediction)
-        _expect(list(prediction) if isinstance(prediction, (list, tuple)) else prediction, delta_stream_scenario([" man"]),
-                'the DELTA texts with stop=[" man"]')
+        _expect(list(prediction) if isinstance(prediction, (list, tuple)) else prediction, delta_stream_scenario([" love"]),
+                'the DELTA texts with stop=[" love"]')
         yield
     return _run("delta_stream", None, cases)
 
