@@ -441,13 +441,12 @@ def greedy_continuations(model: LlamaForCausalLM, windows: torch.Tensor, tokeniz
     model.train()
     repeated, written = [], []
     for row in text.tolist():
-        tail = row[prefix_len:]
-        length = prefix_len + (tail.index(tokenizer.eos_token_id) + 1 if tokenizer.eos_token_id in tail else len(tail))
+        eos = tokenizer.eos_token_id
+        length = row.index(eos, prefix_len) + 1 if eos in row[prefix_len:] else len(row)
         pad = [False] * (len(row) - length)
         repeated.append(repeated_ngram_mask(row[:length], prefix_len, words) + pad)
         written.append([False] * prefix_len + [True] * (length - prefix_len) + pad)
-    as_mask = lambda rows: torch.tensor(rows, device=text.device)  # noqa: E731
-    return text, as_mask(repeated), as_mask(written)
+    return text, torch.tensor(repeated, device=text.device), torch.tensor(written, device=text.device)
 
 
 def loop_correction_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, text: torch.Tensor,
