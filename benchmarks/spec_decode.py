@@ -33,6 +33,7 @@ in fp32; `agreement` is the fraction of requests whose tokens match exactly).
 
     python benchmarks/spec_decode.py --out spec_decode.json            # GPU: all rows
     python benchmarks/spec_decode.py --shape llama-3-8b --self-draft --batch-sizes 1 --workloads repeat
+    python benchmarks/spec_decode.py --batch-sizes 1 8 --rounds 8     # 8 rounds per schedule
     python benchmarks/spec_decode.py --device cpu --batch-sizes 1 --max-tokens 16   # smoke test
 """
 
@@ -124,6 +125,8 @@ def run_row(args, kind: str, batch: int, proposer: str, prompts, baseline) -> di
     spec = {"none": {}, "ngram": dict(speculative_model="[ngram]", num_speculative_tokens=args.k,
                                       ngram_prompt_lookup_max=3),
             "draft": dict(speculative_model=args.draft, num_speculative_tokens=args.k)}[proposer]
+    if spec and args.rounds is not None:
+        spec["num_scheduler_steps"] = args.rounds
     engine = make_engine(args, args.model, batch, **spec)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     generate(engine, prompts[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))  # warm-up
@@ -162,6 +165,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  "(e.g. llama-3-8b) instead of --model")
     p.add_argument("--self-draft", action="store_true", help="the target is its own draft (acceptance 1: "
                                                             "what the mechanism itself costs)")
+    p.add_argument("--rounds", type=int, default=None, help="speculative rounds per schedule "
+                   "(num_scheduler_steps with speculation; default: the engine's)")
     p.add_argument("--out", type=Path, default=None, help="write the rows as JSON here")
     args = p.parse_args(argv)
     if args.shape:
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> None:
         device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.device != "cpu" else "cpu"
         meta = {"device": device, "torch": torch.__version__, "host": platform.node(), "k": args.k,
                 "shape": args.shape, "self_draft": args.self_draft,
-                "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager, "dtype": args.dtype}
+                "max_tokens": args.max_tokens, "enforce_eager": args.enforce_eager, "dtype": args.dtype,
+                "rounds": args.rounds}
         args.out.write_text(json.dumps({"meta": meta, "rows": [{k: v for k, v in r.items() if k != "tokens"}
                                                                 for r in rows]}, indent=2))
 
