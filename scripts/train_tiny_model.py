@@ -128,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="--self-distill: every N steps also correct the loops of the model's own greedy text (0: never)")
     p.add_argument("--loop-weight", type=float, default=5.0,
                    help="weight of a repeated word's position in the loop correction")
+    p.add_argument("--min-spoken-lines", type=int, default=1,
+                   help="leave out speeches with fewer lines (2: a speaker's first line always goes on)")
+    p.add_argument("--loop-without-eos", action="store_true",
+                   help="the loop correction teaches words only, never where to stop")
     p.add_argument("--forms", choices=["inline", "mixed"], default="mixed",
                    help="how speeches are laid out: all inline, or mixed over PROMPT_FORMS")
     p.add_argument("--form-weights", type=parse_form_weights, default=PROMPT_FORMS,
@@ -214,10 +218,12 @@ def speech_document(speech: str, form: str = "inline") -> str:
 
 
 def speech_documents(speeches: list[str], forms: str, seed: int,
-                     weights: dict[str, float] = PROMPT_FORMS) -> list[str]:
+                     weights: dict[str, float] = PROMPT_FORMS, min_spoken_lines: int = 1) -> list[str]:
     """`--forms inline`: every speech inline; `mixed`: each speech's form drawn by `PROMPT_FORMS`'
     weights, so the model continues whichever of them a learner types (a verse document starts
-    at a random line of its speech)."""
+    at a random line of its speech). Speeches of fewer than `min_spoken_lines` lines are left
+    out: with 2, no document ends after its first line, so a typed line is always continued."""
+    speeches = [speech for speech in speeches if speech.count("\n") >= min_spoken_lines]
     if forms == "inline":
         return [speech_document(speech) for speech in speeches]
     rng = random.Random(seed)
@@ -450,22 +456,28 @@ def greedy_continuations(model: LlamaForCausalLM, windows: torch.Tensor, tokeniz
 
 
 def loop_correction_loss(model: LlamaForCausalLM, teacher: LlamaForCausalLM, text: torch.Tensor,
-                         repeated: torch.Tensor, written: torch.Tensor, eos_id: int, weight: float
-                         ) -> torch.Tensor:
+                         repeated: torch.Tensor, written: torch.Tensor, eos_id: int, weight: float,
+                         teach_eos: bool = True) -> torch.Tensor:
     """Distillation on the model's own greedy text: the teacher's distribution at every written
     position, without the repeated word where one repeats (that position counts `weight` times).
     EOS keeps the teacher's share: the repeated word's goes to other words, so the model learns
-    to say something new, not to stop sooner everywhere."""
+    to say something new, not to stop sooner everywhere. With `teach_eos=False` EOS is left out of
+    the target and of the model's softmax: the pass teaches words only, and where to stop is
+    learned from the documents alone (the teacher's share would keep an early stop the
+    documents no longer show)."""
     next_tokens, repeated, written = text[:, 1:], repeated[:, 1:], written[:, 1:]
     with torch.no_grad():
         target = torch.softmax(teacher(input_ids=text).logits[:, :-1].float(), dim=-1)
-        eos_share = target[..., eos_id].clone()
+        eos_share = target[..., eos_id].clone() if teach_eos else torch.zeros_like(target[..., eos_id])
         target[repeated] = target[repeated].scatter(-1, next_tokens[repeated][:, None], 0.0)
         target[..., eos_id] = 0.0
         target *= ((1.0 - eos_share) / target.sum(dim=-1))[..., None]
         target[..., eos_id] = eos_share
         weights = written.float() * (1.0 + (weight - 1.0) * repeated.float())
-    log_q = torch.log_softmax(model(input_ids=text).logits[:, :-1].float(), dim=-1)
+    logits = model(input_ids=text).logits[:, :-1].float()
+    if not teach_eos:  # a softmax over the other tokens: this pass never moves EOS
+        logits = logits.index_fill(-1, torch.tensor([eos_id], device=logits.device), -1e4)
+    log_q = torch.log_softmax(logits, dim=-1)
     return (-(target * log_q).sum(dim=-1) * weights).sum() / weights.sum().clamp(min=1.0)
 
 
@@ -509,8 +521,10 @@ def train(args: argparse.Namespace) -> dict:
     text = load_corpus(args.corpus, args.download)
     train_speeches, val_speeches = split_corpus(split_speeches(text))
     tokenizer, model = load_or_build(args, train_speeches)
-    train_tokens = encode_documents(tokenizer, speech_documents(train_speeches, args.forms, args.seed, args.form_weights))
-    val_tokens = encode_documents(tokenizer, speech_documents(val_speeches, args.forms, args.seed + 1, args.form_weights))
+    train_tokens = encode_documents(tokenizer, speech_documents(train_speeches, args.forms, args.seed,
+                                                                args.form_weights, args.min_spoken_lines))
+    val_tokens = encode_documents(tokenizer, speech_documents(val_speeches, args.forms, args.seed + 1,
+                                                              args.form_weights, args.min_spoken_lines))
     # The held-out loss per layout, before and after, shows what the run kept of the start's quality.
     val_by_form = {form: encode_documents(tokenizer, [speech_document(s, form) for s in val_speeches])
                    for form in PROMPT_FORMS}
@@ -566,7 +580,8 @@ def train(args: argparse.Namespace) -> dict:
             text, repeated, written = greedy_continuations(model, batch, tokenizer, words, generator)
             with autocast():
                 loss = loss + loop_correction_loss(model, teacher, text, repeated, written,
-                                                    tokenizer.eos_token_id, args.loop_weight)
+                                                    tokenizer.eos_token_id, args.loop_weight,
+                                                    teach_eos=not args.loop_without_eos)
             repeated_share = repeated.sum().item() / max(1, written.sum().item())
         optimizer.zero_grad(set_to_none=True)
         loss.backward()

@@ -22,7 +22,7 @@ from minivllm.bundled_models import BUNDLED_MODELS, DEFAULT_MODEL, resolve_model
 MAX_CHECKPOINT_BYTES = 20 * 1024 * 1024  # the package data budget
 MIN_PARAMS, MAX_PARAMS = 4_000_000, 10_000_000
 MIN_CONTEXT = 512
-GREEDY_NEW_TOKENS = 48
+GREEDY_NEW_TOKENS = 96
 # A speech ends with EOS well before this many tokens (the corpus's longest speeches are ~1k).
 SPEECH_TOKEN_LIMIT = 300
 # A speech as the model writes it: the speaker's name, then text on the next line or the same
@@ -254,12 +254,14 @@ def test_minivllm_stops_at_the_models_eos_and_at_a_stop_string(model, tokenizer)
 # The ways a learner starts a prompt: a speaker's name in the corpus's layout (a line break
 # after it) or with the first words on its line, a line of verse (one that ends a sentence too,
 # with or without its line break; one that repeats a name, which invites a greedy loop), a line
-# of prose, a chat turn.
+# of prose, a speaker's first line that is one short exclamation (in the corpus such a line is
+# most often a whole speech), a chat turn.
 PROMPT_FORMS = ["JULIET:\n", "ROMEO:", "First Citizen:\n", "KING HENRY VI: My lords,",
                 "Friends, Romans, countrymen, lend me your ears;\n",
                 "To be, or not to be: that is the question.\n", "The king is dead.",
                 "O Romeo, Romeo! wherefore art thou Romeo?", "O Romeo, Romeo! wherefore art thou Romeo?\n",
-                "Hello, my friend."]
+                "Hello, my friend.", "ROMEO:\nBut soft!", "KING RICHARD III:\nA horse! a horse!",
+                "LADY MACBETH:\nOut, damned spot!", "God save the king!"]
 
 
 def test_every_prompt_form_is_continued_with_text_and_then_ends():

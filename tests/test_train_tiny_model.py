@@ -80,3 +80,34 @@ def test_the_loop_correction_moves_a_repeated_words_share_to_other_words_not_to_
     ce = torch.stack([-(probs * log_q[0]).sum(), -(corrected * log_q[1]).sum(), -(probs * log_q[2]).sum()])
     loss = script.loop_correction_loss(student, teacher, text, repeated, written, EOS, weight=4.0)
     torch.testing.assert_close(loss, (ce[0] + 4 * ce[1] + ce[2]) / 6)
+
+
+def test_min_spoken_lines_leaves_out_the_speeches_that_end_after_one_line():
+    speeches = ["ROMEO:\nBut soft!", "JULIET:\nAy me!\nShe speaks.", "HAMLET:\nOne.\nTwo.\nThree."]
+    for forms in ("inline", "mixed"):
+        every = script.speech_documents(speeches, forms, seed=0)
+        kept = script.speech_documents(speeches, forms, seed=0, min_spoken_lines=2)
+        assert len(every) == 3 and len(kept) == 2
+        assert not any("But soft!" in document for document in kept)
+
+
+def test_the_loop_correction_without_eos_teaches_words_only():
+    """Same teacher and text as above, `teach_eos=False`: EOS leaves the target and the
+    student's softmax, so the loss is the cross-entropy over the words and EOS gets no gradient."""
+    probs = torch.tensor([0.0, 0.1, 0.3, 0.4, 0.2])
+    teacher = lambda input_ids: SimpleNamespace(logits=probs.clamp(min=1e-30).log().expand(1, 4, 5))  # noqa: E731
+    student_logits = torch.randn(1, 4, 5, generator=torch.Generator().manual_seed(0), requires_grad=True)
+    student = lambda input_ids: SimpleNamespace(logits=student_logits)  # noqa: E731
+    text = torch.tensor([[BOS, 3, 3, 4]])
+    repeated = torch.tensor([[False, False, True, False]])
+    written = torch.tensor([[False, True, True, True]])
+    words = [0, 2, 3, 4]  # every token but EOS
+    log_q = F.log_softmax(student_logits[0, :3, words], dim=-1)
+    teacher_words = torch.tensor([0.0, 0.3, 0.4, 0.2]) / 0.9
+    corrected = torch.tensor([0.0, 0.6, 0.0, 0.4])  # the repeated 3 removed, the rest renormalised
+    ce = torch.stack([-(teacher_words * log_q[0]).sum(), -(corrected * log_q[1]).sum(),
+                      -(teacher_words * log_q[2]).sum()])
+    loss = script.loop_correction_loss(student, teacher, text, repeated, written, EOS, weight=4.0, teach_eos=False)
+    torch.testing.assert_close(loss, (ce[0] + 4 * ce[1] + ce[2]) / 6)
+    loss.backward()
+    assert student_logits.grad[..., EOS].abs().max() < 1e-6 < student_logits.grad.abs().max()
