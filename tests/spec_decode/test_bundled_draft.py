@@ -43,7 +43,7 @@ def test_the_draft_is_accepted_often_and_changes_no_greedy_token():
         results.append(out)
     assert results[0] == results[1]
     metrics = engine.model_executor.driver_worker.counter.metrics()
-    assert metrics.draft_acceptance_rate > 0.45  # 0.59 on the model card's larger workload (k = 2, greedy)
+    assert metrics.draft_acceptance_rate > 0.45  # 0.595 on the model card's larger workload (k = 2, greedy)
 
 
 def test_the_script_trains_a_draft_by_distillation(tmp_path):
