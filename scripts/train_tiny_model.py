@@ -30,11 +30,12 @@ say, which is what the acceptance rate rewards). The bundled draft model was mad
 
 (its model card gives the losses and the acceptance rate against tiny-shakespeare).
 
-The bundled model was made in five runs (its model card gives each exactly): a from-scratch
+The bundled model was made in six runs (its model card gives each exactly): a from-scratch
 run on one GPU on the corpus as plain text (commit 9bac8cd's script), a CPU fine-tune on the
 speech documents in the inline layout (`--forms inline`), a GPU fine-tune over the mixed
 layouts of step 2, a GPU self-distillation that keeps the words and moves the ends of
-speeches, then the same with loop correction (`loop_correction_loss`):
+speeches, the same with loop correction (`loop_correction_loss`), then the same on the speeches
+of two lines or more with a loop correction that teaches words only:
 
     python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
         --init-from <run 3's checkpoint> --self-distill --correction-weight 5 --out /tmp/tiny-verse \\
@@ -47,6 +48,12 @@ speeches, then the same with loop correction (`loop_correction_loss`):
         --device cuda --steps 1200 --batch-size 16 --block-size 256 --lr 3e-4 --min-lr 3e-5 \\
         --warmup-steps 20 --dropout 0.1 --eval-interval 400 \\
         --form-weights corpus=0.35,inline=0.2,verse=0.45 --select last
+    python scripts/train_tiny_model.py --corpus ../shared/data/tinyshakespeare.txt \\
+        --init-from /tmp/tiny-loops --self-distill --correction-weight 5 \\
+        --loop-correction-every 2 --loop-weight 30 --loop-without-eos --min-spoken-lines 2 \\
+        --out /tmp/tiny-first-line --device cuda --steps 1150 --max-minutes 7.6 --batch-size 16 \\
+        --block-size 256 --lr 3e-4 --min-lr 3e-5 --warmup-steps 20 --dropout 0.1 \\
+        --eval-interval 400 --form-weights corpus=0.35,inline=0.2,verse=0.45 --select last
 
 The corpus is only ~300k tokens, so a from-scratch run memorises it after ~40 epochs (step
 ~400 at the default batch): validation loss bottoms out there and climbs after. Keeping the

@@ -36,8 +36,8 @@ def _run(name: str, fn: Callable, cases: Callable[[Callable], Iterable[None]]) -
     try:
         for _ in cases(fn):
             pass
-    except NotImplementedError:
-        print(f"✗ {name}: not written yet (replace `raise NotImplementedError`).")
+    except NotImplementedError as unwritten:  # a stub's bare raise, or a prediction's placeholder
+        print(f"✗ {name}: not written yet (replace {str(unwritten) or '`raise NotImplementedError`'}).")
         return False
     except _Wrong as wrong:
         print(f"✗ {name}: {wrong}")
@@ -67,7 +67,7 @@ def _expect_close(got: torch.Tensor, expected: torch.Tensor, what: str, atol: fl
 def _unwritten(prediction) -> None:
     """A prediction still at its placeholder reads "not written yet"."""
     if prediction is NotImplemented:
-        raise NotImplementedError
+        raise NotImplementedError("`NotImplemented` with your prediction")
 
 
 def _bm_seq(seq_id: int, token_ids: list[int], block_size: int):
