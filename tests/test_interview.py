@@ -91,6 +91,22 @@ def test_chinese_answers_fit_150_characters():
     assert not too_long, f"Chinese answers over {MAX_HAN} Chinese characters: {too_long}"
 
 
+NOTEBOOK_ANSWER = "**面试标准答案（约 30 秒）。**"
+
+
+def test_the_notebooks_answers_to_recite_fit_150_characters():
+    """A notebook's "answer to recite" in Chinese (00's tour answer) obeys the pages' limit too."""
+    too_long = {}
+    for notebook in sorted((ROOT / "notebooks").glob("**/*.ipynb")):
+        for cell in json.loads(notebook.read_text(encoding="utf-8"))["cells"]:
+            for paragraph in "".join(cell["source"]).split("\n\n"):
+                if paragraph.startswith(NOTEBOOK_ANSWER):
+                    count = han_count(paragraph[len(NOTEBOOK_ANSWER):])
+                    if count > MAX_HAN:
+                        too_long[notebook.relative_to(ROOT).as_posix()] = count
+    assert not too_long, f"answers over {MAX_HAN} Chinese characters: {too_long}"
+
+
 def test_english_answers_fit_100_words():
     too_long = {q["id"]: len(q["answer"].split()) for _, qs in EN for q in qs if len(q["answer"].split()) > MAX_WORDS}
     assert not too_long, f"English answers over {MAX_WORDS} words: {too_long}"
