@@ -136,7 +136,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--loop-weight", type=float, default=5.0,
                    help="weight of a repeated word's position in the loop correction")
     p.add_argument("--min-spoken-lines", type=int, default=1,
-                   help="leave out speeches with fewer lines (2: a speaker's first line always goes on)")
+                   help="leave out speeches with fewer lines (2: no document ends after its first line)")
     p.add_argument("--loop-without-eos", action="store_true",
                    help="the loop correction teaches words only, never where to stop")
     p.add_argument("--forms", choices=["inline", "mixed"], default="mixed",
@@ -229,7 +229,7 @@ def speech_documents(speeches: list[str], forms: str, seed: int,
     """`--forms inline`: every speech inline; `mixed`: each speech's form drawn by `PROMPT_FORMS`'
     weights, so the model continues whichever of them a learner types (a verse document starts
     at a random line of its speech). Speeches of fewer than `min_spoken_lines` lines are left
-    out: with 2, no document ends after its first line, so a typed line is always continued."""
+    out: with 2, no document ends after its first line, so the model learns to go on after one."""
     speeches = [speech for speech in speeches if speech.count("\n") >= min_spoken_lines]
     if forms == "inline":
         return [speech_document(speech) for speech in speeches]
