@@ -610,16 +610,21 @@ def profile_every_rank(engine, path: Path) -> dict:
 def all_reduce_waits(rank0: list[tuple[str, float, float]], rank1: list[tuple[str, float, float]]) -> dict:
     """Two ranks' all-reduce kernels (name, start us, duration us), each sorted by start:
     those that overlap in time are one collective; the shorter duration of a pair is the op's
-    own time, the rest of the longer one a wait for the peer."""
+    own time, the rest of the longer one a wait for the peer. The step's first collective is
+    reported apart: its wait is how much later one rank began the step (the engine's message
+    reaching a worker, a profiler starting), not a rank falling behind inside it."""
     pairs = _overlapping_pairs(rank0, rank1)
     own = [min(a[2], b[2]) for a, b in pairs]
     waits = [(a[2] - o, b[2] - o) for (a, b), o in zip(pairs, own)]
     end_spread = [abs((a[1] + a[2]) - (b[1] + b[2])) for a, b in pairs]
+    first, rest = (waits[0], waits[1:]) if waits else ((0.0, 0.0), [])
     return {"paired_all_reduces": len(pairs),
             "own_time_ms": round(sum(own) / 1e3, 3), "own_time_median_us": round(_median(own), 1),
-            "rank0_waited_ms": round(sum(w0 for w0, _ in waits) / 1e3, 3),
-            "rank1_waited_ms": round(sum(w1 for _, w1 in waits) / 1e3, 3),
-            "rank0_waited_in": sum(w0 > w1 for w0, w1 in waits),
+            "first_rank0_waited_us": round(first[0], 1), "first_rank1_waited_us": round(first[1], 1),
+            "rank0_waited_ms": round(sum(w0 for w0, _ in rest) / 1e3, 3),
+            "rank1_waited_ms": round(sum(w1 for _, w1 in rest) / 1e3, 3),
+            "rank0_waited_in": sum(w0 > w1 for w0, w1 in rest),
+            "wait_median_us": round(_median([max(w) for w in rest]), 2),
             "end_spread_median_us": round(_median(end_spread), 2)}
 
 

@@ -188,14 +188,17 @@ def test_gpu_idle_gaps_charges_each_hole_to_the_host_phase_it_overlaps():
 def test_all_reduce_waits_splits_each_collective_into_its_own_time_and_a_wait():
     """The per-rank profile's arithmetic: all-reduces of two ranks that overlap are one
     collective, and both leave it together, so the later starter's duration is the op's own
-    time and the earlier one waited the difference. A kernel with no partner is left out."""
-    rank0 = [("ar", 0, 30), ("ar", 100, 10), ("ar", 200, 12)]
-    rank1 = [("ar", 20, 10), ("ar", 95, 15), ("ar", 150, 5), ("ar", 201, 11)]
+    time and the earlier one waited the difference. A kernel with no partner is left out; the
+    step's first collective (where a rank that began the step late is waited for) stands apart."""
+    rank0 = [("ar", 0, 30), ("ar", 100, 10), ("ar", 200, 12), ("ar", 300, 10)]
+    rank1 = [("ar", 20, 10), ("ar", 95, 15), ("ar", 150, 5), ("ar", 201, 11), ("ar", 303, 7)]
     waits = common.all_reduce_waits(rank0, rank1)
-    assert waits["paired_all_reduces"] == 3
-    assert waits["own_time_ms"] == (10 + 10 + 11) / 1e3
-    assert waits["rank0_waited_ms"] == (20 + 0 + 1) / 1e3 and waits["rank1_waited_ms"] == 5 / 1e3
-    assert waits["rank0_waited_in"] == 2 and waits["end_spread_median_us"] == 0
+    assert waits["paired_all_reduces"] == 4
+    assert waits["own_time_ms"] == (10 + 10 + 11 + 7) / 1e3
+    assert (waits["first_rank0_waited_us"], waits["first_rank1_waited_us"]) == (20, 0)
+    assert waits["rank0_waited_ms"] == (0 + 1 + 3) / 1e3 and waits["rank1_waited_ms"] == 5 / 1e3
+    assert waits["rank0_waited_in"] == 2 and waits["wait_median_us"] == 3
+    assert waits["end_spread_median_us"] == 0
 
 
 def _sibling_imports(path: Path, siblings: set[str]) -> set[str]:

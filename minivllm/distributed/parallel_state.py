@@ -92,13 +92,21 @@ class GroupCoordinator:
 
     # ------------------------------------------------------------------ collectives
     def all_reduce(self, input_: torch.Tensor) -> torch.Tensor:
-        """Sum over the group, in place. A group of one returns `input_` itself."""
+        """Sum over the group: the result, in place or new. A group of one returns `input_` itself."""
         if self.world_size == 1:
             return input_
         if self.symm_mem is not None and self.symm_mem.should_use(input_):
             return self.symm_mem.all_reduce(input_)
         dist.all_reduce(input_, group=self.device_group)
         return input_
+
+    def one_shot_peers(self, input_: torch.Tensor) -> tuple | None:
+        """The symmetric-memory addresses a fused all-reduce kernel reads (`SymmMemCommunicator.
+        one_shot_peers`) when `input_` is one-shot small; None for one rank, no symmetric memory
+        or a bigger tensor: the same answer on every rank, which see the same shapes."""
+        if self.world_size == 1 or self.symm_mem is None:
+            return None
+        return self.symm_mem.one_shot_peers(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `input_` along `dim` (same shape on every rank)."""

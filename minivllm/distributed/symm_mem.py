@@ -56,11 +56,17 @@ class SymmMemCommunicator:
         if not _on_one_machine(group, device):  # peers' memory is reachable only over NVLink / PCIe
             logger.info("the tensor-parallel group spans machines: NCCL does every all-reduce")
             return
-        buffer = _allocate_and_rendezvous(max_bytes, device, self.group_name)
+        buffer, handle = _allocate_and_rendezvous(max_bytes, device, self.group_name)
         if not _on_every_rank(group, device, buffer is not None):
             logger.warning("symmetric memory could not be set up on every rank: NCCL does every all-reduce")
             return
         self.buffer, self.disabled = buffer, False
+        # Every rank's buffer and signal pad as device addresses, for kernels that fuse a reduce.
+        self.rank, self.world_size = handle.rank, handle.world_size
+        self.buffer_ptrs = torch.tensor(handle.buffer_ptrs, dtype=torch.int64, device=device)
+        self.signal_pad_ptrs = torch.tensor(handle.signal_pad_ptrs, dtype=torch.int64, device=device)
+        # The copy into the buffer inside the one-shot kernel, where this PyTorch has the op.
+        self.one_shot_copy = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
         # Two-shot straight into the caller's tensor where this PyTorch has the op (newer ones;
         # built for 2, 4 and 8 ranks only). Elsewhere in place in the buffer, then copied out.
         self.two_shot_out = (hasattr(torch.ops.symm_mem, "two_shot_all_reduce_out")
@@ -75,9 +81,14 @@ class SymmMemCommunicator:
                 and nbytes <= self.buffer.numel() * DTYPE.itemsize)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum `tensor` over the group, in place (call only where `should_use`)."""
+        """Sum `tensor` over the group (call only where `should_use`): in place, or, for the
+        one-shot op that copies into the buffer itself, a new tensor."""
         flat = tensor.view(-1)
         staged = self.buffer[: flat.numel()]
+        if flat.numel() * DTYPE.itemsize <= ONE_SHOT_MAX_BYTES and self.one_shot_copy:
+            out = torch.empty_like(flat)
+            torch.ops.symm_mem.one_shot_all_reduce_copy_out(staged, flat, "sum", self.group_name, out)
+            return out.view_as(tensor)
         staged.copy_(flat)
         if flat.numel() * DTYPE.itemsize <= ONE_SHOT_MAX_BYTES:
             torch.ops.symm_mem.one_shot_all_reduce_out(staged, "sum", self.group_name, flat)
@@ -88,23 +99,31 @@ class SymmMemCommunicator:
             flat.copy_(staged)
         return tensor
 
+    def one_shot_peers(self, tensor: torch.Tensor) -> tuple | None:
+        """(buffer addresses, signal-pad addresses, rank, world size) for a kernel that sums
+        `tensor` over the group by reading its peers' buffers (`kernels/custom_all_reduce.py`),
+        when `tensor` is a one-shot size; None when it is not."""
+        if not self.should_use(tensor) or tensor.numel() * DTYPE.itemsize > ONE_SHOT_MAX_BYTES:
+            return None
+        return self.buffer_ptrs, self.signal_pad_ptrs, self.rank, self.world_size
+
     def close(self) -> None:
         self.buffer, self.disabled = None, True
 
 
-def _allocate_and_rendezvous(max_bytes: int, device: torch.device, group_name: str) -> torch.Tensor | None:
-    """The buffer, mapped by every peer; None (and a warning) if this rank failed."""
+def _allocate_and_rendezvous(max_bytes: int, device: torch.device, group_name: str) -> tuple:
+    """(the buffer, its symmetric-memory handle), mapped by every peer; (None, None) and a
+    warning if this rank failed."""
     global _SET_UP_IN_THIS_PROCESS
     _SET_UP_IN_THIS_PROCESS = True  # even a failed attempt leaves state behind in this process
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
         buffer = symm_mem.empty(max_bytes // DTYPE.itemsize, dtype=DTYPE, device=device)
-        symm_mem.rendezvous(buffer, group_name)
-        return buffer
+        return buffer, symm_mem.rendezvous(buffer, group_name)
     except Exception as error:  # noqa: BLE001 - a private API: any failure means "use NCCL"
         logger.warning("symmetric memory unavailable on this rank (%r)", error)
-        return None
+        return None, None
 
 
 def _on_every_rank(group: dist.ProcessGroup, device: torch.device, holds: bool) -> bool:

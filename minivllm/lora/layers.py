@@ -123,15 +123,12 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        if self.tp_size == 1:
-            y = F.linear(x, base.weight, base.bias)
-            self.add_lora(y, x)
-            return y
-        y = F.linear(x, base.weight)  # this rank's partial sum, LoRA's partial added before the reduce
+        # This rank's partial sum (rank 0's with the bias), LoRA's partial added before the reduce.
+        y = F.linear(x, base.weight, base.bias if self.tp_rank == 0 else None)
         self.add_lora(y, x)
-        if base.reduce_results:
+        if base.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)
-        return y if base.bias is None else y + base.bias
+        return y
 
 
 def from_layer(layer: nn.Module) -> BaseLayerWithLoRA:

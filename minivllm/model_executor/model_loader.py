@@ -19,6 +19,7 @@ from safetensors import safe_open
 from torch import nn
 
 from minivllm.attention import get_attn_backend
+from minivllm.model_executor.all_reduce_fusion import fuse_all_reduce_into_norms
 from minivllm.model_executor.models import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ def get_model(model_config: Any, device: torch.device | str = "cpu",
     missing = sorted(set(dict(model.named_parameters())) - loaded)
     if missing:
         raise ValueError(f"checkpoint {model_dir} lacks weights for {missing}.")
+    fuse_all_reduce_into_norms(model)  # TP > 1: each all-reduce moves into the norm after it
     return model.eval()
 
 

@@ -69,15 +69,17 @@ def test_column_then_row_equals_the_unsplit_pair(monkeypatch, tp):
     torch.testing.assert_close(sum(partials) + b2, expected)
 
 
-def test_row_parallel_adds_its_bias_once_after_the_reduction(monkeypatch):
+def test_row_parallel_adds_its_bias_once_on_rank_0(monkeypatch):
+    """Rank 0's partial sum carries the bias, so the all-reduce's sum carries it once, whether
+    the layer reduces or leaves the partial sums to the norm that follows."""
     x, w, b = torch.randn(3, 8), torch.randn(4, 8), torch.randn(4)
-    rows = build_on_each_rank(monkeypatch, 2, lambda: RowParallelLinear(8, 4))
-    outputs = []
-    for rank, row in enumerate(rows):
-        load(row, weight=w, bias=b)
-        outputs.append(row(x[:, rank * 4 : (rank + 1) * 4]))  # each adds b to its "reduced" sum
-    # With a real all-reduce both ranks get sum(partials) + b: here each part carries b once.
-    torch.testing.assert_close(outputs[0] + outputs[1] - b, F.linear(x, w, b))
+    for reduce_results in (True, False):
+        rows = build_on_each_rank(monkeypatch, 2, lambda: RowParallelLinear(8, 4, reduce_results=reduce_results))
+        outputs = []
+        for rank, row in enumerate(rows):
+            load(row, weight=w, bias=b)
+            outputs.append(row(x[:, rank * 4 : (rank + 1) * 4]))  # the all-reduce here returns its input
+        torch.testing.assert_close(outputs[0] + outputs[1], F.linear(x, w, b))
 
 
 def test_one_rank_is_a_plain_linear_with_no_group():
@@ -159,3 +161,29 @@ def test_pipeline_stages_cover_every_layer_once_and_evenly(num_layers, pp):
     assert all(end == start for (_, end), (start, _) in zip(ranges, ranges[1:]))  # contiguous
     sizes = [end - start for start, end in ranges]
     assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+
+
+def test_fusion_moves_each_row_parallel_all_reduce_into_the_norm_after_it(monkeypatch):
+    """TP=2: o_proj and down_proj leave partial sums, and exactly the norms that follow them (each
+    layer's post-attention norm, the input norm of every layer but the first, the final norm)
+    become AllReduceRMSNorms holding the loaded weights; a step still all-reduces 2L + 1 times."""
+    from transformers import LlamaConfig
+
+    from minivllm.model_executor.all_reduce_fusion import AllReduceRMSNorm, fuse_all_reduce_into_norms
+    from minivllm.model_executor.models.llama import LlamaForCausalLM
+
+    config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                         num_hidden_layers=3, vocab_size=64)
+    monkeypatch.setattr(parallel_state, "_TP", FakeGroup(0, 2))
+    model = LlamaForCausalLM(config)
+    weights = {name: p for name, p in model.named_parameters() if "norm" in name}
+    assert fuse_all_reduce_into_norms(model) == 2 * config.num_hidden_layers
+    layers = model.model.layers
+    assert not any(layer.self_attn.o_proj.reduce_results or layer.mlp.down_proj.reduce_results for layer in layers)
+    reducing = sorted(name for name, m in model.named_modules() if isinstance(m, AllReduceRMSNorm))
+    assert reducing == sorted(["model.norm"] + [f"model.layers.{i}.post_attention_layernorm" for i in range(3)]
+                              + [f"model.layers.{i}.input_layernorm" for i in (1, 2)])
+    assert type(layers[0].input_layernorm) is not AllReduceRMSNorm and model.model.embed_tokens.tp_size == 2
+    assert all(p is weights[name] for name, p in model.named_parameters() if "norm" in name)
+    monkeypatch.setattr(parallel_state, "_TP", None)
+    assert fuse_all_reduce_into_norms(LlamaForCausalLM(config)) == 0  # one rank: nothing to move

@@ -69,7 +69,7 @@ group, cpu = dist.group.WORLD, torch.device("cpu")
 def set_up_on_rank_0_only(max_bytes, device, group_name):
     """Stands in for the GPU-only allocation: rank 1's fails."""
     symm_mem._SET_UP_IN_THIS_PROCESS = True
-    return torch.zeros(8, dtype=torch.bfloat16) if rank == 0 else None
+    return (torch.zeros(8, dtype=torch.bfloat16), None) if rank == 0 else (None, None)
 
 
 symm_mem._allocate_and_rendezvous = set_up_on_rank_0_only

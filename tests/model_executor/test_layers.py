@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama import modeling_llama as hf_llama
 
+from minivllm.model_executor.all_reduce_fusion import AllReduceRMSNorm
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.rotary_embedding import (
     RotaryEmbedding,
@@ -44,6 +45,19 @@ def test_rmsnorm_matches_transformers_and_fuses_the_residual_add():
     out, new_residual = ours(x, residual)
     assert torch.equal(new_residual, x + residual)
     assert torch.equal(out, theirs(x + residual))
+
+
+def test_all_reduce_rmsnorm_over_one_rank_is_the_norm_of_the_residual_sum():
+    """The norm after a row-parallel layer: with one rank the sum is its input, so it is
+    transformers' norm of x + residual, and the new residual is that sum."""
+    torch.manual_seed(0)
+    ours, theirs = AllReduceRMSNorm(48, eps=1e-5), hf_llama.LlamaRMSNorm(48, eps=1e-5)
+    with torch.no_grad():
+        theirs.weight.normal_()
+        ours.weight.copy_(theirs.weight)
+    x, residual = torch.randn(5, 48), torch.randn(5, 48)
+    out, stream = ours(x, residual)
+    assert torch.equal(stream, x + residual) and torch.equal(out, theirs(x + residual))
 
 
 @pytest.mark.parametrize("case", sorted(ROPE_CASES))

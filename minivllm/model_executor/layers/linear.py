@@ -121,7 +121,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
 
 class RowParallelLinear(nn.Module):
     """x `[num_tokens, input_size / tp]` -> `[num_tokens, output_size]`, W split by columns;
-    the bias is added once, after the all-reduce (reduce_results) of the partial sums."""
+    reduce_results=False leaves the partial sums to the caller (`all_reduce_fusion.py`)."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True) -> None:
         super().__init__()
@@ -135,7 +135,7 @@ class RowParallelLinear(nn.Module):
         self.bias = loaded_parameter(output_size, weight_loader=self.weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor) -> None:
-        """Weight: this rank's columns; bias: whole (it is added after the reduction)."""
+        """Weight: this rank's columns; bias: whole (rank 0 adds it once)."""
         if param.ndim == 1:
             check_shape(loaded_weight.shape, param.shape)
             param.data.copy_(loaded_weight)
@@ -145,12 +145,11 @@ class RowParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        output = F.linear(x, self.weight)  # this rank's partial sum
-        if self.reduce_results:
+        # This rank's partial sum; rank 0's carries the bias, so the sum carries it once.
+        output = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size > 1:
             output = tensor_model_parallel_all_reduce(output)
-        return output if self.bias is None else output + self.bias
+        return output
 
     def extra_repr(self) -> str:
         return (f"input_features={self.in_features}, output_features={self.out_features}, "

@@ -1,0 +1,108 @@
+"""A tensor-parallel all-reduce fused with the residual add and RMSNorm that follow it, in Triton.
+
+After a row-parallel layer (o_proj, down_proj) each TP rank holds a partial sum of the layer's
+output; the decoder then adds the residual and normalizes. Run apart, that is three kernels
+(copy into the symmetric buffer, all-reduce, add + norm) and three round trips through memory.
+Here it is one, over PyTorch's symmetric memory (every rank's buffer and signal pad mapped into
+every peer, `minivllm/distributed/symm_mem.py`), one program per token row:
+
+    x (this rank's partial) ──store──> my buffer[row]
+    barrier: every rank's row is in its buffer
+    s = sum over ranks r of buffer_r[row]        read over NVLink, in rank order on every rank
+    barrier: no rank reuses its buffer while a peer still reads it
+    residual = s + residual ; out = rms_norm(residual) * weight
+
+Shapes: x, out, residual `[num_tokens, hidden]`; weight `[hidden]`. Every rank gets the same
+bits: each sums the ranks in the same order. The roundings are those of the unfused chain (the
+sum to x's dtype, then the add), so it matches `all_reduce` + `fused_ops.rms_norm` exactly.
+
+The barrier is PyTorch's own signal-pad protocol (`put_signal` / `wait_signal`): a rank raises
+its flag in a peer's pad with a compare-and-swap 0 -> 1 (release, system scope: the peer sees
+the stores before the flag) and takes the peer's flag from its own pad with 1 -> 0 (acquire).
+A flag left up by the last use makes the next put wait until it is taken, so the pads are all
+zero between kernels and PyTorch's all-reduce kernels can share them. vLLM fuses the same
+three steps (its all-reduce fusion pass, built on FlashInfer's kernel).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# One program per row, all resident at once (a program waits for its peers'). Past a few rows the
+# add + norm is no longer small beside the reduce, and the unfused chain is as fast.
+MAX_ROWS = 64
+_NUM_WARPS = 4
+
+
+@triton.jit
+def _barrier(signal_pad_ptrs, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+    """Meet the program of the same `slot` on every other rank."""
+    tl.debug_barrier()  # every thread's stores are issued before this program's flags go up
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            pad = tl.load(signal_pad_ptrs + peer).to(tl.pointer_type(tl.int32))
+            while tl.atomic_cas(pad + slot * WORLD + RANK, 0, 1, sem="release", scope="sys") != 0:
+                pass
+    own_pad = tl.load(signal_pad_ptrs + RANK).to(tl.pointer_type(tl.int32))
+    for peer in tl.static_range(WORLD):
+        if peer != RANK:
+            while tl.atomic_cas(own_pad + slot * WORLD + peer, 1, 0, sem="acquire", scope="sys") != 1:
+                pass
+    tl.debug_barrier()  # no thread reads a peer's buffer before the flags are taken
+
+
+@triton.jit
+def _all_reduce_add_rms_norm_kernel(
+    out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
+    buffer_ptrs, signal_pad_ptrs,  # int64 [WORLD]: each rank's buffer and signal pad, as addresses
+    stride_x, stride_r, stride_o, eps,
+    RANK: tl.constexpr, WORLD: tl.constexpr, N: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)  # also the signal-pad slot this row's barriers use
+    cols = tl.arange(0, BLOCK)
+    mask = cols < N
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    dtype = x.dtype
+    own_buffer = tl.load(buffer_ptrs + RANK).to(tl.pointer_type(dtype))
+    tl.store(own_buffer + row * N + cols, x, mask=mask)
+    _barrier(signal_pad_ptrs, row, RANK, WORLD)
+    total = tl.zeros([BLOCK], dtype=tl.float32)
+    for rank in tl.static_range(WORLD):  # the same order on every rank: the same bits
+        buffer = tl.load(buffer_ptrs + rank).to(tl.pointer_type(dtype))
+        total += tl.load(buffer + row * N + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
+    _barrier(signal_pad_ptrs, row, RANK, WORLD)
+    x = total.to(dtype)  # the all-reduce's result, rounded as the unfused all-reduce rounds it
+    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
+    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+    tl.store(residual_out_ptr + row * stride_o + cols, x, mask=mask)  # the stream: the new residual
+    x32 = x.to(tl.float32)
+    mean_square = tl.sum(x32 * x32, axis=0) / N
+    normed = (x32 * tl.rsqrt(mean_square + eps)).to(dtype)
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
+    tl.store(out_ptr + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dtype), mask=mask)
+
+
+def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                            buffer_ptrs: torch.Tensor, signal_pad_ptrs: torch.Tensor, rank: int,
+                            world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(sum_ranks(x) + residual) * weight, sum_ranks(x) + residual).
+
+    x `[rows <= MAX_ROWS, N]` with unit last stride, each rank's buffer at least x's size. Call
+    it on every rank of the group with the same shapes (it waits for them).
+    """
+    if x.dim() != 2 or x.shape[0] > MAX_ROWS or x.stride(-1) != 1:
+        raise ValueError(f"all_reduce_add_rms_norm takes up to {MAX_ROWS} rows with unit last stride, "
+                         f"got {tuple(x.shape)} with strides {x.stride()}.")
+    if residual.shape != x.shape or residual.stride(-1) != 1:
+        raise ValueError(f"residual must be shaped like x {tuple(x.shape)} with unit last stride.")
+    rows, n = x.shape
+    out, residual_out = torch.empty_like(x), torch.empty_like(x)
+    if rows:
+        _all_reduce_add_rms_norm_kernel[(rows,)](
+            out, residual_out, x, residual, weight, buffer_ptrs, signal_pad_ptrs,
+            x.stride(0), residual.stride(0), out.stride(0), eps,
+            RANK=rank, WORLD=world_size, N=n, BLOCK=triton.next_power_of_2(n), num_warps=_NUM_WARPS,
+        )
+    return out, residual_out

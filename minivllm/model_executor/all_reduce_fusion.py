@@ -1,0 +1,68 @@
+"""Tensor parallelism's all-reduces moved into the norms that follow them (vLLM's all-reduce
+fusion, `vllm/compilation/collective_fusion.py`, which rewrites the compiled graph; here the
+loaded decoder is rewired once, and its code reads as it did).
+
+A decoder layer with TP ranks runs, twice (after o_proj and after down_proj):
+
+    row-parallel matmul -> all-reduce -> + residual -> RMSNorm          three kernels apart
+    row-parallel matmul -> AllReduceRMSNorm                             one (small batches, GPUs)
+
+`fuse_all_reduce_into_norms` sets the two row-parallel layers to leave each rank's partial sum
+and swaps every norm that follows one (each layer's post-attention norm, the next layer's input
+norm, the final norm) for an `AllReduceRMSNorm`, which sums the ranks first. The first layer's
+input norm stays: the embedding reduces its own lookup. On GPUs with symmetric memory and a
+one-shot-sized batch the three steps are one Triton kernel (`kernels/custom_all_reduce.py`);
+everywhere else the norm runs the same all-reduce and the same norm as before, so the tokens
+do not change.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from minivllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, get_tp_group
+from minivllm.distributed import tensor_model_parallel_all_reduce
+from minivllm.model_executor.layers.layernorm import RMSNorm
+from minivllm.model_executor.models.llama import LlamaModel
+
+
+class AllReduceRMSNorm(RMSNorm):
+    """The norm after a row-parallel layer, whose x is this rank's partial sum:
+    `forward(x, residual)` -> (norm(s + residual), s + residual), s = x summed over the ranks."""
+
+    def forward_native(self, x: torch.Tensor, residual: torch.Tensor):
+        return super().forward_native(tensor_model_parallel_all_reduce(x), residual)
+
+    def forward_triton(self, x: torch.Tensor, residual: torch.Tensor):
+        from minivllm.kernels import custom_all_reduce  # imports triton: only on this backend
+
+        peers = get_tp_group().one_shot_peers(x)  # the ranks' symmetric buffers, when x is small
+        if peers is None or x.shape[0] > custom_all_reduce.MAX_ROWS:
+            return super().forward_triton(tensor_model_parallel_all_reduce(x), residual)
+        return custom_all_reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, *peers)
+
+
+def fuse_all_reduce_into_norms(model: nn.Module) -> int:
+    """Rewire a loaded Llama-family model as above, with more than one TP rank and one pipeline
+    stage (a stage boundary would pass partial sums on); returns how many norms now reduce."""
+    decoder, swapped = getattr(model, "model", None), 0
+    if (get_tensor_model_parallel_world_size() == 1 or get_pp_group().world_size > 1
+            or not isinstance(decoder, LlamaModel)):
+        return 0
+    for i, layer in enumerate(decoder.layers):
+        for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
+            row_parallel.reduce_results = False
+        norms = [(layer, "post_attention_layernorm")] + ([(layer, "input_layernorm")] if i > 0 else [])
+        for owner, name in norms:
+            setattr(owner, name, _reducing(getattr(owner, name)))
+            swapped += 1
+    decoder.norm = _reducing(decoder.norm)
+    return swapped + 1
+
+
+def _reducing(norm: RMSNorm) -> AllReduceRMSNorm:
+    """An AllReduceRMSNorm sharing `norm`'s weight (already loaded) and backend."""
+    fused = AllReduceRMSNorm(norm.weight.shape[0], norm.eps, norm.backend)
+    fused.weight = norm.weight
+    return fused
