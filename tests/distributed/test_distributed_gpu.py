@@ -91,12 +91,34 @@ def test_fp32_tp2_cuda_graphs_with_collectives_inside_give_the_eager_tokens():
     assert graphed == eager
 
 
-def test_bf16_tp2_agrees_with_tp1():
-    single, _ = bf16_greedy()
-    split, _ = bf16_greedy(tensor_parallel_size=2)
-    assert all(a[:8] == b[:8] for a, b in zip(single, split))  # the first tokens: far from any tie
-    agreeing = sum(a == b for a, b in zip(single, split))
-    assert agreeing >= len(TEXT_PROMPTS) - 1, (single, split)
+# bf16 keeps 8 bits of mantissa: at logits of 8-16 one rounding step is 0.03-0.06, and TP=2 sums
+# every layer's matmul in another order (two partial sums, then the all-reduce).
+NEAR_TIE = 0.25
+
+
+def greedy_with_margins(**kwargs) -> list[tuple[list[int], list[float]]]:
+    """Per prompt: bf16 greedy tokens and, at each, the gap between the top two logprobs."""
+    llm = LLM(device="cuda", dtype="bfloat16", max_num_seqs=8, max_model_len=256, gpu_memory_utilization=0.3,
+              **kwargs)
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True, logprobs=2)
+    runs = []
+    for output in llm.generate(TEXT_PROMPTS, params, use_tqdm=False):
+        top_two = [sorted((lp.logprob for lp in alternatives.values()), reverse=True)[:2]
+                   for alternatives in output.outputs[0].logprobs]
+        runs.append((list(output.outputs[0].token_ids), [first - second for first, second in top_two]))
+    llm.llm_engine.shutdown()
+    return runs
+
+
+def test_bf16_tp2_agrees_with_tp1_up_to_near_ties():
+    """TP=2 may take the other branch only where TP=1's top two tokens are nearly tied: at the
+    first token where the two greedy runs differ, TP=1's margin is under NEAR_TIE."""
+    single = greedy_with_margins()
+    split = greedy_with_margins(tensor_parallel_size=2)
+    for (tokens, margins), (split_tokens, _) in zip(single, split):
+        first_difference = next((j for j, (a, b) in enumerate(zip(tokens, split_tokens)) if a != b), None)
+        if first_difference is not None:
+            assert margins[first_difference] < NEAR_TIE, (first_difference, margins, tokens, split_tokens)
 
 
 SYMM_MEM_RANK_SCRIPT = r'''
