@@ -30,8 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-# One program per row, all resident at once (a program waits for its peers'). Past a few rows the
-# add + norm is no longer small beside the reduce, and the unfused chain is as fast.
+# One program per row, and every program must be resident at once: each waits for its peers'.
 MAX_ROWS = 64
 _NUM_WARPS = 4
 
