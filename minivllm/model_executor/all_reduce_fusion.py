@@ -10,10 +10,10 @@ A decoder layer with TP ranks runs, twice (after o_proj and after down_proj):
 `fuse_all_reduce_into_norms` sets the two row-parallel layers to leave each rank's partial sum
 and swaps every norm that follows one (each layer's post-attention norm, the next layer's input
 norm, the final norm) for an `AllReduceRMSNorm`, which sums the ranks first. The first layer's
-input norm stays: the embedding reduces its own lookup. On GPUs with symmetric memory and a
-one-shot-sized batch the three steps are one Triton kernel (`kernels/custom_all_reduce.py`);
-everywhere else the norm runs the same all-reduce and the same norm as before, so the tokens
-do not change.
+input norm stays: the embedding reduces its own lookup. It rewires only where the kernel can
+run, a TP group with symmetric memory (GPUs), and only the package's own layers (a lab's run as
+written). There, a one-shot-sized batch runs the three steps as one Triton kernel
+(`kernels/custom_all_reduce.py`); a bigger one runs the same all-reduce and norm as before.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from torch import nn
 from minivllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, get_tp_group
 from minivllm.distributed import tensor_model_parallel_all_reduce
 from minivllm.model_executor.layers.layernorm import RMSNorm
+from minivllm.model_executor.layers.linear import RowParallelLinear
 from minivllm.model_executor.models.llama import LlamaModel
 
 
@@ -44,12 +45,14 @@ class AllReduceRMSNorm(RMSNorm):
 
 
 def fuse_all_reduce_into_norms(model: nn.Module) -> int:
-    """Rewire a loaded Llama-family model as above, with more than one TP rank and one pipeline
-    stage (a stage boundary would pass partial sums on); returns how many norms now reduce."""
-    decoder, swapped = getattr(model, "model", None), 0
-    if (get_tensor_model_parallel_world_size() == 1 or get_pp_group().world_size > 1
-            or not isinstance(decoder, LlamaModel)):
+    """Rewire a loaded Llama-family model as above, with a TP group of several ranks on
+    symmetric memory and one pipeline stage (a stage boundary would pass partial sums on);
+    returns how many norms now reduce."""
+    decoder, symm_mem = getattr(model, "model", None), get_tp_group().symm_mem
+    if (get_tensor_model_parallel_world_size() == 1 or symm_mem is None or symm_mem.disabled
+            or get_pp_group().world_size > 1 or not _package_layers(decoder)):
         return 0
+    swapped = 0
     for i, layer in enumerate(decoder.layers):
         for row_parallel in (layer.self_attn.o_proj, layer.mlp.down_proj):
             row_parallel.reduce_results = False
@@ -59,6 +62,14 @@ def fuse_all_reduce_into_norms(model: nn.Module) -> int:
             swapped += 1
     decoder.norm = _reducing(decoder.norm)
     return swapped + 1
+
+
+def _package_layers(decoder) -> bool:
+    """A LlamaModel whose row-parallel layers and norms are this package's own classes."""
+    if not isinstance(decoder, LlamaModel):
+        return False
+    layers = [(layer.self_attn.o_proj, layer.mlp.down_proj) for layer in decoder.layers]
+    return all(type(linear) is RowParallelLinear for pair in layers for linear in pair)
 
 
 def _reducing(norm: RMSNorm) -> AllReduceRMSNorm:

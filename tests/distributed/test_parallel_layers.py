@@ -164,9 +164,12 @@ def test_pipeline_stages_cover_every_layer_once_and_evenly(num_layers, pp):
 
 
 def test_fusion_moves_each_row_parallel_all_reduce_into_the_norm_after_it(monkeypatch):
-    """TP=2: o_proj and down_proj leave partial sums, and exactly the norms that follow them (each
-    layer's post-attention norm, the input norm of every layer but the first, the final norm)
-    become AllReduceRMSNorms holding the loaded weights; a step still all-reduces 2L + 1 times."""
+    """TP=2 on symmetric memory: o_proj and down_proj leave partial sums, and exactly the norms
+    that follow them (each layer's post-attention norm, the input norm of every layer but the
+    first, the final norm) become AllReduceRMSNorms holding the loaded weights. Without
+    symmetric memory (CPUs, NCCL only), with one rank or with a lab's own layers nothing moves."""
+    from types import SimpleNamespace
+
     from transformers import LlamaConfig
 
     from minivllm.model_executor.all_reduce_fusion import AllReduceRMSNorm, fuse_all_reduce_into_norms
@@ -174,7 +177,13 @@ def test_fusion_moves_each_row_parallel_all_reduce_into_the_norm_after_it(monkey
 
     config = LlamaConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
                          num_hidden_layers=3, vocab_size=64)
-    monkeypatch.setattr(parallel_state, "_TP", FakeGroup(0, 2))
+    group = FakeGroup(0, 2)
+    monkeypatch.setattr(parallel_state, "_TP", group)
+    assert fuse_all_reduce_into_norms(LlamaForCausalLM(config)) == 0  # no symmetric memory
+    group.symm_mem = SimpleNamespace(disabled=False)  # stands in for a GPU group's
+    lab_model = LlamaForCausalLM(config)
+    lab_model.model.layers[1].mlp.down_proj.__class__ = type("LabRowParallelLinear", (RowParallelLinear,), {})
+    assert fuse_all_reduce_into_norms(lab_model) == 0
     model = LlamaForCausalLM(config)
     weights = {name: p for name, p in model.named_parameters() if "norm" in name}
     assert fuse_all_reduce_into_norms(model) == 2 * config.num_hidden_layers
