@@ -30,6 +30,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.fused_ops import add_residual_and_norm
+
 # One program per row, and every program must be resident at once: each waits for its peers'.
 MAX_ROWS = 64
 _NUM_WARPS = 4
@@ -73,14 +75,8 @@ def _all_reduce_add_rms_norm_kernel(
         total += tl.load(buffer + row * N + cols, mask=mask, other=0.0, volatile=True).to(tl.float32)
     _barrier(signal_pad_ptrs, row, RANK, WORLD)
     x = total.to(dtype)  # the all-reduce's result, rounded as the unfused all-reduce rounds it
-    r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-    x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
-    tl.store(residual_out_ptr + row * stride_o + cols, x, mask=mask)  # the stream: the new residual
-    x32 = x.to(tl.float32)
-    mean_square = tl.sum(x32 * x32, axis=0) / N
-    normed = (x32 * tl.rsqrt(mean_square + eps)).to(dtype)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0)
-    tl.store(out_ptr + row * stride_o + cols, (normed.to(tl.float32) * w.to(tl.float32)).to(dtype), mask=mask)
+    add_residual_and_norm(x, row, cols, mask, out_ptr, residual_out_ptr, residual_ptr, weight_ptr,
+                          stride_r, stride_o, eps, N, True)
 
 
 def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,

@@ -43,11 +43,21 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < N
     x = tl.load(x_ptr + (row // inner) * stride_x0 + (row % inner) * stride_x1 + cols, mask=mask, other=0.0)
+    add_residual_and_norm(x, row, cols, mask, out_ptr, residual_out_ptr, residual_ptr, weight_ptr,
+                          stride_r, stride_o, eps, N, HAS_RESIDUAL)
+
+
+@triton.jit
+def add_residual_and_norm(x, row, cols, mask, out_ptr, residual_out_ptr, residual_ptr, weight_ptr,
+                          stride_r, stride_o, eps, N: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """Row `row` of the output from its loaded x `[BLOCK]`: x + residual (stored, rounded to x's
+    dtype as PyTorch's add rounds), then RMSNorm times the weight. Also the last step of
+    `custom_all_reduce`'s kernel."""
     dtype = x.dtype
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + cols, mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)  # the add rounds, as in PyTorch
-        tl.store(residual_out_ptr + row * stride_r + cols, x, mask=mask)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(dtype)
+        tl.store(residual_out_ptr + row * stride_o + cols, x, mask=mask)
     x32 = x.to(tl.float32)
     mean_square = tl.sum(x32 * x32, axis=0) / N
     normed = (x32 * tl.rsqrt(mean_square + eps)).to(dtype)  # cast back before the weight (HF)

@@ -12,8 +12,8 @@ from minivllm.distributed.parallel_state import get_tp_group
 
 
 def tensor_model_parallel_all_reduce(input_: torch.Tensor) -> torch.Tensor:
-    """Sum the partial results of every TP rank (the norm after a row-parallel layer): the sum,
-    in place or a new tensor."""
+    """Sum the partial results of every TP rank (RowParallelLinear, VocabParallelEmbedding, or
+    the norm after a row-parallel layer): the sum, in place or a new tensor."""
     return get_tp_group().all_reduce(input_)
 
 

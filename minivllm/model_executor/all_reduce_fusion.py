@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from minivllm.distributed import get_pp_group, get_tensor_model_parallel_world_size, get_tp_group
+from minivllm.distributed import get_pp_group, get_tp_group
 from minivllm.distributed import tensor_model_parallel_all_reduce
 from minivllm.model_executor.layers.layernorm import RMSNorm
 from minivllm.model_executor.layers.linear import RowParallelLinear
@@ -49,8 +49,8 @@ def fuse_all_reduce_into_norms(model: nn.Module) -> int:
     symmetric memory and one pipeline stage (a stage boundary would pass partial sums on);
     returns how many norms now reduce."""
     decoder, symm_mem = getattr(model, "model", None), get_tp_group().symm_mem
-    if (get_tensor_model_parallel_world_size() == 1 or symm_mem is None or symm_mem.disabled
-            or get_pp_group().world_size > 1 or not _package_layers(decoder)):
+    # A single rank's group has no symmetric memory, so TP=1 is left alone here too.
+    if symm_mem is None or symm_mem.disabled or get_pp_group().world_size > 1 or not _package_layers(decoder):
         return 0
     swapped = 0
     for i, layer in enumerate(decoder.layers):
