@@ -29,6 +29,7 @@ from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds
+from minivllm.sampling_params import SamplingType
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals, expand_batch, sampling_probs
 from minivllm.worker.worker import Worker
@@ -72,15 +73,22 @@ class DraftModelWorker(Worker):
         wanting = [(i, seq) for i, seq in enumerate(seqs) if seq.wanted]
         hidden = hidden[[CATCH_UP_TOKENS * i + CATCH_UP_TOKENS - 1 for i, _ in wanting]]
         spec = [seq for _, seq in wanting]
+        # Greedy requests accept a guess iff it is the target's arg-max, whatever q is: the
+        # draft's own arg-max is its best guess, and no distributions are needed.
+        greedy = all(seq.metadata.sampling_params.sampling_type == SamplingType.GREEDY for seq in spec)
         token_ids = torch.zeros(len(spec), k, dtype=torch.long, device=self.device)
-        probs = torch.zeros(len(spec), k, self.model_config.hf_config.vocab_size, device=self.device)
+        probs = None if greedy else torch.zeros(len(spec), k, self.model_config.hf_config.vocab_size,
+                                                device=self.device)
         active = list(range(len(spec)))  # rows still guessing
         for step in range(k):
             if step:  # feed the previous guesses (the catch-up fed the real last token)
                 active = [r for r in active if spec[r].wanted > step]
                 hidden = self._decode([spec[r] for r in active], step, token_ids[active, step - 1])
-            q, _ = sampling_probs(self.model_runner.model.compute_logits(hidden),
-                                  [spec[r].metadata.sampling_params for r in active])
+            logits = self.model_runner.model.compute_logits(hidden)
+            if greedy:
+                token_ids[active, step] = logits.argmax(dim=-1)
+                continue
+            q, _ = sampling_probs(logits, [spec[r].metadata.sampling_params for r in active])
             rows = torch.tensor(active, device=self.device)
             seeds = fresh_seeds(len(active), device=q.device)
             noise = self.race_noise(seeds, torch.zeros_like(seeds), q.shape[1])

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from numpy.lib.stride_tricks import sliding_window_view
 
+from minivllm.attention.metadata import to_device
 from minivllm.config import SpeculativeConfig
 from minivllm.sequence import ExecuteModelRequest, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals
@@ -77,7 +78,6 @@ class NGramWorker:
             if wanted:
                 (data,) = metadata.seq_data.values()
                 rows.append(ngram_lookup(data.get_token_ids(), wanted, self.n_min, self.n_max))
-        token_ids = torch.zeros(len(rows), k, dtype=torch.long)
-        for i, row in enumerate(rows):
-            token_ids[i, : len(row)] = torch.tensor(row, dtype=torch.long)
-        return Proposals(token_ids.to(self.device), [len(row) for row in rows], probs=None)
+        padded = [row + [0] * (k - len(row)) for row in rows]
+        token_ids = to_device(torch.tensor(padded, dtype=torch.long).view(len(rows), k), self.device)
+        return Proposals(token_ids, [len(row) for row in rows], probs=None, host_rows=padded)

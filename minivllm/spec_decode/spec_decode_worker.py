@@ -28,8 +28,9 @@ from minivllm.attention import build_attn_metadata
 from minivllm.attention.metadata import to_device
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
-from minivllm.model_executor.layers.rejection_sampler import RejectionSampler, num_emitted
+from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
+from minivllm.sampling_params import SamplingType
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceData, SequenceGroupMetadata,
                                SequenceGroupOutput, SequenceOutput)
 from minivllm.spec_decode.draft_model_worker import CATCH_UP_TOKENS, DraftModelWorker
@@ -143,16 +144,16 @@ class SpecDecodeWorker(Worker):
                           proposals: Proposals) -> list[SamplerOutput]:
         spec_groups = [i for i, wanted in enumerate(num_proposals) if wanted]
         num_proposed = dict(zip(spec_groups, proposals.num_proposed))
-        drafts = proposals.token_ids.tolist()
+        drafts = proposals.host_token_ids()
         guesses = {i: drafts[r][: num_proposed[i]] for r, i in enumerate(spec_groups)}
         logits, first_rows = self._score(metadata_list, guesses)
         plain = [i for i in range(len(metadata_list)) if i not in num_proposed]
         plain_output = self._sample_plain([metadata_list[i] for i in plain], logits, [first_rows[i] for i in plain])
         accepted, logprobs = self._accept(metadata_list, spec_groups, proposals, logits, first_rows)
-        emitted = num_emitted(accepted).tolist()
+        accepted, logprobs = accepted.tolist(), logprobs.tolist()  # the round's one wait for the device
+        emitted = [sum(token != NO_TOKEN for token in row) for row in accepted]
         self.counter.record(proposals.num_proposed, emitted)
-        return self._outputs(metadata_list, dict(zip(plain, plain_output)), spec_groups, accepted.tolist(),
-                             logprobs.tolist(), emitted)
+        return self._outputs(metadata_list, dict(zip(plain, plain_output)), spec_groups, accepted, logprobs, emitted)
 
     def _score(self, metadata_list: list[SequenceGroupMetadata], guesses: dict[int, list[int]]):
         """The target's logits at every scored position: `[num_tokens, vocab]`, and the first
@@ -200,12 +201,19 @@ class SpecDecodeWorker(Worker):
         # Row j of group i's scored positions, for j = 0..k (past its proposals: its last row,
         # never read by the rejection sampler).
         index = torch.tensor([[first_rows[i] + min(j, n) for j in range(k + 1)]
-                              for i, n in zip(spec_groups, proposals.num_proposed)], device=self.device)
-        params = [metadata_list[i].sampling_params for i in spec_groups for _ in range(k + 1)]
-        probs, logprobs = sampling_probs(logits[index.flatten()], params)
-        probs, logprobs = probs.view(len(spec_groups), k + 1, -1), logprobs.view(len(spec_groups), k + 1, -1)
-        accepted = self.rejection_sampler(probs, proposals.token_ids,
-                                          torch.tensor(proposals.num_proposed, device=self.device), proposals.probs)
+                              for i, n in zip(spec_groups, proposals.num_proposed)])
+        rows = logits[to_device(index.flatten(), self.device)].float()
+        num_proposed = to_device(torch.tensor(proposals.num_proposed), self.device)
+        params = [metadata_list[i].sampling_params for i in spec_groups]
+        if all(p.sampling_type == SamplingType.GREEDY for p in params):
+            # p is one-hot at the arg-max: the acceptance needs the arg-max alone.
+            logprobs = torch.log_softmax(rows, dim=-1).view(len(spec_groups), k + 1, -1)
+            target_tokens = rows.argmax(dim=-1).view(len(spec_groups), k + 1)
+            accepted = self.rejection_sampler.greedy(target_tokens, proposals.token_ids, num_proposed)
+        else:
+            probs, logprobs = sampling_probs(rows, [p for p in params for _ in range(k + 1)])
+            probs, logprobs = probs.view(len(spec_groups), k + 1, -1), logprobs.view(len(spec_groups), k + 1, -1)
+            accepted = self.rejection_sampler(probs, proposals.token_ids, num_proposed, proposals.probs)
         token_logprobs = logprobs.gather(2, accepted.clamp(min=0).unsqueeze(2)).squeeze(2)
         return accepted, token_logprobs
 

@@ -30,12 +30,18 @@ class Proposals:
         num_proposed: how many of each row's k tokens are real (the n-gram proposer may find
             fewer, or none).
         probs: `[num_seqs, k, vocab]` fp32, the distribution each token was drawn from (a draft
-            model), or None when the proposals are deterministic (n-gram lookup).
+            model), or None when the proposals are deterministic (n-gram lookup) or greedy.
+        host_rows: `token_ids` as lists, when the proposer made them on the host (n-gram
+            lookup): the scorer needs them there, and need not wait for the device to get them.
     """
 
     token_ids: torch.Tensor
     num_proposed: list[int]
     probs: torch.Tensor | None
+    host_rows: list[list[int]] | None = None
+
+    def host_token_ids(self) -> list[list[int]]:
+        return self.host_rows if self.host_rows is not None else self.token_ids.tolist()
 
 
 def expand_batch(tokens: list[list[int]], first_positions: list[int],

@@ -143,3 +143,20 @@ def test_output_is_an_accepted_prefix_then_one_token_then_nothing(batch, k, voca
         assert out[b, :m].tolist() == guesses[b, :m].tolist()
         assert target[b, m, out[b, m]] > 0
         assert (out[b, m + 1:] == NO_TOKEN).all()
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 6), st.integers(0, 4), st.integers(2, 5), st.booleans(), st.integers(0, 2**31 - 1))
+def test_greedy_gives_what_the_full_rule_gives_for_one_hot_targets(batch, k, vocab, deterministic, seed):
+    """`greedy` from the arg-max alone equals `__call__` on p = one-hot(arg-max), with any q."""
+    g = torch.Generator().manual_seed(seed)
+    argmax = torch.randint(0, vocab, (batch, k + 1), generator=g)
+    target = torch.zeros(batch, k + 1, vocab).scatter_(2, argmax.unsqueeze(2), 1.0)
+    draft = torch.rand(batch, k, vocab, generator=g) + 1e-3
+    draft = draft / draft.sum(-1, keepdim=True)
+    # Guesses that often match: each is the arg-max or a random token.
+    guesses = torch.where(torch.rand(batch, k, generator=g) < 0.7, argmax[:, :k],
+                          torch.randint(0, vocab, (batch, k), generator=g))
+    num_proposed = torch.randint(0, k + 1, (batch,), generator=g)
+    full = RejectionSampler()(target, guesses, num_proposed, None if deterministic else draft, generator=g)
+    assert RejectionSampler.greedy(argmax, guesses, num_proposed).tolist() == full.tolist()
