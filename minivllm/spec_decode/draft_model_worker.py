@@ -25,7 +25,7 @@ from typing import NamedTuple
 import torch
 
 from minivllm.attention import build_attn_metadata
-from minivllm.attention.metadata import to_device
+from minivllm.attention.metadata import to_device, to_device_together
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds
@@ -105,9 +105,9 @@ class DraftModelWorker(Worker):
             [seq.metadata.block_tables[seq.seq_id] for seq in seqs])
         md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
                                  self.device)
-        return self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
-                                           to_device(torch.tensor(positions, dtype=torch.long), self.device),
-                                           md, self.kv_caches)
+        input_ids, positions = to_device_together([torch.tensor(input_ids, dtype=torch.long),
+                                                   torch.tensor(positions, dtype=torch.long)], self.device)
+        return self.model_runner.run_model(input_ids, positions, md, self.kv_caches)
 
     def _decode(self, seqs: list[_Seq], step: int, input_ids: torch.Tensor) -> torch.Tensor:
         """Guess `step` (already on the device) of each sequence, at position L-1+step, as a

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from minivllm.attention.metadata import to_device
 from minivllm.config import SpeculativeConfig
@@ -36,13 +35,19 @@ def ngram_lookup(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[i
     [7, 8]
     """
     tokens = np.asarray(token_ids, dtype=np.int64)
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        # Windows tokens[i:i+n] that end before the last token, so at least one token follows.
-        windows = sliding_window_view(tokens[: length - 1], n)
-        hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+    last = len(tokens) - 1
+    # Earlier places equal to the last token, each with a token after it: where a match ends.
+    ends = np.flatnonzero(tokens[:last] == tokens[last])
+    # How many tokens each match covers, reading backwards from its end (up to n_max).
+    match_len = np.ones_like(ends)
+    extends = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(n_max, last)):
+        extends &= (ends >= back) & (tokens[np.maximum(ends - back, 0)] == tokens[last - back])
+        match_len += extends
+    for n in range(n_max, n_min - 1, -1):
+        hits = ends[match_len >= n]
         if len(hits):
-            start = int(hits[-1]) + n
+            start = int(hits[-1]) + 1
             return tokens[start : start + k].tolist()
     return []
 

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import build_attn_metadata
-from minivllm.attention.metadata import to_device
+from minivllm.attention.metadata import to_device_together
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
 from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
@@ -108,10 +108,11 @@ class SpecDecodeWorker(Worker):
         return outputs
 
     def _round(self, metadata_list: list[SequenceGroupMetadata]) -> list[SamplerOutput]:
-        """Propose, score and accept once."""
+        """Propose, score and accept once. A sequence the proposer found no guess for is scored
+        alone (one row) and accepts nothing: its token comes from the rejection sampler too."""
         num_proposals = [self._num_proposals(m) for m in metadata_list]
-        proposals = self.proposer.propose(metadata_list, num_proposals)
-        if not any(proposals.num_proposed):
+        proposals = self.proposer.propose(metadata_list, num_proposals)  # a draft catches up even so
+        if not any(num_proposals):
             return [self._plain_step(metadata_list)]
         return self._score_and_accept(metadata_list, num_proposals, proposals)
 
@@ -180,9 +181,9 @@ class SpecDecodeWorker(Worker):
         input_ids, positions, tables = expand_batch(tokens, starts, seq_tables)
         md = build_attn_metadata(tables, positions, [1] * len(positions), 0, self.cache_config.block_size,
                                  self.device)
-        hidden = self.model_runner.run_model(to_device(torch.tensor(input_ids, dtype=torch.long), self.device),
-                                             to_device(torch.tensor(positions, dtype=torch.long), self.device),
-                                             md, self.kv_caches)
+        input_ids, positions = to_device_together([torch.tensor(input_ids, dtype=torch.long),
+                                                   torch.tensor(positions, dtype=torch.long)], self.device)
+        hidden = self.model_runner.run_model(input_ids, positions, md, self.kv_caches)
         return self.model_runner.model.compute_logits(hidden), first_rows
 
     def _sample_plain(self, metadata_list: list[SequenceGroupMetadata], logits: torch.Tensor,
@@ -202,8 +203,8 @@ class SpecDecodeWorker(Worker):
         # never read by the rejection sampler).
         index = torch.tensor([[first_rows[i] + min(j, n) for j in range(k + 1)]
                               for i, n in zip(spec_groups, proposals.num_proposed)])
-        rows = logits[to_device(index.flatten(), self.device)].float()
-        num_proposed = to_device(torch.tensor(proposals.num_proposed), self.device)
+        index, num_proposed = to_device_together([index.flatten(), torch.tensor(proposals.num_proposed)], self.device)
+        rows = logits[index].float()
         params = [metadata_list[i].sampling_params for i in spec_groups]
         if all(p.sampling_type == SamplingType.GREEDY for p in params):
             # p is one-hot at the arg-max: the acceptance needs the arg-max alone.

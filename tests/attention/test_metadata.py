@@ -54,3 +54,22 @@ def test_invalid_layouts_are_errors():
     md = build_attn_metadata([[0]], [0], [3], num_prefills=1, block_size=BLOCK_SIZE)
     with pytest.raises(ValueError, match="slot_mapping"):
         type(md)(**{**md.__dict__, "slot_mapping": md.slot_mapping[:2]})
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
+    from minivllm.attention.metadata import to_device_together
+
+    tensors = [torch.arange(5, dtype=torch.int64), torch.tensor([7, -1, 3], dtype=torch.int32),
+               torch.zeros(0, 4, dtype=torch.int32), torch.arange(12, dtype=torch.int32).view(3, 4) - 6,
+               torch.tensor([2**40 + 3])]
+    for host, on_device in zip(tensors, to_device_together(tensors, "cuda")):
+        assert on_device.device.type == "cuda" and on_device.dtype == host.dtype
+        assert torch.equal(on_device.cpu(), host)
+    tables, context_lens, query_lens = [[7, 2], [3], [5, 1, 6]], [5, 0, 8], [2, 3, 1]
+    md_cpu = build_attn_metadata(tables, context_lens, query_lens, num_prefills=2, block_size=BLOCK_SIZE)
+    md_gpu = build_attn_metadata(tables, context_lens, query_lens, num_prefills=2, block_size=BLOCK_SIZE,
+                                 device="cuda")
+    for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
+        assert torch.equal(getattr(md_gpu, name).cpu(), getattr(md_cpu, name)), name
