@@ -94,7 +94,7 @@ class DraftModelWorker(Worker):
             noise = self.race_noise(seeds, torch.zeros_like(seeds), q.shape[1])
             token_ids[rows, step] = race(q, noise)  # drawn from the draft's own (processed) distribution
             probs[rows, step] = q
-        return Proposals(token_ids, [seq.wanted for seq in spec], probs)
+        return Proposals(token_ids.tolist(), [seq.wanted for seq in spec], probs)
 
     def _catch_up(self, seqs: list[_Seq]) -> torch.Tensor:
         """Positions L-2 and L-1 of every sequence, as two decode rows each (batch expansion,

@@ -21,7 +21,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minivllm.attention.metadata import to_device
 from minivllm.config import SpeculativeConfig
 from minivllm.sequence import ExecuteModelRequest, SequenceGroupMetadata
 from minivllm.spec_decode.util import Proposals
@@ -83,6 +82,4 @@ class NGramWorker:
             if wanted:
                 (data,) = metadata.seq_data.values()
                 rows.append(ngram_lookup(data.get_token_ids(), wanted, self.n_min, self.n_max))
-        padded = [row + [0] * (k - len(row)) for row in rows]
-        token_ids = to_device(torch.tensor(padded, dtype=torch.long).view(len(rows), k), self.device)
-        return Proposals(token_ids, [len(row) for row in rows], probs=None, host_rows=padded)
+        return Proposals([row + [0] * (k - len(row)) for row in rows], [len(row) for row in rows], probs=None)

@@ -145,13 +145,16 @@ class SpecDecodeWorker(Worker):
                           proposals: Proposals) -> list[SamplerOutput]:
         spec_groups = [i for i, wanted in enumerate(num_proposals) if wanted]
         num_proposed = dict(zip(spec_groups, proposals.num_proposed))
-        drafts = proposals.host_token_ids()
-        guesses = {i: drafts[r][: num_proposed[i]] for r, i in enumerate(spec_groups)}
+        guesses = {i: proposals.token_ids[r][: num_proposed[i]] for r, i in enumerate(spec_groups)}
         logits, first_rows = self._score(metadata_list, guesses)
         plain = [i for i in range(len(metadata_list)) if i not in num_proposed]
         plain_output = self._sample_plain([metadata_list[i] for i in plain], logits, [first_rows[i] for i in plain])
-        accepted, logprobs = self._accept(metadata_list, spec_groups, proposals, logits, first_rows)
-        accepted, logprobs = accepted.tolist(), logprobs.tolist()  # the round's one wait for the device
+        if self._greedy_shortcut([metadata_list[i] for i in spec_groups]):
+            accepted, logprobs = self._accept_greedy(logits, [first_rows[i] for i in spec_groups],
+                                                     [guesses[i] for i in spec_groups])
+        else:
+            accepted, logprobs = self._accept(metadata_list, spec_groups, proposals, logits, first_rows)
+            accepted, logprobs = accepted.tolist(), logprobs.tolist()
         emitted = [sum(token != NO_TOKEN for token in row) for row in accepted]
         self.counter.record(proposals.num_proposed, emitted)
         return self._outputs(metadata_list, dict(zip(plain, plain_output)), spec_groups, accepted, logprobs, emitted)
@@ -195,26 +198,44 @@ class SpecDecodeWorker(Worker):
         sampling_metadata = SamplingMetadata.prepare(metadata_list, [1] * len(metadata_list), self.device)
         return self.model_runner.sampler(logits[rows], sampling_metadata).outputs
 
+    def _greedy_shortcut(self, spec_metadata: list[SequenceGroupMetadata]) -> bool:
+        """Every speculating request is greedy and the rejection rule is the package's own (a
+        sampler that brings its own rule, as a lab's, decides every row itself)."""
+        own_rule = type(self.rejection_sampler).__call__ is RejectionSampler.__call__
+        return own_rule and all(m.sampling_params.sampling_type == SamplingType.GREEDY for m in spec_metadata)
+
+    def _accept_greedy(self, logits: torch.Tensor, first_rows: list[int], guesses: list[list[int]]
+                       ) -> tuple[list[list[int]], list[list[float]]]:
+        """The rejection rule for greedy requests (`RejectionSampler.greedy`): each scored row's
+        arg-max and its logprob come to the host, and each sequence keeps its guesses while
+        they equal the arg-max. -> emitted tokens and their logprobs, per speculating group."""
+        logits = logits.float()
+        target = logits.argmax(dim=-1)
+        target_logprobs = torch.log_softmax(logits, dim=-1).gather(1, target.unsqueeze(1)).squeeze(1)
+        target, target_logprobs = target.tolist(), target_logprobs.tolist()  # the round's wait for the device
+        accepted, logprobs = [], []
+        for first, guess in zip(first_rows, guesses):
+            tokens = RejectionSampler.greedy(target[first : first + len(guess) + 1], guess)
+            accepted.append(tokens)
+            logprobs.append(target_logprobs[first : first + len(tokens)])
+        return accepted, logprobs
+
     def _accept(self, metadata_list, spec_groups: list[int], proposals: Proposals, logits: torch.Tensor,
                 first_rows: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """`[num_spec, k + 1]` accepted tokens (`NO_TOKEN` after the last) and their logprobs."""
-        k = proposals.token_ids.shape[1]
+        """`[num_spec, k + 1]` accepted tokens (`NO_TOKEN` after the last) and their logprobs:
+        the rejection sampler over the target's and the proposer's distributions."""
+        k = len(proposals.token_ids[0])
         # Row j of group i's scored positions, for j = 0..k (past its proposals: its last row,
         # never read by the rejection sampler).
         index = torch.tensor([[first_rows[i] + min(j, n) for j in range(k + 1)]
                               for i, n in zip(spec_groups, proposals.num_proposed)])
-        index, num_proposed = to_device_together([index.flatten(), torch.tensor(proposals.num_proposed)], self.device)
-        rows = logits[index].float()
-        params = [metadata_list[i].sampling_params for i in spec_groups]
-        if all(p.sampling_type == SamplingType.GREEDY for p in params):
-            # p is one-hot at the arg-max: the acceptance needs the arg-max alone.
-            logprobs = torch.log_softmax(rows, dim=-1).view(len(spec_groups), k + 1, -1)
-            target_tokens = rows.argmax(dim=-1).view(len(spec_groups), k + 1)
-            accepted = self.rejection_sampler.greedy(target_tokens, proposals.token_ids, num_proposed)
-        else:
-            probs, logprobs = sampling_probs(rows, [p for p in params for _ in range(k + 1)])
-            probs, logprobs = probs.view(len(spec_groups), k + 1, -1), logprobs.view(len(spec_groups), k + 1, -1)
-            accepted = self.rejection_sampler(probs, proposals.token_ids, num_proposed, proposals.probs)
+        index, drafts, num_proposed = to_device_together(
+            [index.flatten(), torch.tensor(proposals.token_ids, dtype=torch.long).view(-1, k),
+             torch.tensor(proposals.num_proposed)], self.device)
+        params = [metadata_list[i].sampling_params for i in spec_groups for _ in range(k + 1)]
+        probs, logprobs = sampling_probs(logits[index], params)
+        probs, logprobs = probs.view(len(spec_groups), k + 1, -1), logprobs.view(len(spec_groups), k + 1, -1)
+        accepted = self.rejection_sampler(probs, drafts, num_proposed, proposals.probs)
         token_logprobs = logprobs.gather(2, accepted.clamp(min=0).unsqueeze(2)).squeeze(2)
         return accepted, token_logprobs
 

@@ -26,22 +26,18 @@ class Proposals:
     """The proposer's guesses for the speculating sequences, in batch order.
 
     Attributes:
-        token_ids: `[num_seqs, k]` int64 on the device (entries past `num_proposed` are padding).
+        token_ids: `[num_seqs][k]` token ids on the host, where the scorer lays out its rows
+            (entries past `num_proposed` are padding).
         num_proposed: how many of each row's k tokens are real (the n-gram proposer may find
             fewer, or none).
-        probs: `[num_seqs, k, vocab]` fp32, the distribution each token was drawn from (a draft
-            model), or None when the proposals are deterministic (n-gram lookup) or greedy.
-        host_rows: `token_ids` as lists, when the proposer made them on the host (n-gram
-            lookup): the scorer needs them there, and need not wait for the device to get them.
+        probs: `[num_seqs, k, vocab]` fp32 on the device, the distribution each token was drawn
+            from (a draft model sampling), or None when the proposals are deterministic (n-gram
+            lookup) or every request is greedy (then the rule needs the target's arg-max alone).
     """
 
-    token_ids: torch.Tensor
+    token_ids: list[list[int]]
     num_proposed: list[int]
     probs: torch.Tensor | None
-    host_rows: list[list[int]] | None = None
-
-    def host_token_ids(self) -> list[list[int]]:
-        return self.host_rows if self.host_rows is not None else self.token_ids.tolist()
 
 
 def expand_batch(tokens: list[list[int]], first_positions: list[int],

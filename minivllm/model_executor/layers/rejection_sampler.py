@@ -86,23 +86,20 @@ class RejectionSampler:
         return output.scatter_(1, num_accepted.unsqueeze(1), last.unsqueeze(1))
 
     @staticmethod
-    def greedy(target_token_ids: torch.Tensor, draft_token_ids: torch.Tensor,
-               num_proposed: torch.Tensor) -> torch.Tensor:
-        """`__call__`'s output when every sequence is greedy, from the target's arg-max alone.
+    def greedy(target_token_ids: list[int], draft_token_ids: list[int]) -> list[int]:
+        """`__call__`'s output for one greedy sequence, from the target's arg-max alone.
 
         p is one-hot at the arg-max, so a draft is accepted iff it equals it (whatever q is),
-        and the token after the accepted prefix is the arg-max there too. No draws, no
-        distributions: a handful of small ops (vLLM v1's greedy rejection sampler does the same).
+        and the token after the accepted prefix is the arg-max there too: no draws and no
+        distributions, so it runs on the host (vLLM v1's sampler has a greedy path too).
 
-        Args:
-            target_token_ids: `[batch, k + 1]` int64, the target's arg-max at each scored position.
-            draft_token_ids, num_proposed: as in `__call__`.
+            target  [5, 9, 2, 7]   the arg-max at the k + 1 scored positions
+            drafts  [5, 9, 4]      -> [5, 9, 2]: two accepted, then the target's token
         """
-        k = draft_token_ids.shape[1]
-        positions = torch.arange(k + 1, device=draft_token_ids.device)
-        matches = (draft_token_ids == target_token_ids[:, :k]) & (positions[:k] < num_proposed.unsqueeze(1))
-        num_accepted = torch.cumprod(matches.long(), dim=1).sum(dim=1, keepdim=True)
-        return torch.where(positions <= num_accepted, target_token_ids, NO_TOKEN)
+        accepted = 0
+        while accepted < len(draft_token_ids) and draft_token_ids[accepted] == target_token_ids[accepted]:
+            accepted += 1
+        return target_token_ids[: accepted + 1]
 
     @staticmethod
     def _recover(target_probs: torch.Tensor, drafts: torch.Tensor, draft_probs: torch.Tensor | None,
