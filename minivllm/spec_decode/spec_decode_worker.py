@@ -252,8 +252,8 @@ class SpecDecodeWorker(Worker):
                     continue
                 r = spec_rows[i]
                 (seq_id,) = metadata.seq_data
-                token = accepted[r][s]
-                samples = [SequenceOutput(seq_id, token, {token: logprobs[r][s]})] if s < emitted[r] else []
+                token = accepted[r][s] if s < emitted[r] else None
+                samples = [] if token is None else [SequenceOutput(seq_id, token, {token: logprobs[r][s]})]
                 groups.append(SequenceGroupOutput(samples=samples))
             outputs.append(SamplerOutput(groups))
         outputs[0] = SpecDecodeSamplerOutput(outputs[0].outputs, spec_decode_worker_metrics=self.counter.metrics())

@@ -342,3 +342,19 @@ def test_the_poison_is_strong_enough_to_show(spec_checkpoints, reference):
 
     worker.execute_model = too_early
     assert tokens(run(engine, PROMPTS, GREEDY)) != reference
+
+
+def test_a_step_whose_sequences_emit_different_counts_gives_each_its_own():
+    """Bundled model, n-gram lookup, greedy: in one step some sequences accept more guesses
+    than others, and each gets exactly its own tokens (the target's alone)."""
+    prompts = [[5, 6, 7, 8] * 6, list(range(20, 44)), [9, 10] * 12]
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    reference = tokens(run(make_engine("tiny-shakespeare")[0], prompts, greedy))
+    engine, recorder = make_engine("tiny-shakespeare", speculative_model="[ngram]", num_speculative_tokens=K,
+                                   ngram_prompt_lookup_max=3)
+    emitted_per_step = []
+    worker = engine.model_executor.driver_worker
+    record = worker.counter.record
+    worker.counter.record = lambda proposed, emitted: (emitted_per_step.append(emitted), record(proposed, emitted))
+    assert tokens(run(engine, prompts, greedy)) == reference
+    assert any(len(set(emitted)) > 1 for emitted in emitted_per_step)
