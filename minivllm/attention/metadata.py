@@ -17,6 +17,8 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from minivllm.attention.packed_copy import to_device_together
+
 
 @dataclass
 class AttentionMetadata:
@@ -117,19 +119,14 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
                             for pos in range(context_len, context_len + query_len))
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     query_start_loc = list(itertools.accumulate(query_lens, initial=0))
-    slots, lens, starts, tables = to_device_together([
+    slots, lens, starts, tables = to_device_together([  # one copy to a GPU
         torch.tensor(slot_mapping, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int32),
         torch.tensor(query_start_loc, dtype=torch.int32), pad_block_tables(block_tables)], device)
     return AttentionMetadata(
-        num_prefills=num_prefills,
-        num_prefill_tokens=sum(query_lens[:num_prefills]),
-        num_decode_tokens=len(query_lens) - num_prefills,
-        slot_mapping=slots,
-        seq_lens=lens,
-        query_start_loc=starts,
-        block_tables=tables,
-        max_query_len=max(query_lens, default=0),
-        max_seq_len=max(seq_lens, default=0),
+        num_prefills=num_prefills, num_prefill_tokens=sum(query_lens[:num_prefills]),
+        num_decode_tokens=len(query_lens) - num_prefills, slot_mapping=slots, seq_lens=lens,
+        query_start_loc=starts, block_tables=tables,
+        max_query_len=max(query_lens, default=0), max_seq_len=max(seq_lens, default=0),
     )
 
 
@@ -149,21 +146,3 @@ def to_device(tensor: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     if torch.device(device).type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
-
-
-def to_device_together(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
-    """Host tensors on `device` through ONE copy on a GPU: their bytes packed into one pinned
-    buffer, each returned as a view of its part. A step's inputs are a few kilobytes; each
-    separate copy would cost the host more time to issue than the bytes take to move.
-
-        [slots int64 | seq_lens int32 | pad | ...]  one buffer, each part 8-byte aligned
-    """
-    if torch.device(device).type != "cuda":
-        return [t.to(device) for t in tensors]
-    nbytes = [t.numel() * t.element_size() for t in tensors]
-    starts = list(itertools.accumulate((-(-n // 8) * 8 for n in nbytes), initial=0))
-    packed = torch.empty(starts[-1], dtype=torch.uint8, pin_memory=True)
-    for t, start, n in zip(tensors, starts, nbytes):
-        packed[start : start + n] = t.contiguous().view(-1).view(torch.uint8)
-    on_device = packed.to(device, non_blocking=True)
-    return [on_device[start : start + n].view(t.dtype).view(t.shape) for t, start, n in zip(tensors, starts, nbytes)]

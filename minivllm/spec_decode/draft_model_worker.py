@@ -25,7 +25,8 @@ from typing import NamedTuple
 import torch
 
 from minivllm.attention import build_attn_metadata
-from minivllm.attention.metadata import to_device, to_device_together
+from minivllm.attention.metadata import to_device
+from minivllm.attention.packed_copy import to_device_together
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from minivllm.attention import build_attn_metadata
-from minivllm.attention.metadata import to_device_together
+from minivllm.attention.packed_copy import to_device_together
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
 from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler

@@ -59,7 +59,7 @@ def test_invalid_layouts_are_errors():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
-    from minivllm.attention.metadata import to_device_together
+    from minivllm.attention.packed_copy import to_device_together
 
     tensors = [torch.arange(5, dtype=torch.int64), torch.tensor([7, -1, 3], dtype=torch.int32),
                torch.zeros(0, 4, dtype=torch.int32), torch.arange(12, dtype=torch.int32).view(3, 4) - 6,
