@@ -65,7 +65,7 @@ class SpecDecodeRecorder:
 
     def _record(self, accepted: list[list[int]]) -> None:
         proposals = self._proposals
-        tokens = proposals.token_ids.tolist()
+        tokens = proposals.token_ids
         self.steps.append([
             SpecStep(len(self.steps), request_id, tokens[row][:n], [t for t in accepted[row] if t >= 0])
             for row, (request_id, n) in enumerate(zip(self._request_ids, proposals.num_proposed))])
