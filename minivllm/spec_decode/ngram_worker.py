@@ -19,7 +19,6 @@ continue the same way); the search runs on the host with numpy, not on the devic
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from minivllm.config import SpeculativeConfig
 from minivllm.sequence import ExecuteModelRequest, SequenceGroupMetadata
@@ -54,10 +53,9 @@ def ngram_lookup(token_ids: list[int], k: int, n_min: int, n_max: int) -> list[i
 class NGramWorker:
     """A proposer with no model and no KV cache (the other proposer methods are no-ops)."""
 
-    def __init__(self, speculative_config: SpeculativeConfig, device: torch.device) -> None:
+    def __init__(self, speculative_config: SpeculativeConfig) -> None:
         self.n_min = speculative_config.ngram_prompt_lookup_min
         self.n_max = speculative_config.ngram_prompt_lookup_max
-        self.device = device
 
     def load_model(self) -> None:
         pass

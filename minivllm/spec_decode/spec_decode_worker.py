@@ -57,7 +57,7 @@ class SpecDecodeWorker(Worker):
     def __init__(self, engine_config: EngineConfig) -> None:
         super().__init__(engine_config)
         spec = engine_config.speculative_config
-        self.proposer = NGramWorker(spec, self.device) if spec.method == "ngram" else DraftModelWorker(engine_config)
+        self.proposer = NGramWorker(spec) if spec.method == "ngram" else DraftModelWorker(engine_config)
         self.rejection_sampler = RejectionSampler(self.model_runner.backend)
         self.counter = AcceptanceCounter(spec.num_speculative_tokens)
         self.num_speculative_tokens = spec.num_speculative_tokens
