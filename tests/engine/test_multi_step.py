@@ -125,8 +125,23 @@ def test_logprobs_penalties_seeds_and_min_tokens_stay_on_the_device(checkpoint_d
         assert engine.multi_step_runs
         for i in range(len(prompts)):
             assert got[str(i)].token_ids == expected[str(i)].token_ids
-            assert got[str(i)].logprobs == expected[str(i)].logprobs
+            assert_same_logprobs(got[str(i)].logprobs, expected[str(i)].logprobs)
         assert_all_blocks_free(engine)
+
+
+def assert_same_logprobs(got, expected):
+    """The same candidates, ranks and text at every position, and the same values up to fp32
+    rounding: the two engines batch the rows differently, and a CPU's vector kernels may then sum
+    a row's softmax in another order (a last-bit difference)."""
+    if expected is None:
+        assert got is None
+        return
+    assert len(got) == len(expected)
+    for position, (g, e) in enumerate(zip(got, expected)):
+        assert g.keys() == e.keys(), position
+        for token in g:
+            assert (g[token].rank, g[token].decoded_token) == (e[token].rank, e[token].decoded_token), position
+            assert g[token].logprob == pytest.approx(e[token].logprob, rel=1e-6, abs=1e-7), position
 
 
 def test_random_sampling_runs_multi_step_and_follows_temperature(checkpoint_dirs):
