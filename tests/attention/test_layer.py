@@ -87,13 +87,15 @@ def test_layer_matches_dense_attention_triton_on_gpu_in_bf16():
     check_layer("triton", device="cuda", dtype=torch.bfloat16, tol=2e-2)
 
 
-def test_empty_kv_cache_means_causal_attention_without_context():
+@pytest.mark.parametrize("query_lens", [[4, 1, 3], [3, 3, 3, 2, 2, 0, 2, 4]])
+def test_empty_kv_cache_means_causal_attention_without_context(query_lens):
+    """Each sequence attends causally to itself only; runs of equal lengths share one call."""
     g = torch.Generator().manual_seed(1)
-    query_lens = [4, 1, 3]
     q = torch.randn(sum(query_lens), NUM_HEADS, HEAD_DIM, generator=g)
     k = torch.randn(sum(query_lens), NUM_KV_HEADS, HEAD_DIM, generator=g)
     v = torch.randn(sum(query_lens), NUM_KV_HEADS, HEAD_DIM, generator=g)
-    md = build_attn_metadata([[0]] * 3, [0, 0, 0], query_lens, 3, BLOCK_SIZE)
+    num_seqs = len(query_lens)
+    md = build_attn_metadata([[0]] * num_seqs, [0] * num_seqs, query_lens, num_seqs, BLOCK_SIZE)
     out = Attention(NUM_HEADS, HEAD_DIM, SCALE, NUM_KV_HEADS)(q, k, v, torch.empty(0), md)
     expected = torch.cat([dense_attention(qs, ks, vs, 0) for qs, ks, vs in
                           zip(q.split(query_lens), k.split(query_lens), v.split(query_lens))])
