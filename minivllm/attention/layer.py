@@ -3,6 +3,8 @@ into the paged cache, then attend over it; the model above it knows nothing of b
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -20,10 +22,8 @@ class Attention(nn.Module):
         super().__init__()
         if num_heads % num_kv_heads:
             raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads}).")
-        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
-        self.head_dim, self.scale = head_dim, scale
-        self.backend = backend
-        self.ops = get_ops(backend)
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        self.backend, self.ops = backend, get_ops(backend)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, kv_cache: torch.Tensor,
                 attn_metadata: AttentionMetadata) -> torch.Tensor:
@@ -63,35 +63,19 @@ class Attention(nn.Module):
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs)  # no copy for one kind
 
     def _forward_without_cache(self, q, k, v, attn_metadata: AttentionMetadata) -> torch.Tensor:
-        """Causal attention of each sequence's tokens over themselves (no cached context). A
-        run of consecutive sequences of one length is one SDPA call: the profile run's 256
-        sequences of 32 tokens are one call per layer, not 256."""
-        group_size = self.num_heads // self.num_kv_heads
-        out = torch.empty_like(q)
-        starts = attn_metadata.query_start_loc.tolist()  # a host sync: fine in a profiling run
-        for start, end, length in _runs_of_equal_length(starts):
-            # SDPA wants [seqs, heads, tokens, head_dim]; repeat each KV head for its query heads.
-            qs = q[start:end].unflatten(0, (-1, length)).transpose(1, 2)
-            ks = k[start:end].unflatten(0, (-1, length)).repeat_interleave(group_size, dim=2).transpose(1, 2)
-            vs = v[start:end].unflatten(0, (-1, length)).repeat_interleave(group_size, dim=2).transpose(1, 2)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale)
-            out[start:end] = o.transpose(1, 2).flatten(0, 1)
+        """Causal attention of each sequence's tokens over themselves (no cached context): one
+        SDPA call per run of consecutive sequences of one length (the profile run is one run)."""
+        out, end = torch.empty_like(q), 0
+        lengths = attn_metadata.query_start_loc.diff().tolist()  # a host sync: fine in a profiling run
+        for length, run in itertools.groupby(lengths):
+            start, end = end, end + length * len(list(run))
+            if length:  # SDPA wants [seqs, heads, tokens, head_dim]; enable_gqa shares each KV head
+                qs, ks, vs = (t[start:end].unflatten(0, (-1, length)).transpose(1, 2) for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, scale=self.scale, enable_gqa=True)
+                out[start:end] = o.transpose(1, 2).flatten(0, 1)
         return out
 
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, scale={self.scale:.4g}, backend={self.backend!r}")
 
-
-def _runs_of_equal_length(starts: list[int]) -> list[tuple[int, int, int]]:
-    """(start, end, length) of each run of consecutive non-empty sequences of one length;
-    starts: the sequences' token offsets, `[num_seqs + 1]`."""
-    runs: list[tuple[int, int, int]] = []
-    for start, end in zip(starts[:-1], starts[1:]):
-        if end == start:
-            continue
-        if runs and runs[-1][1] == start and runs[-1][2] == end - start:
-            runs[-1] = (runs[-1][0], end, end - start)
-        else:
-            runs.append((start, end, end - start))
-    return runs
