@@ -13,7 +13,7 @@ builds it (model, dtype, max_model_len=4096, nothing else), then one greedy toke
 
 `LLM()` is split by the engine's own start-up line (`minivllm/engine/startup_log.py`:
 tokenizer, workers and weights, profile run, KV cache and graphs), the CUDA graph capture
-line, and the model config line (`minivllm/config.py`): transformers' AutoConfig with the
+line, and the model config line (`minivllm/config.py`): reading config.json, with the
 imports it makes, the bulk of the config phase before the engine. Triton's JIT hooks
 (`triton.knobs.runtime`) time every kernel build in the process, so the compile time shows
 by phase (a build in the filled case is a load from disk). Each case also records whether
@@ -51,7 +51,7 @@ TARGETS_S = {"empty": 20.0, "filled": 8.0}  # the project's targets, import to f
 STARTUP_LINE = re.compile(r"start-up ([\d.]+) s: (.*)")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s(?:,|$)")
 GRAPHS_LINE = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes .* in ([\d.]+) s")
-HF_CONFIG_LINE = re.compile(r"model config: \S+ in ([\d.]+) s \(transformers' AutoConfig; (\d+) modules imported\)")
+HF_CONFIG_LINE = re.compile(r"model config: \S+ from (.+?) in ([\d.]+) s \((\d+) modules imported\)")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -138,7 +138,7 @@ def measure(args: argparse.Namespace) -> int:
               "device": device, "bytecode": bytecode, "engine_log": [m for _, m in log.messages],
               "environment": environment(device)}
     if "phases_s" in found:
-        # LLM() before the engine's own clock: EngineArgs -> EngineConfig (transformers' AutoConfig).
+        # LLM() before the engine's own clock: EngineArgs -> EngineConfig (the model config line).
         result["phases_s"] = {"config": round(llm_s - found["engine_startup_s"], 2), **found["phases_s"]}
         result["triton_build_s_by_phase"] = builds_by_phase(builds.builds[:num_built_in_llm], found)
     Path(args.result).write_text(json.dumps(result, indent=1))
@@ -173,7 +173,7 @@ class LogRecorder(logging.Handler):
 
 def parse_engine_log(messages: list[tuple[float, str]]) -> dict:
     """{"engine_startup_s", "engine_startup_logged_at", "phases_s": {phase: s}, "graph_capture_s",
-    "graph_batch_sizes", "hf_config_s", "hf_config_modules"} from the start-up line, the graph
+    "graph_batch_sizes", "hf_config_s", "hf_config_modules", "hf_config_from"} from the start-up line, the graph
     capture line and the (first) model config line."""
     found: dict = {}
     for created, message in messages:
@@ -183,7 +183,8 @@ def parse_engine_log(messages: list[tuple[float, str]]) -> dict:
         elif match := GRAPHS_LINE.match(message):
             found["graph_batch_sizes"], found["graph_capture_s"] = int(match.group(1)), float(match.group(2))
         elif (match := HF_CONFIG_LINE.match(message)) and "hf_config_s" not in found:
-            found["hf_config_s"], found["hf_config_modules"] = float(match.group(1)), int(match.group(2))
+            found["hf_config_from"] = match.group(1)
+            found["hf_config_s"], found["hf_config_modules"] = float(match.group(2)), int(match.group(3))
     return found
 
 
@@ -253,7 +254,8 @@ def markdown_table(report: dict) -> str:
             continue
         built_in = r.get("triton_build_s_by_phase", {})
         phases = ", ".join(f"{name} {s:.1f}" + (f" (Triton {built_in[name]:.1f})" if built_in.get(name) else "")
-                           + (f" (AutoConfig {r['hf_config_s']:.1f}, {r['hf_config_modules']} modules)"
+                           + (f" (model config {r['hf_config_s']:.1f} from {r['hf_config_from']}, "
+                              f"{r['hf_config_modules']} modules)"
                               if name == "config" and "hf_config_s" in r else "")
                            for name, s in r.get("phases_s", {}).items())
         if "graph_capture_s" in r:

@@ -112,24 +112,48 @@ class ModelConfig:
         if cfg.num_hidden_layers < pp:
             raise ValueError(f"pipeline_parallel_size={pp} stages but only {cfg.num_hidden_layers} layers.")
 
+    def load_tokenizer(self) -> Any:
+        """transformers' AutoTokenizer, given the model's config when it is the model's tokenizer:
+        else it reads config.json again, through the model type's slow-to-import class."""
+        from transformers import AutoTokenizer  # deferred: keeps this module torch-free
+
+        own = self.tokenizer == self.model
+        return AutoTokenizer.from_pretrained(self.tokenizer, config=self.hf_config if own else None)
+
     def get_head_size(self) -> int:
         cfg = self.hf_config
         return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
 
-def _load_hf_config(model: str, revision: str | None) -> Any:
-    """transformers' `AutoConfig.from_pretrained`, timed: one INFO line per model.
+# The checkpoint fields minivllm's engine and models read whose defaults differ between
+# transformers' config classes (and a rope field: rope_parameters, or 4.x's rope_theta).
+_FIELDS_READ = ("architectures", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps", "vocab_size",
+                "max_position_embeddings", "tie_word_embeddings")
 
-    The seconds are nearly all imports, not JSON: transformers' config class for the model
-    type imports much of transformers' modeling code while it is defined, so the line also
-    counts the modules the call imported (docs/benchmarks.md, "Start-up").
+
+def _load_hf_config(model: str, revision: str | None) -> Any:
+    """The checkpoint's config.json as transformers' base `PretrainedConfig` (every field an
+    attribute) when it sets every field minivllm reads; else `AutoConfig`, whose model-type
+    class fills in its defaults. Timed, one INFO line per model: the model type's config
+    module imports much of transformers' modeling code, seconds of start-up, so the base
+    class is the fast path (docs/benchmarks.md, "Start-up").
     """
     start, num_modules = time.perf_counter(), len(sys.modules)
-    from transformers import AutoConfig  # deferred: keeps this module torch-free
+    from transformers import PretrainedConfig  # deferred: keeps this module torch-free
 
-    hf_config = AutoConfig.from_pretrained(model, revision=revision)
-    logger.info("model config: %s in %.2f s (transformers' AutoConfig; %d modules imported)",
-                type(hf_config).__name__, time.perf_counter() - start, len(sys.modules) - num_modules)
+    config_dict, _ = PretrainedConfig.get_config_dict(model, revision=revision)
+    missing = [f for f in _FIELDS_READ if f not in config_dict]
+    missing += [] if {"rope_parameters", "rope_theta"} & config_dict.keys() else ["rope_theta"]
+    if missing:
+        from transformers import AutoConfig
+
+        hf_config, source = AutoConfig.from_pretrained(model, revision=revision), "transformers' AutoConfig"
+    else:
+        hf_config, source = PretrainedConfig.from_dict(config_dict), "config.json"
+    logger.info("model config: %s from %s in %.2f s (%d modules imported)%s", config_dict.get("model_type"),
+                source, time.perf_counter() - start, len(sys.modules) - num_modules,
+                f"; config.json leaves out {', '.join(missing)}" if missing else "")
     return hf_config
 
 

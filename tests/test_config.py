@@ -43,6 +43,65 @@ def test_model_config_kv_heads_default_to_attention_heads(tiny_llama_dir):
     assert config.get_num_kv_heads() == 4 and config.get_head_size() == 8
 
 
+READ_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+               "num_key_value_heads", "rms_norm_eps", "hidden_act", "vocab_size", "max_position_embeddings",
+               "tie_word_embeddings", "architectures")
+
+
+def qwen3_dir(tmp_path, leave_out: str | None = None) -> str:
+    """A config-only Qwen3 folder, saved by transformers; `leave_out` deletes one field of its
+    config.json, as a hand-written one may. Qwen3's head_dim (128 by default) is not
+    hidden_size / num_attention_heads (8), so a missed class default shows."""
+    import json
+
+    from transformers import Qwen3Config
+
+    Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                num_key_value_heads=2, max_position_embeddings=512, vocab_size=100,
+                architectures=["Qwen3ForCausalLM"]).save_pretrained(tmp_path)
+    config_json = tmp_path / "config.json"
+    fields = json.loads(config_json.read_text())
+    fields.pop(leave_out, None)
+    config_json.write_text(json.dumps(fields))
+    return str(tmp_path)
+
+
+def test_a_complete_config_json_is_read_without_the_model_types_class(tmp_path, caplog):
+    from transformers import AutoConfig
+
+    path = qwen3_dir(tmp_path)
+    with caplog.at_level("INFO", logger="minivllm.config"):
+        config = ModelConfig(path)
+    assert "model config: qwen3 from config.json in" in caplog.text
+    assert type(config.hf_config) is not type(AutoConfig.from_pretrained(path))
+    expected = AutoConfig.from_pretrained(path)
+    for field in READ_FIELDS + ("head_dim",):
+        assert getattr(config.hf_config, field) == getattr(expected, field), field
+    assert (config.get_head_size(), config.max_model_len) == (128, 512)
+
+
+@pytest.mark.parametrize("left_out", ["head_dim", "max_position_embeddings", "tie_word_embeddings"])
+def test_a_config_json_that_leaves_a_field_to_its_class_goes_through_autoconfig(tmp_path, caplog, left_out):
+    from transformers import AutoConfig, Qwen3Config
+
+    with caplog.at_level("INFO", logger="minivllm.config"):
+        config = ModelConfig(qwen3_dir(tmp_path, leave_out=left_out))
+    assert "from transformers' AutoConfig" in caplog.text and f"leaves out {left_out}" in caplog.text
+    assert isinstance(config.hf_config, Qwen3Config)
+    assert getattr(config.hf_config, left_out) == getattr(Qwen3Config(), left_out)  # the class default
+    assert type(AutoConfig.from_pretrained(tmp_path)) is Qwen3Config
+
+
+def test_the_tokenizer_is_the_same_with_and_without_the_models_config():
+    from transformers import AutoTokenizer
+
+    config = ModelConfig()  # the bundled model
+    ours, theirs = config.load_tokenizer(), AutoTokenizer.from_pretrained(config.tokenizer)
+    assert type(ours) is type(theirs) and ours.eos_token_id == theirs.eos_token_id
+    text = "To be, or not to be: that is the question."
+    assert ours(text).input_ids == theirs(text).input_ids
+
+
 # --------------------------------------------------------------------- cache
 def test_cache_config_defaults_and_swap_bytes():
     config = CacheConfig()

@@ -69,7 +69,7 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         self.scheduler_config = engine_config.scheduler_config
         self.device_config = engine_config.device_config
         # skip_tokenizer_init (vLLM's): no tokenizer; prompts are token ids, outputs have no text.
-        self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
+        self.tokenizer = None if self.model_config.skip_tokenizer_init else self.model_config.load_tokenizer()
         self.detokenizer = make_detokenizer(self.tokenizer)
         self.eos_token_id = _eos_token_id(self.tokenizer, self.model_config.hf_config)
         self.vocab_size = self.model_config.hf_config.vocab_size
@@ -341,12 +341,6 @@ def _check_engine_class(engine: LLMEngine, engine_config: EngineConfig) -> None:
     if not isinstance(engine, needed):
         raise ValueError(f"this configuration needs {needed.__name__}, not {type(engine).__name__}: "
                          "build the engine with LLMEngine.from_engine_args.")
-
-
-def _load_tokenizer(name: str):
-    from transformers import AutoTokenizer  # deferred: transformers is slow to import
-
-    return AutoTokenizer.from_pretrained(name)
 
 
 def _eos_token_id(tokenizer, hf_config) -> int | None:

@@ -33,7 +33,6 @@ import zmq.asyncio
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.async_llm_engine import AsyncStream, EngineStepError
-from minivllm.engine.llm_engine import _load_tokenizer
 from minivllm.engine.metrics import StatLoggerBase
 from minivllm.engine.multiprocessing import (IPC_HEARTBEAT_EXT, IPC_INPUT_EXT, IPC_OUTPUT_EXT, IPC_RPC_EXT,
                                              POLLING_TIMEOUT_MS, MQEngineDeadError, RPCAbortRequest, RPCError,
@@ -120,7 +119,7 @@ class MQLLMEngineClient(EngineClient):
             raise
         self.model_config = self.engine_config.model_config
         self.scheduler_config = self.engine_config.scheduler_config
-        self.tokenizer = None if self.model_config.skip_tokenizer_init else _load_tokenizer(self.model_config.tokenizer)
+        self.tokenizer = None if self.model_config.skip_tokenizer_init else self.model_config.load_tokenizer()
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs) -> "MQLLMEngineClient":
