@@ -50,16 +50,20 @@ class CacheEngine:
         # masked probability of 0 times a garbage NaN value would still be NaN.
         shape = (KV_PAIR, self.num_gpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
         self.gpu_cache = [torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(self.num_layers)]
-        self.cpu_cache = self._allocate_swap_pool(pin_memory=self.device.type == "cuda")
+        self._cpu_cache: list[torch.Tensor] | None = None
 
-    def _allocate_swap_pool(self, pin_memory: bool) -> list[torch.Tensor]:
-        """One host buffer `[num_layers, 2, num_cpu_blocks, ...]`, a view per layer. Pinned, for
-        asynchronous DMA copies; torch rounds each pinned allocation up to a power of two, so one
-        buffer pins less than a tensor per layer would. No zeroing: a block is read only after
-        swap_out wrote it, and unpinned pages (a CPU engine's) cost no RAM until used."""
-        shape = (self.num_layers, KV_PAIR, self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
-        pool = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=pin_memory)
-        return list(pool.unbind(0))
+    @property
+    def cpu_cache(self) -> list[torch.Tensor]:
+        """The swap pool, allocated at the first swap (pinning GiBs takes seconds, and most runs
+        never swap: a one-sequence group is preempted by recompute). One host buffer
+        `[num_layers, 2, num_cpu_blocks, ...]`, a view per layer, pinned for asynchronous DMA:
+        torch rounds each pinned allocation up to a power of two, so one buffer pins less than a
+        tensor per layer would. No zeroing: a block is read only after swap_out wrote it."""
+        if self._cpu_cache is None:
+            shape = (self.num_layers, KV_PAIR, self.num_cpu_blocks, self.block_size, self.num_kv_heads, self.head_size)
+            pool = torch.empty(shape, dtype=self.dtype, device="cpu", pin_memory=self.device.type == "cuda")
+            self._cpu_cache = list(pool.unbind(0))
+        return self._cpu_cache
 
     def swap_in(self, block_mapping: torch.Tensor) -> None:
         """Copy CPU blocks to GPU blocks. block_mapping: `[num_pairs, 2]` (cpu_block, gpu_block)."""

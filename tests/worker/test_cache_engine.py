@@ -14,6 +14,21 @@ def make_cache_engine(llama_dir, num_gpu_blocks=6, num_cpu_blocks=4, block_size=
     return CacheEngine(cache_config, model_config, "cpu", torch.float32), model_config
 
 
+def test_the_swap_pool_is_allocated_at_its_first_use(llama_dir):
+    """A pool far larger than this machine's memory: building the engine allocates none of it
+    (most runs never swap); the first use of the pool does, and fails, as it must."""
+    engine, _ = make_cache_engine(llama_dir, num_cpu_blocks=10**12)
+    assert len(engine.gpu_cache) == llama_dir[1].config.num_hidden_layers
+    with pytest.raises(RuntimeError):
+        engine.cpu_cache  # noqa: B018
+
+
+def test_the_swap_pool_is_one_buffer_reused_by_every_swap(llama_dir):
+    engine, _ = make_cache_engine(llama_dir)
+    first = engine.cpu_cache
+    assert engine.cpu_cache is first and first[0].untyped_storage().data_ptr() == first[-1].untyped_storage().data_ptr()
+
+
 def test_layout_and_block_bytes_match_the_allocated_tensors(llama_dir):
     engine, model_config = make_cache_engine(llama_dir)
     hf = llama_dir[1].config
