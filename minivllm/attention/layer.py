@@ -78,4 +78,3 @@ class Attention(nn.Module):
     def extra_repr(self) -> str:
         return (f"num_heads={self.num_heads}, num_kv_heads={self.num_kv_heads}, "
                 f"head_dim={self.head_dim}, scale={self.scale:.4g}, backend={self.backend!r}")
-
