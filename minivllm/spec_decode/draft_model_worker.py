@@ -30,9 +30,8 @@ from minivllm.attention.packed_copy import to_device_together
 from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.sampling_ops import RaceNoise, race
 from minivllm.model_executor.sampling_metadata import fresh_seeds
-from minivllm.sampling_params import SamplingType
 from minivllm.sequence import SequenceData, SequenceGroupMetadata
-from minivllm.spec_decode.util import Proposals, expand_batch, sampling_probs
+from minivllm.spec_decode.util import Proposals, all_greedy, expand_batch, sampling_probs
 from minivllm.worker.worker import Worker
 
 # The start of a decode step's proposal: the last two tokens (see the module docstring).
@@ -76,7 +75,7 @@ class DraftModelWorker(Worker):
         spec = [seq for _, seq in wanting]
         # Greedy requests accept a guess iff it is the target's arg-max, whatever q is: the
         # draft's own arg-max is its best guess, and no distributions are needed.
-        greedy = all(seq.metadata.sampling_params.sampling_type == SamplingType.GREEDY for seq in spec)
+        greedy = all_greedy([seq.metadata.sampling_params for seq in spec])
         token_ids = torch.zeros(len(spec), k, dtype=torch.long, device=self.device)
         probs = None if greedy else torch.zeros(len(spec), k, self.model_config.hf_config.vocab_size,
                                                 device=self.device)

@@ -30,13 +30,12 @@ from minivllm.config import EngineConfig
 from minivllm.model_executor.layers.device_sampler import DeviceSampler
 from minivllm.model_executor.layers.rejection_sampler import NO_TOKEN, RejectionSampler
 from minivllm.model_executor.sampling_metadata import SamplingMetadata
-from minivllm.sampling_params import SamplingType
 from minivllm.sequence import (ExecuteModelRequest, SamplerOutput, SequenceData, SequenceGroupMetadata,
                                SequenceGroupOutput, SequenceOutput)
 from minivllm.spec_decode.draft_model_worker import CATCH_UP_TOKENS, DraftModelWorker
 from minivllm.spec_decode.metrics import AcceptanceCounter, SpecDecodeWorkerMetrics
 from minivllm.spec_decode.ngram_worker import NGramWorker
-from minivllm.spec_decode.util import Proposals, expand_batch, sampling_probs
+from minivllm.spec_decode.util import Proposals, all_greedy, expand_batch, sampling_probs
 from minivllm.worker.cuda_graph_runner import CUDAGraphModelRunner
 from minivllm.worker.worker import Worker
 
@@ -202,7 +201,7 @@ class SpecDecodeWorker(Worker):
         """Every speculating request is greedy and the rejection rule is the package's own (a
         sampler that brings its own rule, as a lab's, decides every row itself)."""
         own_rule = type(self.rejection_sampler).__call__ is RejectionSampler.__call__
-        return own_rule and all(m.sampling_params.sampling_type == SamplingType.GREEDY for m in spec_metadata)
+        return own_rule and all_greedy([m.sampling_params for m in spec_metadata])
 
     def _accept_greedy(self, logits: torch.Tensor, first_rows: list[int], guesses: list[list[int]]
                        ) -> tuple[list[list[int]], list[list[float]]]:

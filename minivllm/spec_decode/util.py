@@ -40,6 +40,12 @@ class Proposals:
     probs: torch.Tensor | None
 
 
+def all_greedy(params: list[SamplingParams]) -> bool:
+    """Every request decodes greedily: a guess is then accepted iff it is the target's arg-max,
+    so neither the draft's nor the target's distribution is needed."""
+    return all(p.sampling_type == SamplingType.GREEDY for p in params)
+
+
 def expand_batch(tokens: list[list[int]], first_positions: list[int],
                  block_tables: list[list[int]]) -> tuple[list[int], list[int], list[list[int]]]:
     """Batch expansion: token j of sequence i becomes a decode row of its own at position
