@@ -138,15 +138,9 @@ class LLMEngine(EngineStatsMixin, LoRAEngineMixin, EngineProfilerMixin, StepObse
         self.shutdown()
 
     # ================================================================== requests
-    def add_request(
-        self,
-        request_id: str,
-        prompt: PromptInput,
-        params: SamplingParams | None = None,
-        arrival_time: float | None = None,
-        priority: int = 0,
-        lora_request: LoRARequest | None = None,
-    ) -> None:
+    def add_request(self, request_id: str, prompt: PromptInput, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, priority: int = 0,
+                    lora_request: LoRARequest | None = None) -> None:
         """Queue a request. `prompt` is text or `{"prompt_token_ids": [...]}` (optionally with
         "prompt"); `lora_request` is checked as by `add_lora`. Bad input raises ValueError (an
         `InvalidParameterError` naming the field) and queues nothing. A prompt longer than

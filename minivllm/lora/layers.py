@@ -27,7 +27,6 @@ Split over tensor-parallel ranks (Megatron's pairing, as the base layers):
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from minivllm.distributed import tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
@@ -93,7 +92,7 @@ class BaseLayerWithLoRA(nn.Module):
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
-        y = F.linear(x, base.weight, base.bias)
+        y = base.quant_method(x, base.weight, base.bias)
         self.add_lora(y, x)
         if base.gather_output and self.tp_size > 1:
             y = tensor_model_parallel_all_gather(y, dim=-1)
@@ -124,7 +123,7 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base = self.base_layer
         # This rank's partial sum (rank 0's with the bias), LoRA's partial added before the reduce.
-        y = F.linear(x, base.weight, base.bias if self.tp_rank == 0 else None)
+        y = base.quant_method(x, base.weight, base.bias if self.tp_rank == 0 else None)
         self.add_lora(y, x)
         if base.reduce_results and self.tp_size > 1:
             y = tensor_model_parallel_all_reduce(y)

@@ -26,15 +26,8 @@ class CacheEngine:
     sizes this rank's share (its stage's layers, its KV heads).
     """
 
-    def __init__(
-        self,
-        cache_config: CacheConfig,
-        model_config: ModelConfig,
-        device: torch.device | str,
-        dtype: torch.dtype,
-        attn_backend: str = "torch",
-        parallel_config: ParallelConfig | None = None,
-    ) -> None:
+    def __init__(self, cache_config: CacheConfig, model_config: ModelConfig, device: torch.device | str,
+                 dtype: torch.dtype, attn_backend: str = "torch", parallel_config: ParallelConfig | None = None) -> None:
         if not cache_config.num_gpu_blocks:
             raise ValueError("num_gpu_blocks must be set (run the profile) before the cache exists.")
         self.block_size = cache_config.block_size

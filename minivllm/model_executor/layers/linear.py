@@ -5,8 +5,8 @@
     RowParallelLinear      W split by input columns: rank r multiplies the slice a column layer
                            left on it; one all-reduce sums the ranks' partial outputs.
 
-Each weight's `weight_loader` copies its rank's slice of the checkpoint tensor; with one rank
-every layer is one `F.linear`.
+Each weight's `weight_loader` copies its rank's slice of the checkpoint tensor; the multiply
+itself is the layer's `quant_method`, with one rank the whole layer.
 """
 
 from __future__ import annotations
@@ -15,22 +15,36 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.distributed import (
-    divide,
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_gather,
-    tensor_model_parallel_all_reduce,
-)
+from minivllm.distributed import (divide, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                  tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce)
+from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.weight_utils import check_shape, loaded_parameter
+
+
+class UnquantizedLinearMethod(CustomOp):
+    """How a layer multiplies (vLLM's name): x `[num_tokens, in]` -> x @ W.T + b. On "triton"
+    one bf16/fp16 token on a GPU (batch-1 decode) takes `kernels/gemv.py`, which streams W near
+    memory bandwidth where cuBLAS, tiling for many rows, does not."""
+
+    def forward_native(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        return F.linear(x, weight, bias)
+
+    def forward_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] != 1 or not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16):
+            return F.linear(x, weight, bias)
+        from minivllm.kernels.gemv import gemv  # imports triton: only when this backend is chosen
+
+        return gemv(x, weight, bias)
 
 
 class ColumnParallelLinear(nn.Module):
     """x `[num_tokens, input_size]` -> `[num_tokens, output_size / tp]`, W and bias split by
     rows (sizes are the whole layer's); gather_output: all-gather to `[.., output_size]`."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, gather_output: bool = False,
+                 backend: str = "torch") -> None:
         super().__init__()
+        self.quant_method = UnquantizedLinearMethod(backend)
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.input_size, self.output_size = input_size, output_size
@@ -47,7 +61,7 @@ class ColumnParallelLinear(nn.Module):
         param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        output = F.linear(x, self.weight, self.bias)
+        output = self.quant_method(x, self.weight, self.bias)
         if self.gather_output and self.tp_size > 1:
             output = tensor_model_parallel_all_gather(output, dim=-1)
         return output
@@ -62,9 +76,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     0, 1. Each part is split on its own, so rank r holds [gate_r, up_r] back to back."""
 
     def __init__(self, input_size: int, output_sizes: list[int], bias: bool = True,
-                 gather_output: bool = False) -> None:
+                 gather_output: bool = False, backend: str = "torch") -> None:
         self.output_sizes = output_sizes
-        super().__init__(input_size, sum(output_sizes), bias, gather_output)
+        super().__init__(input_size, sum(output_sizes), bias, gather_output, backend)
         local_sizes = [divide(size, self.tp_size) for size in output_sizes]
         # shard id -> (first row, rows) inside this rank's weight.
         self.shard_offsets = {i: (sum(local_sizes[:i]), size) for i, size in enumerate(local_sizes)}
@@ -97,7 +111,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
     ranks whose query heads use it."""
 
     def __init__(self, hidden_size: int, head_size: int, total_num_heads: int, total_num_kv_heads: int,
-                 bias: bool = True) -> None:
+                 bias: bool = True, backend: str = "torch") -> None:
         tp_size = get_tensor_model_parallel_world_size()
         self.head_size = head_size
         self.total_num_heads, self.total_num_kv_heads = total_num_heads, total_num_kv_heads
@@ -108,7 +122,7 @@ class QKVParallelLinear(MergedColumnParallelLinear):
             self.num_kv_heads, self.num_kv_head_replicas = divide(total_num_kv_heads, tp_size), 1
         # Full sizes as if every rank's share were distinct (replicas counted once per rank).
         q, kv = self.num_heads * head_size * tp_size, self.num_kv_heads * head_size * tp_size
-        super().__init__(hidden_size, [q, kv, kv], bias)
+        super().__init__(hidden_size, [q, kv, kv], bias, backend=backend)
         self.shard_offsets = dict(zip("qkv", self.shard_offsets.values()))  # the parts 0, 1, 2 renamed
 
     def _full_size(self, shard_id) -> int:
@@ -123,8 +137,10 @@ class RowParallelLinear(nn.Module):
     """x `[num_tokens, input_size / tp]` -> `[num_tokens, output_size]`, W split by columns;
     reduce_results=False leaves the partial sums to the caller (`all_reduce_fusion.py`)."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = True, reduce_results: bool = True,
+                 backend: str = "torch") -> None:
         super().__init__()
+        self.quant_method = UnquantizedLinearMethod(backend)
         self.tp_size = get_tensor_model_parallel_world_size()
         self.tp_rank = get_tensor_model_parallel_rank()
         self.input_size, self.output_size = input_size, output_size
@@ -146,7 +162,7 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # This rank's partial sum; rank 0's carries the bias, so the sum carries it once.
-        output = F.linear(x, self.weight, self.bias if self.tp_rank == 0 else None)
+        output = self.quant_method(x, self.weight, self.bias if self.tp_rank == 0 else None)
         if self.reduce_results and self.tp_size > 1:
             output = tensor_model_parallel_all_reduce(output)
         return output

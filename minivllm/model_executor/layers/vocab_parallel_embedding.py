@@ -13,12 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minivllm.distributed import (
-    get_tensor_model_parallel_rank,
-    get_tensor_model_parallel_world_size,
-    tensor_model_parallel_all_reduce,
-    tensor_model_parallel_gather,
-)
+from minivllm.distributed import (get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size,
+                                  tensor_model_parallel_all_reduce, tensor_model_parallel_gather)
 from minivllm.model_executor.weight_utils import check_shape, loaded_parameter
 
 

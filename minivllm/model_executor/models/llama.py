@@ -38,12 +38,12 @@ class LlamaAttention(CustomOp):
         total_num_kv_heads = getattr(config, "num_key_value_heads", None) or total_num_heads
         self.head_dim = rotary_emb.head_dim
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, total_num_heads, total_num_kv_heads,
-                                          bias=qkv_bias)
+                                          bias=qkv_bias, backend=attn_backend)
         self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.o_proj = RowParallelLinear(total_num_heads * self.head_dim, config.hidden_size,
-                                        bias=getattr(config, "attention_bias", False))
+                                        bias=getattr(config, "attention_bias", False), backend=attn_backend)
         # Qwen3's per-head q/k norms keep the attention logits in range without q/k biases.
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, attn_backend) if qk_norm else None
@@ -95,9 +95,9 @@ class LlamaMLP(nn.Module):
             raise ValueError(f"only hidden_act='silu' is supported, got {config.hidden_act!r}.")
         bias = getattr(config, "mlp_bias", False)
         size = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [size, size], bias=bias, backend=backend)
         self.act_fn = SiluAndMul(backend)
-        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias)
+        self.down_proj = RowParallelLinear(size, config.hidden_size, bias=bias, backend=backend)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
