@@ -7,6 +7,7 @@ a CPU)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import engine_test_checkpoints as checkpoints
 from minivllm.entrypoints.llm import LLM
@@ -18,8 +19,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
 
 def make_llm(path: str, **kwargs) -> LLM:
-    kwargs = {"max_loras": 2, "max_lora_rank": 8, **kwargs}
-    return LLM(path, enable_lora=True, device="cpu", dtype="float32", block_size=8, **kwargs)
+    kwargs = {"max_loras": 2, "max_lora_rank": 8, "device": "cpu", **kwargs}
+    return LLM(path, enable_lora=True, dtype="float32", block_size=8, **kwargs)
 
 
 def generate(llm: LLM, prompts: list[list[int]], loras) -> list[list[int]]:
@@ -64,12 +65,13 @@ def test_a_batch_mixing_two_adapters_and_the_base_model(lora_base, adapters, req
 
 
 def test_triton_kernels_in_the_engine(lora_base, adapters, requests):
-    """The "triton" backend: the LoRA layers call lora_ops' kernels (short, for the interpreter)."""
+    """The "triton" backend: the LoRA layers call lora_ops' kernels (short, for the interpreter),
+    on the GPU where there is one (the interpreter serves only a CPU-only machine)."""
     _, base = lora_base
     prompts = checkpoints.mixed_prompts(3, seed=5, max_len=10)
     loras = [requests["all"], None, requests["some"]]
     models = [adapters["all"].merged, base, adapters["some"].merged]
-    llm = make_llm(lora_base[0], attention_backend="triton")
+    llm = make_llm(lora_base[0], attention_backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     assert llm.llm_engine.model_executor.driver_worker.model_runner.lora_manager.manager.punica.shrink.__module__ \
         == "minivllm.kernels.lora_ops"
     got = generate(llm, prompts, loras)
