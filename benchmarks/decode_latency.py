@@ -242,7 +242,19 @@ B1_MAX_MODEL_LEN = NANO_MAX_MODEL_LEN  # as nano-vllm's bench.py
 FULL_STEPS = 6  # engine steps timed at the full batch (each several tokens with multi-step)
 
 
-def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
+def use_cublas_linear(engine) -> None:
+    """Every linear layer's matmul through F.linear (cuBLAS), the decode graphs captured again:
+    the Triton GEMV's peer at batch 1, in the same run."""
+    from minivllm.model_executor.layers.linear import UnquantizedLinearMethod
+
+    worker = engine.model_executor.driver_worker
+    for module in worker.model_runner.model.modules():
+        if isinstance(module, UnquantizedLinearMethod):
+            module.use_backend("torch")
+    worker.model_runner.capture_model(worker.kv_caches)
+
+
+def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_linear: bool = False) -> dict:
     """Batch-1 latency with `LLM()` defaults (model, dtype, max_model_len only):
 
     decode step   median wall time of LLMEngine.step() over B1_STEPS decode steps of one request
@@ -251,6 +263,7 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     TPOT          through LLM.generate: (time of 512 greedy tokens - time of 1 token) / 511,
                   each the median of B1_REPS runs (the difference removes the prefill and TTFT)
     profile       torch.profiler over one decode step(): top kernels by GPU time, kernel count
+    cublas_linear: every linear layer through cuBLAS rather than the one-token Triton GEMV
     """
     from minivllm import LLM, SamplingParams
 
@@ -258,11 +271,14 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16", "max_model_len": B1_MAX_MODEL_LEN}
     llm = LLM(**given)
     engine = llm.llm_engine
+    if cublas_linear:
+        use_cublas_linear(engine)
     prompt = {"prompt_token_ids": [random.Random(1).randrange(10000) for _ in range(B1_PROMPT_LEN)]}
     greedy = dict(temperature=0.0, ignore_eos=True, detokenize=False)
     llm.generate([prompt], SamplingParams(**greedy, max_tokens=gen_tokens), use_tqdm=False)  # warm-up
     result = {"engine_args": engine_args_used(given), "engine_resolved": resolved_engine_settings(engine),
-              "prompt_len": B1_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps}
+              "prompt_len": B1_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps,
+              "linear": "cuBLAS" if cublas_linear else "Triton GEMV"}
     engine.add_request("b1", prompt, SamplingParams(**greedy, max_tokens=B1_MAX_MODEL_LEN - B1_PROMPT_LEN - 64))
     while not engine.scheduler.running or engine.scheduler.running[0].is_prefill():
         engine.step()
@@ -282,7 +298,7 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False) -> dict:
     if profile_path is not None:
         result["profile"] = profile_one_step(engine, seq, profile_path)
         result["host_profile"] = profile_host(engine, 2 if smoke else 3 * HOST_PROFILE_STEPS,
-                                              profile_path.with_name("profile_batch1_host.txt"))
+                                              profile_path.with_name(profile_path.name.replace("decode_step", "host")))
     engine.abort_request("b1")
     engine.step()
 
@@ -375,12 +391,16 @@ def main() -> int:
                         help="the headline's 256-request batch at temperature 0.6, LLM() defaults: "
                              "decode step time and a one-step profile")
     parser.add_argument("--smoke", action="store_true", help="with --batch1 / --full-batch: tiny, fp32 (CPU)")
+    parser.add_argument("--cublas-linear", action="store_true",
+                        help="with --batch1: every linear layer through cuBLAS, not the one-token Triton GEMV")
     args = parser.parse_args()
     for wanted, measure_fn, profile_name in ((args.full_batch, full_batch, "profile_full_batch_decode_step.txt"),
                                              (args.batch1, batch1, "profile_batch1_decode_step.txt")):
         if wanted:
+            extra = {"cublas_linear": True} if args.cublas_linear else {}
+            profile_name = profile_name.replace("batch1", "batch1_cublas") if extra else profile_name
             profile_path = Path(args.profile_dir) / profile_name if args.profile_dir else None
-            report = measure_fn(args.ckpt, profile_path, smoke=args.smoke)
+            report = measure_fn(args.ckpt, profile_path, smoke=args.smoke, **extra)
             Path(args.result).write_text(json.dumps(report, indent=1))
             print(json.dumps({k: v for k, v in report.items() if k != "profile"}), flush=True)
             return 0

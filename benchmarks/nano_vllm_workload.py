@@ -19,6 +19,7 @@ that matter most first, so a run cut short still has them):
     full-batch      the headline's 256 requests once all decode: step time and profiles (decode_latency.py)
     prefill-attn    paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (kernels.py --prefill)
     batch1          decode step and TPOT at batch 1, one-step profile (decode_latency.py --batch1)
+    batch1-cublas   the same with every linear layer through cuBLAS, not the one-token Triton GEMV
     serving         256 streaming clients through the OpenAI server (serving.py --workload)
     serving-async   the same with --async-scheduling
     serving-inproc  the same with the engine inside the server's process
@@ -98,6 +99,8 @@ ROWS = [
         "full-batch", 75),
     Row("prefill-attn", "paged prefill attention (Triton) vs SDPA flash, contiguous K/V", "prefill", 60),
     Row("batch1", "batch 1: decode step and TPOT through LLM.generate, LLM() defaults", "batch1", 75),
+    Row("batch1-cublas", "extra: the batch1 row with every linear layer through cuBLAS (the Triton GEMV's peer)",
+        "batch1", 75, spec={"cublas_linear": True}),
     # The clients run in 4 processes: one Python process reading ~10k chunks/s is the bottleneck.
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
         "serving", 130, spec={"client_processes": SERVING_CLIENT_PROCESSES}),
@@ -175,7 +178,8 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
             (["--smoke"] if smoke else [])
     if row.kind == "batch1":
         return [py, str(HERE / "decode_latency.py"), "--batch1", "--ckpt", str(ckpt), "--result", str(result),
-                "--profile-dir", str(out)] + (["--smoke"] if smoke else [])
+                "--profile-dir", str(out)] + (["--smoke"] if smoke else []) + \
+            (["--cublas-linear"] if row.spec.get("cublas_linear") else [])
     if row.kind == "full-batch":
         return [py, str(HERE / "decode_latency.py"), "--full-batch", "--ckpt", str(ckpt), "--result", str(result),
                 "--profile-dir", str(out)] + (["--smoke"] if smoke else [])
