@@ -254,7 +254,17 @@ def use_cublas_linear(engine) -> None:
     worker.model_runner.capture_model(worker.kv_caches)
 
 
-def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_linear: bool = False) -> dict:
+def without_programmatic_launch() -> None:
+    """Every kernel launched plainly, after the one before it has finished (no PDL), in this
+    process: the batch-1 row's diagnostic of what programmatic dependent launch wins."""
+    from minivllm.kernels import fused_ops, gemv, paged_attention
+
+    for module in (fused_ops, gemv, paged_attention):
+        module.programmatic_launch = lambda device: False
+
+
+def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_linear: bool = False,
+           pdl: bool = True) -> dict:
     """Batch-1 latency with `LLM()` defaults (model, dtype, max_model_len only):
 
     decode step   median wall time of LLMEngine.step() over B1_STEPS decode steps of one request
@@ -264,11 +274,14 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_lin
                   each the median of B1_REPS runs (the difference removes the prefill and TTFT)
     profile       torch.profiler over one decode step(): top kernels by GPU time, kernel count
     cublas_linear: every linear layer through cuBLAS rather than the one-token Triton GEMV
+    pdl=False: no programmatic dependent launch (`kernels/gemv.py`)
     """
     from minivllm import LLM, SamplingParams
 
     steps, gen_tokens = (8, 16) if smoke else (B1_STEPS, B1_GEN_TOKENS)
     given = {"model": ckpt, "dtype": "float32" if smoke else "bfloat16", "max_model_len": B1_MAX_MODEL_LEN}
+    if not pdl:
+        without_programmatic_launch()
     llm = LLM(**given)
     engine = llm.llm_engine
     if cublas_linear:
@@ -278,7 +291,7 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_lin
     llm.generate([prompt], SamplingParams(**greedy, max_tokens=gen_tokens), use_tqdm=False)  # warm-up
     result = {"engine_args": engine_args_used(given), "engine_resolved": resolved_engine_settings(engine),
               "prompt_len": B1_PROMPT_LEN, "num_scheduler_steps": engine.scheduler_config.num_scheduler_steps,
-              "linear": "cuBLAS" if cublas_linear else "Triton GEMV"}
+              "linear": "cuBLAS" if cublas_linear else "Triton GEMV", "programmatic_launch": pdl}
     engine.add_request("b1", prompt, SamplingParams(**greedy, max_tokens=B1_MAX_MODEL_LEN - B1_PROMPT_LEN - 64))
     while not engine.scheduler.running or engine.scheduler.running[0].is_prefill():
         engine.step()
@@ -393,12 +406,15 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="with --batch1 / --full-batch: tiny, fp32 (CPU)")
     parser.add_argument("--cublas-linear", action="store_true",
                         help="with --batch1: every linear layer through cuBLAS, not the one-token Triton GEMV")
+    parser.add_argument("--no-pdl", action="store_true",
+                        help="with --batch1: no programmatic dependent launch between the kernels")
     args = parser.parse_args()
     for wanted, measure_fn, profile_name in ((args.full_batch, full_batch, "profile_full_batch_decode_step.txt"),
                                              (args.batch1, batch1, "profile_batch1_decode_step.txt")):
         if wanted:
-            extra = {"cublas_linear": True} if args.cublas_linear else {}
-            profile_name = profile_name.replace("batch1", "batch1_cublas") if extra else profile_name
+            extra = {**({"cublas_linear": True} if args.cublas_linear else {}), **({"pdl": False} if args.no_pdl else {})}
+            variant = "_cublas" * args.cublas_linear + "_no_pdl" * args.no_pdl
+            profile_name = profile_name.replace("batch1", "batch1" + variant)
             profile_path = Path(args.profile_dir) / profile_name if args.profile_dir else None
             report = measure_fn(args.ckpt, profile_path, smoke=args.smoke, **extra)
             Path(args.result).write_text(json.dumps(report, indent=1))

@@ -20,6 +20,7 @@ that matter most first, so a run cut short still has them):
     prefill-attn    paged prefill Triton kernel vs SDPA flash, 1x8192 and 16x1024 (kernels.py --prefill)
     batch1          decode step and TPOT at batch 1, one-step profile (decode_latency.py --batch1)
     batch1-cublas   the same with every linear layer through cuBLAS, not the one-token Triton GEMV
+    batch1-no-pdl   the same without programmatic dependent launch between kernels
     serving         256 streaming clients through the OpenAI server (serving.py --workload)
     serving-async   the same with --async-scheduling
     serving-inproc  the same with the engine inside the server's process
@@ -101,6 +102,8 @@ ROWS = [
     Row("batch1", "batch 1: decode step and TPOT through LLM.generate, LLM() defaults", "batch1", 75),
     Row("batch1-cublas", "extra: the batch1 row with every linear layer through cuBLAS (the Triton GEMV's peer)",
         "batch1", 75, spec={"cublas_linear": True}),
+    Row("batch1-no-pdl", "extra: the batch1 row without programmatic dependent launch", "batch1", 75,
+        spec={"no_pdl": True}),
     # The clients run in 4 processes: one Python process reading ~10k chunks/s is the bottleneck.
     Row("serving", "OpenAI server, every request a concurrent streaming client, defaults, temperature 0.6",
         "serving", 130, spec={"client_processes": SERVING_CLIENT_PROCESSES}),
@@ -179,7 +182,7 @@ def row_command(row: Row, ckpt: Path, result: Path, out: Path, smoke: bool) -> l
     if row.kind == "batch1":
         return [py, str(HERE / "decode_latency.py"), "--batch1", "--ckpt", str(ckpt), "--result", str(result),
                 "--profile-dir", str(out)] + (["--smoke"] if smoke else []) + \
-            (["--cublas-linear"] if row.spec.get("cublas_linear") else [])
+            (["--cublas-linear"] if row.spec.get("cublas_linear") else []) + (["--no-pdl"] if row.spec.get("no_pdl") else [])
     if row.kind == "full-batch":
         return [py, str(HERE / "decode_latency.py"), "--full-batch", "--ckpt", str(ckpt), "--result", str(result),
                 "--profile-dir", str(out)] + (["--smoke"] if smoke else [])

@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.gemv import programmatic_launch
+
 _NORM_WARPS = 4
 _SILU_BLOCK = 1024
 
@@ -34,11 +36,13 @@ _SILU_BLOCK = 1024
 def _rms_norm_kernel(
     out_ptr, residual_out_ptr, x_ptr, residual_ptr, weight_ptr,
     inner, stride_x0, stride_x1, stride_r, stride_o, eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, PDL: tl.constexpr,
 ):
     """One row of N features per program. Rows of x are addressed as [outer, inner] so a
     strided 3-D view (tokens x heads x head_dim, e.g. q inside the fused qkv output) needs no
     copy: row r sits at (r // inner) * stride_x0 + (r % inner) * stride_x1."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the GEMV after the norm may start (`gemv.py`)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -85,15 +89,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         _rms_norm_kernel[(outer * inner,)](
             out, residual_out, x3, residual if residual is not None else x3, weight,
             inner, x3.stride(0), x3.stride(1), n, n, eps,
-            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None, num_warps=_NORM_WARPS,
+            N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
+            PDL=programmatic_launch(x.device), num_warps=_NORM_WARPS,
         )
     return (out, residual_out) if residual is not None else out
 
 
 # --------------------------------------------------------------------------- SiLU and mul
 @triton.jit
-def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[row, j] = silu(x[row, j]) * x[row, D + j] for one row and BLOCK columns."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()  # the down projection's GEMV may start (`gemv.py`)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -111,7 +118,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     rows, d = x.shape[0], x.shape[1] // 2
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     if rows:
-        _silu_and_mul_kernel[(rows, triton.cdiv(d, _SILU_BLOCK))](out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK)
+        _silu_and_mul_kernel[(rows, triton.cdiv(d, _SILU_BLOCK))](
+            out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK, PDL=programmatic_launch(x.device))
     return out
 
 

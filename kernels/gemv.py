@@ -11,9 +11,17 @@ takes two whole rows of W, so even a 1024-row projection spreads over 512 progra
 SM streams. vLLM's ROCm path routes the same case to its skinny-GEMM kernel
 (`dispatch_unquantized_gemm` in `vllm/model_executor/layers/utils.py`).
 Called from `UnquantizedLinearMethod` (`model_executor/layers/linear.py`).
+
+At batch 1 a GEMV lasts a few microseconds, as long as its launch and ramp-up. On Hopper and
+newer GPUs it is launched programmatically dependent (PDL): it may start while the kernel
+before it still runs (the norm, SiLU-and-mul or attention, which signal early with
+`gdc_launch_dependents`), reads its first weight tile, and waits (`gdc_wait`) only before it
+reads x, that kernel's output.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -24,24 +32,33 @@ import triton.language as tl
 BLOCK_N, BLOCK_K = 2, 1024
 
 
+@functools.lru_cache(maxsize=None)
+def programmatic_launch(device: torch.device) -> bool:
+    """Whether kernels on `device` use programmatic dependent launch (compute capability 9+)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+
+
 @triton.jit
 def _gemv_kernel(
     out_ptr, x_ptr, w_ptr, bias_ptr, N, K, stride_wn,
-    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
-    row_offs = rows.to(tl.int64) * stride_wn  # 64-bit: N * K may pass 2**31 elements
+    cols = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # 64-bit: N * K may pass 2**31
+    # The weight is no earlier kernel's output: its first tile is read before the wait.
+    w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
+    if PDL:
+        tl.extra.cuda.gdc_wait()  # the kernel that wrote x has finished and flushed
     # Partial products stay apart ([BLOCK_N, BLOCK_K]) until the end: one reduction, not one
     # per tile.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(0, K, BLOCK_K):
-        cols = k + tl.arange(0, BLOCK_K)
-        col_mask = cols < K
-        w = tl.load(w_ptr + row_offs[:, None] + cols[None, :],
-                    mask=row_mask[:, None] & col_mask[None, :], other=0.0)
-        x = tl.load(x_ptr + cols, mask=col_mask, other=0.0)
+        x = tl.load(x_ptr + k + cols, mask=k + cols < K, other=0.0)
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
+        next_cols = k + BLOCK_K + cols  # past K on the last tile: a load with every lane masked
+        w = tl.load(w_ptrs + k + BLOCK_K, mask=row_mask[:, None] & (next_cols < K)[None, :], other=0.0)
     y = tl.sum(acc, axis=1)  # [BLOCK_N]
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -56,9 +73,10 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv needs x and weight contiguous along K")
     num_rows, k = weight.shape
     out = torch.empty(1, num_rows, dtype=x.dtype, device=x.device)
+    pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(num_rows, BLOCK_N),)](
         out, x, weight, bias if bias is not None else weight, num_rows, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=4, num_stages=3,
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)), PDL=pdl,
+        num_warps=4, num_stages=3, **({"launch_pdl": True} if pdl else {}),
     )
     return out

@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.gemv import programmatic_launch
+
 # exp(x) == exp2(x * log2(e)); exp2 is the native instruction, so scores live in base 2.
 LOG2E = 1.4426950408889634
 # tl.dot needs every tile dimension >= 16: small GQA groups are padded to this many rows.
@@ -180,8 +182,10 @@ def _paged_attention_v2_kernel(
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, SPLITS_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the o_proj GEMV after this kernel may start loading its weight (`gemv.py`)
+        tl.extra.cuda.gdc_launch_dependents()
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -264,15 +268,9 @@ def split_counters(device: torch.device, size: int) -> torch.Tensor:
     return workspaces[-1]
 
 
-def paged_attention_decode(
-    query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    num_kv_splits: int | None = None,
-) -> torch.Tensor:
+def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                           block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                           num_kv_splits: int | None = None) -> torch.Tensor:
     """out [num_seqs, num_heads, head_dim] in query's dtype, by v1 or v2 (split-KV).
 
     num_kv_splits: None = `choose_num_kv_splits`; 1 = v1; > 1 = v2 with that many splits.
@@ -325,6 +323,6 @@ def paged_attention_decode(
         out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
         qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-        **meta,
+        PDL=programmatic_launch(query.device), **meta,
     )
     return out
