@@ -119,7 +119,10 @@ def test_each_token_lands_in_its_own_slot(slots, positions):
     with torch.no_grad():
         _, cache = layer.run(fused_ops.qk_norm_rope_and_cache, with_norm=False)
         _, expected_cache = layer.unfused(with_norm=False)
-    assert torch.equal(cache, expected_cache)
+    if DEVICE == "cuda":  # rotary's FMA on the GPU; a misplaced row would be far off
+        torch.testing.assert_close(cache, expected_cache, rtol=1e-5, atol=1e-6)
+    else:
+        assert torch.equal(cache, expected_cache)
 
 
 def test_an_empty_batch_writes_nothing():
