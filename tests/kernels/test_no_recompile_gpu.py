@@ -2,9 +2,9 @@
 
 Triton compiles a kernel again for each new value class (== 1, a multiple of 16, other) of
 an int argument it specializes on, and for each new value of a `tl.constexpr`. Block-table
-width, KV splits and a row's slices change from batch to batch, so a benchmark run compiled
-mid-way (seven compiles, 0.2-0.5 s each, in one issue-15 run) until those arguments were
-exempted (`do_not_specialize`) and the constexprs taken from the model, not the batch. Here each kernel runs at batch
+width, KV splits and a row's slices change from batch to batch, so those arguments are exempt
+(`do_not_specialize`) and the constexprs come from the model, not the batch: otherwise a run
+would stop mid-way to compile (0.2-0.5 s each). Here each kernel runs at batch
 shapes that cover every value class, in a fresh process with an empty Triton cache; after
 each kernel's first call no new kernel may appear in the cache.
 """
