@@ -34,8 +34,11 @@ BLOCK_N, BLOCK_K = 2, 1024
 
 @functools.lru_cache(maxsize=None)
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` use programmatic dependent launch (compute capability 9+)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    """Whether kernels on `device` use programmatic dependent launch: compute capability 9+,
+    and a Triton that has it (`tl.extra.cuda.gdc_wait`, which came with `launch_pdl`)."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+        return False
+    return hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 @triton.jit
