@@ -409,6 +409,8 @@ def main() -> int:
     parser.add_argument("--no-pdl", action="store_true",
                         help="with --batch1: no programmatic dependent launch between the kernels")
     args = parser.parse_args()
+    if (args.cublas_linear or args.no_pdl) and not args.batch1:
+        parser.error("--cublas-linear and --no-pdl go with --batch1")
     for wanted, measure_fn, profile_name in ((args.full_batch, full_batch, "profile_full_batch_decode_step.txt"),
                                              (args.batch1, batch1, "profile_batch1_decode_step.txt")):
         if wanted:

@@ -22,6 +22,7 @@ reads x, that kernel's output.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import triton
@@ -34,9 +35,12 @@ BLOCK_N, BLOCK_K = 2, 1024
 
 @functools.lru_cache(maxsize=None)
 def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` use programmatic dependent launch: compute capability 9+,
-    and a Triton that has it (`tl.extra.cuda.gdc_wait`, which came with `launch_pdl`)."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] < 9:
+    """Whether kernels on `device` use programmatic dependent launch: an NVIDIA GPU (not ROCm,
+    which torch also calls "cuda") of compute capability 9+, compiled (not in Triton's
+    interpreter), and a Triton that has it (`tl.extra.cuda.gdc_wait`, which came with `launch_pdl`)."""
+    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    if torch.cuda.get_device_capability(device)[0] < 9:
         return False
     return hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
@@ -62,7 +66,7 @@ def _gemv_kernel(
         acc += w.to(tl.float32) * x.to(tl.float32)[None, :]
         next_cols = k + BLOCK_K + cols  # past K on the last tile: a load with every lane masked
         w = tl.load(w_ptrs + k + BLOCK_K, mask=row_mask[:, None] & (next_cols < K)[None, :], other=0.0)
-    y = tl.sum(acc, axis=1)  # [BLOCK_N]
+    y = tl.sum(acc, axis=1)  # [BLOCK_N]; nothing is stored before the wait above
     if HAS_BIAS:
         y += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows, y.to(out_ptr.dtype.element_ty), mask=row_mask)

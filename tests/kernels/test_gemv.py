@@ -114,16 +114,41 @@ def test_programmatic_launch_changes_no_bit_in_a_graph(monkeypatch):
             h = gemv(fused_ops.silu_and_mul(gemv(normed, gate_up)), down)
         return h + residual
 
-    for module in (fused_ops, gemv_module, paged_attention):
-        monkeypatch.setattr(module, "programmatic_launch", lambda device: False)
-    expected = mlp_chain()
-    monkeypatch.undo()
+    def without_pdl(fn):
+        with monkeypatch.context() as patch:
+            for module in (fused_ops, gemv_module, paged_attention):
+                patch.setattr(module, "programmatic_launch", lambda device: False)
+            return fn()
+
     assert gemv_module.programmatic_launch(x.device) == (torch.cuda.get_device_capability()[0] >= 9)
     mlp_chain()  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = mlp_chain()
-    for _ in range(20):
+    for _ in range(20):  # a new input every replay: a GEMV reading early would see the last one's
+        x.copy_(torch.randn(1, hidden, generator=g).to(DEVICE, torch.bfloat16))
+        expected = without_pdl(mlp_chain)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("case", ["strided x", "strided weight", "weight in another dtype"])
+def test_layouts_the_gemv_does_not_read_keep_f_linear(monkeypatch, case):
+    """A one-token input the GEMV would refuse (or misread) goes to F.linear, never to gemv."""
+    monkeypatch.setattr(gemv_module, "gemv", lambda *args: pytest.fail("reached the GEMV"))
+    x, w, _ = random_problem(8, 16, torch.float32, bias=False)
+    if case == "strided x":
+        x = torch.randn(16, 2, device=DEVICE)[:, :1].t()
+    elif case == "strided weight":
+        w = w.t().contiguous().t()
+    else:
+        w = w.double()
+    x = x.to(torch.bfloat16) if DEVICE == "cuda" else x
+    w = w if case == "weight in another dtype" else w.to(x.dtype)
+    method = linear.UnquantizedLinearMethod("triton")
+    if case == "weight in another dtype":
+        with pytest.raises(RuntimeError):  # F.linear's own error, not a silent mixed-dtype product
+            method(x, w, None)
+    else:
+        torch.testing.assert_close(method(x, w, None), F.linear(x, w))

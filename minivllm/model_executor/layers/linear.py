@@ -31,7 +31,7 @@ class UnquantizedLinearMethod(CustomOp):
 
     def forward_triton(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         one_token = x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and weight.stride(1) == 1
-        if not (one_token and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)):
+        if not (one_token and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype):
             return F.linear(x, weight, bias)
         from minivllm.kernels.gemv import gemv  # imports triton: only when this backend is chosen
 
