@@ -257,10 +257,9 @@ def use_cublas_linear(engine) -> None:
 def without_programmatic_launch() -> None:
     """Every kernel launched plainly, after the one before it has finished (no PDL), in this
     process: the batch-1 row's diagnostic of what programmatic dependent launch wins."""
-    from minivllm.kernels import fused_ops, gemv, paged_attention
+    from minivllm.kernels import launch
 
-    for module in (fused_ops, gemv, paged_attention):
-        module.programmatic_launch = lambda device: False
+    launch.programmatic_launch = lambda device: False
 
 
 def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_linear: bool = False,
@@ -274,7 +273,7 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_lin
                   each the median of B1_REPS runs (the difference removes the prefill and TTFT)
     profile       torch.profiler over one decode step(): top kernels by GPU time, kernel count
     cublas_linear: every linear layer through cuBLAS rather than the one-token Triton GEMV
-    pdl=False: no programmatic dependent launch (`kernels/gemv.py`)
+    pdl=False: no programmatic dependent launch (`kernels/launch.py`)
     """
     from minivllm import LLM, SamplingParams
 

@@ -22,6 +22,11 @@ redraws the figure from saved numbers (no GPU needed).
 SDPA with the flash backend on contiguous K/V, causal, at 1 x 8192 and 16 x 1024 tokens, same
 head shape, bf16; CUDA events, median of PREFILL_REPS after warm-up. It writes
 prefill_attention_<gpu>.json. `--prefill --smoke` runs tiny shapes on the CPU (Triton interpreter).
+
+`--latency-sweep` tunes the split-KV kernel where latency, not bandwidth, decides: few
+sequences of short context, with block tables as wide as an engine's (max_model_len / 16). The
+time per launch of 28 launches (one per layer of the Qwen3-0.6B shape, each over its own blocks)
+captured in one CUDA graph, per launch config. It writes kernels_latency_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -48,6 +53,11 @@ METHODS = ["triton (auto)", "triton v1", "sdpa contiguous", "gather + sdpa", "fl
 # Tuning sweep: (tile tokens, num_warps, num_stages) of the decode kernel, and forced splits.
 SWEEP_CONFIGS = [(16, 2, 3), (32, 4, 3), (32, 4, 2), (64, 4, 3), (64, 4, 2), (64, 8, 3), (128, 8, 2)]
 SWEEP_SPLITS = [1, 2, 4, 8, 16, 32, 64, 128]
+# Latency sweep: (batch, context, max_context = block-table width x 16) and split-KV configs.
+LATENCY_SHAPES = [(1, 128, 1024), (1, 640, 1024), (1, 2048, 4096), (2, 640, 1024), (4, 640, 1024),
+                  (4, 2048, 4096), (8, 1024, 4096), (16, 1024, 4096)]
+LATENCY_CONFIGS = [(32, 4, 3), (32, 2, 3), (32, 2, 2), (16, 2, 2), (32, 1, 2), (64, 4, 2)]
+LATENCY_LAYERS = 28
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -268,6 +278,46 @@ def run_sweep(shapes) -> list[dict]:
     return rows
 
 
+def run_latency_sweep(out: Path) -> list[dict]:
+    """Split-KV configs at LATENCY_SHAPES: µs per launch, LATENCY_LAYERS launches in one graph,
+    each layer's block table a different random draw from one large cache (cold in L2)."""
+    import triton.testing
+
+    from minivllm.kernels import paged_attention as pa
+
+    num_blocks = 60_000  # 1.9 GB of K/V: far past L2
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+    rows = []
+    for batch, context, max_context in LATENCY_SHAPES:
+        layers = [(torch.randn(batch, NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen),
+                   torch.randint(0, num_blocks, (batch, max_context // BLOCK_SIZE), device=DEVICE,
+                                 dtype=torch.int32, generator=gen)) for _ in range(LATENCY_LAYERS)]
+        seq_lens = torch.full((batch,), context, dtype=torch.int32, device=DEVICE)
+        expected = None
+        for config in LATENCY_CONFIGS:
+            with decode_config(config):
+                def run():
+                    return [pa.paged_attention_decode(q, cache[0], cache[1], table, seq_lens, HEAD_DIM**-0.5)
+                            for q, table in layers]
+                out_first = run()[0]
+                expected = out_first if expected is None else expected
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    run()
+                us = triton.testing.do_bench(graph.replay, warmup=30, rep=200, return_mode="median") * 1e3
+            row = dict(batch=batch, context=context, max_context=max_context, tile=config[0], warps=config[1],
+                       stages=config[2], us_per_launch=round(us / LATENCY_LAYERS, 2),
+                       splits=pa.choose_num_kv_splits(batch, NUM_KV_HEADS, max_context, pa._num_sms(seq_lens.device)),
+                       rel_err_vs_first=rel_error(out_first, expected))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    path = out / f"kernels_latency_{gpu_tag(torch.cuda.get_device_name())}.json"
+    path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                    layers=LATENCY_LAYERS, rows=rows), indent=1))
+    return rows
+
+
 def profile_kernels(shapes) -> list[dict]:
     """Device time of each GPU kernel in one call of triton (auto) and sdpa, via torch.profiler.
 
@@ -475,6 +525,8 @@ def main() -> None:
     parser.add_argument("--png", type=Path, help="where to write the figure (default: OUT/kernels_<gpu>.png)")
     parser.add_argument("--prefill", action="store_true", help="prefill attention vs SDPA flash only")
     parser.add_argument("--smoke", action="store_true", help="with --prefill: tiny shapes, CPU is fine")
+    parser.add_argument("--latency-sweep", action="store_true",
+                        help="split-KV launch configs at few short sequences only (µs per launch)")
     args = parser.parse_args()
     if args.prefill:
         if args.smoke and not torch.cuda.is_available():
@@ -488,6 +540,10 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
+    if args.latency_sweep:
+        args.out.mkdir(parents=True, exist_ok=True)
+        run_latency_sweep(args.out)
+        return
     import triton
 
     args.out.mkdir(parents=True, exist_ok=True)

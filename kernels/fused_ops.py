@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.gemv import programmatic_launch
+from minivllm.kernels.launch import pdl_options, signal_dependents, wait_for_inputs
 
 _NORM_WARPS = 4
 _SILU_BLOCK = 1024
@@ -41,8 +41,8 @@ def _rms_norm_kernel(
     """One row of N features per program. Rows of x are addressed as [outer, inner] so a
     strided 3-D view (tokens x heads x head_dim, e.g. q inside the fused qkv output) needs no
     copy: row r sits at (r // inner) * stride_x0 + (r % inner) * stride_x1."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the GEMV after the norm may start (`gemv.py`)
+    signal_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             out, residual_out, x3, residual if residual is not None else x3, weight,
             inner, x3.stride(0), x3.stride(1), n, n, eps,
             N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-            PDL=programmatic_launch(x.device), num_warps=_NORM_WARPS,
+            num_warps=_NORM_WARPS, **pdl_options(x.device),
         )
     return (out, residual_out) if residual is not None else out
 
@@ -99,8 +99,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _silu_and_mul_kernel(out_ptr, x_ptr, stride_x, stride_o, D, BLOCK: tl.constexpr, PDL: tl.constexpr):
     """out[row, j] = silu(x[row, j]) * x[row, D + j] for one row and BLOCK columns."""
-    if PDL:
-        tl.extra.cuda.gdc_launch_dependents()  # the down projection's GEMV may start (`gemv.py`)
+    signal_dependents(PDL)
+    wait_for_inputs(PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < D
@@ -119,7 +119,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(d, _SILU_BLOCK))](
-            out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK, PDL=programmatic_launch(x.device))
+            out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK, **pdl_options(x.device))
     return out
 
 
@@ -219,10 +219,13 @@ def _qk_norm_rope_cache_kernel(
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cb, stride_ct, stride_ch, stride_cs,
     NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (num_tokens, num_heads + num_kv_heads): program (t, h) handles query head h of
     token t, or, for h >= num_heads, KV head h - num_heads: its key (normed, rotated) and its
     value go to the token's cache slot; slot -1 (padding) writes nothing."""
+    signal_dependents(PDL)
+    wait_for_inputs(PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     d = tl.arange(0, HEAD_DIM)
@@ -283,7 +286,7 @@ def qk_norm_rope_and_cache(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], HAS_NORM=has_norm,
-            num_warps=1,
+            num_warps=1, **pdl_options(query.device),
         )
     return out
 

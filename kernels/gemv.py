@@ -12,37 +12,22 @@ SM streams. vLLM's ROCm path routes the same case to its skinny-GEMM kernel
 (`dispatch_unquantized_gemm` in `vllm/model_executor/layers/utils.py`).
 Called from `UnquantizedLinearMethod` (`model_executor/layers/linear.py`).
 
-At batch 1 a GEMV lasts a few microseconds, as long as its launch and ramp-up. On Hopper and
-newer GPUs it is launched programmatically dependent (PDL): it may start while the kernel
-before it still runs (the norm, SiLU-and-mul or attention, which signal early with
-`gdc_launch_dependents`), reads its first weight tile, and waits (`gdc_wait`) only before it
-reads x, that kernel's output.
+At batch 1 a GEMV lasts a few microseconds, as long as its launch and ramp-up: on Hopper and
+newer GPUs it starts while the kernel before it still runs (`launch.py`), reads its first
+weight tile, and waits only before it reads x, that kernel's output.
 """
 
 from __future__ import annotations
-
-import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from minivllm.kernels.launch import pdl_options, signal_dependents, wait_for_inputs
+
 # (rows per program, K per tile), the fastest of a sweep over Qwen3-0.6B's and Llama-3-8B's
 # projections on an H200: narrow programs, many of them, each with wide K tiles in flight.
 BLOCK_N, BLOCK_K = 2, 1024
-
-
-@functools.lru_cache(maxsize=None)
-def programmatic_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` use programmatic dependent launch: an NVIDIA GPU (not ROCm,
-    which torch also calls "cuda") of compute capability 9+, compiled (not in Triton's
-    interpreter), and a Triton that has it (`tl.extra.cuda.gdc_wait`, which came with `launch_pdl`)."""
-    if device.type != "cuda" or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    if torch.cuda.get_device_capability(device)[0] < 9:
-        return False
-    return hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
 @triton.jit
@@ -50,14 +35,14 @@ def _gemv_kernel(
     out_ptr, x_ptr, w_ptr, bias_ptr, N, K, stride_wn,
     HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):
+    signal_dependents(PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     row_mask = rows < N
     cols = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + cols[None, :]  # 64-bit: N * K may pass 2**31
     # The weight is no earlier kernel's output: its first tile is read before the wait.
     w = tl.load(w_ptrs, mask=row_mask[:, None] & (cols < K)[None, :], other=0.0)
-    if PDL:
-        tl.extra.cuda.gdc_wait()  # the kernel that wrote x has finished and flushed
+    wait_for_inputs(PDL)  # the kernel that wrote x has finished
     # Partial products stay apart ([BLOCK_N, BLOCK_K]) until the end: one reduction, not one
     # per tile.
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
@@ -80,10 +65,9 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
         raise ValueError("gemv needs x and weight contiguous along K")
     num_rows, k = weight.shape
     out = torch.empty(1, num_rows, dtype=x.dtype, device=x.device)
-    pdl = programmatic_launch(x.device)
     _gemv_kernel[(triton.cdiv(num_rows, BLOCK_N),)](
         out, x, weight, bias if bias is not None else weight, num_rows, k, weight.stride(0),
-        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)), PDL=pdl,
-        num_warps=4, num_stages=3, **({"launch_pdl": True} if pdl else {}),
+        HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
+        num_warps=4, num_stages=3, **pdl_options(x.device),
     )
     return out

@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minivllm.kernels.gemv import programmatic_launch
+from minivllm.kernels.launch import pdl_options, signal_dependents, wait_for_inputs
 
 # exp(x) == exp2(x * log2(e)); exp2 is the native instruction, so scores live in base 2.
 LOG2E = 1.4426950408889634
@@ -28,10 +28,11 @@ LOG2E = 1.4426950408889634
 # Every tl.dot is input_precision="ieee": Triton's fp32 default, TF32, would break fp32 parity
 # with transformers (bf16 and fp16 operands still run on tensor cores).
 MIN_DOT_SIZE = 16
-# (tile tokens, num_warps, num_stages), the fastest of `benchmarks/kernels.py --sweep`. A tile
-# may span several cache blocks; num_stages tiles' loads are in flight at once (pipelining).
+# (tile tokens, num_warps, num_stages), the fastest of `benchmarks/kernels.py --sweep` (v1) and
+# `--latency-sweep` (v2). A tile may span several cache blocks; num_stages tiles' loads are in
+# flight at once (pipelining).
 V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
-V2_CONFIG = (32, 4, 3)  # more, shorter programs: smaller tiles keep more of them resident
+V2_CONFIG = (32, 2, 3)  # more, shorter programs: smaller tiles and fewer warps start sooner
 
 V1_MIN_PROGRAMS_PER_SM = 2  # with this many (sequence, KV head) programs per SM, v1 streams well
 TARGET_PROGRAMS_PER_SM = 4  # otherwise split until the grid has this many programs per SM
@@ -111,8 +112,10 @@ def _paged_attention_v1_kernel(
     stride_bts,
     BLOCK_SIZE: tl.constexpr, TILE_N: tl.constexpr,
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
+    signal_dependents(PDL)
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -184,8 +187,8 @@ def _paged_attention_v2_kernel(
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    if PDL:  # the o_proj GEMV after this kernel may start loading its weight (`gemv.py`)
-        tl.extra.cuda.gdc_launch_dependents()
+    signal_dependents(PDL)  # `launch.py`
+    wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -312,6 +315,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         _paged_attention_v1_kernel[(num_seqs, num_kv_heads)](
             out, query, key_cache, value_cache, block_tables, seq_lens, qk_scale,
             *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0), **meta,
+            **pdl_options(query.device),
         )
         return out
 
@@ -323,6 +327,6 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
         qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-        PDL=programmatic_launch(query.device), **meta,
+        **meta, **pdl_options(query.device),
     )
     return out

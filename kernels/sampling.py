@@ -401,7 +401,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     lse = torch.empty(num_rows, dtype=torch.float32, device=logits.device)
     if num_rows == 0:
         return tokens, logprobs
-    truncates = ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0)
+    # With the host's word that no row truncates, the masks (six kernels) are not built.
+    truncates = None if needs_truncation is False else (
+        ((top_k > 0) & (top_k < vocab_size)) | (top_p < 1.0) | (min_p > 0.0))
     if needs_truncation is None:
         needs_truncation = bool(truncates.any())
     # Rows the candidate kernel draws need only the logsumexp from this pass: no noise.

@@ -28,6 +28,7 @@ import torch
 from minivllm.attention import AttentionMetadata
 from minivllm.attention.metadata import slot_of, to_device
 from minivllm.distributed import get_tp_group, tensor_model_parallel_broadcast
+from minivllm.model_executor.custom_op import CustomOp
 from minivllm.model_executor.layers.device_sampler import DeviceSample
 from minivllm.model_executor.sampling_metadata import SamplingTensors, SequenceGroupToSample
 from minivllm.sequence import SamplerOutput, SequenceGroupMetadata, SequenceGroupOutput
@@ -35,6 +36,28 @@ from minivllm.worker.model_runner import ModelRunner
 
 # A row out of reserved slots writes its K/V nowhere.
 _NO_SLOT = -1
+
+
+class AdvanceStep(CustomOp):
+    """(positions, seq_lens, block_tables, limits `[num_seqs]`, step, block_size) -> step `step`'s
+    (positions, seq_lens, slot_mapping), on the device. A row with limits > step (its reserved
+    slots allow the step) moves one token on and writes its K/V to that position's slot; another
+    stays where it is and writes nowhere. On "triton" one kernel (`kernels/advance_step.py`,
+    vLLM's `advance_step_flashattn`) does what takes a dozen small ones here."""
+
+    def forward_native(self, positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       limits: torch.Tensor, step: int, block_size: int):
+        active = limits > step
+        positions = positions + active
+        seq_lens = seq_lens + active.to(seq_lens.dtype)
+        rows = torch.arange(positions.shape[0], device=positions.device)
+        slots = slot_of(block_tables[rows, positions // block_size].long(), positions, block_size)
+        return positions, seq_lens, torch.where(active, slots, _NO_SLOT)
+
+    def forward_triton(self, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        from minivllm.kernels.advance_step import advance_step  # imports triton: only on this backend
+
+        return advance_step(*args)
 
 
 @dataclass
@@ -51,6 +74,7 @@ class MultiStepModelRunner:
     def __init__(self, base: ModelRunner) -> None:
         self.base = base
         self.sampler = base.sampler.device_sampler
+        self.advance = AdvanceStep(base.backend)
         # The last run's final tokens (on the device) and each sequence's row in them: what a
         # run that continues it starts from (async scheduling).
         self._last_run: tuple[torch.Tensor, dict[int, int]] | None = None
@@ -91,7 +115,7 @@ class MultiStepModelRunner:
         seq_ids = [next(iter(m.seq_data)) for m in seq_group_metadata_list]
         steps_before = 0  # steps of this batch's sequences already sampled on the device
         if continues_previous_run:
-            input_ids, positions, md = self._continue_previous_run(seq_ids, positions, md)
+            input_ids, positions, md = self._continue_previous_run(seq_ids, positions, md, limits)
             steps_before = 1
         self._last_run = None  # until every step is queued
         if not get_tp_group().is_first_rank:  # tensor parallelism: TP rank 0 samples
@@ -118,7 +142,7 @@ class MultiStepModelRunner:
         event), (the next step's input ids, positions, metadata)). input_ids, positions:
         `[num_seqs]` (the previous step's tokens and positions after step 0)."""
         if step:
-            input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
+            input_ids, positions, md = self.advance_step(input_ids, positions, md, limits, step)
         hidden_states = self.base.run_model(input_ids, positions, md, kv_caches)
         # A decode samples every row; the sampler upcasts what it needs to fp32.
         logits = self.base.model.compute_logits(hidden_states, upcast=False)
@@ -136,14 +160,15 @@ class MultiStepModelRunner:
         input ids are the tokens rank 0 sampled, received on the device (no host between)."""
         for step in range(num_steps):
             if step:
-                input_ids, positions, md = self.advance_step(input_ids, positions, md, limits > step)
+                input_ids, positions, md = self.advance_step(input_ids, positions, md, limits, step)
             # The logits gather is a collective: every rank joins it, only rank 0 gets logits.
             self.base.model.compute_logits(self.base.run_model(input_ids, positions, md, kv_caches))
             input_ids = tensor_model_parallel_broadcast(torch.empty_like(input_ids))
         self._last_run = (input_ids, {seq_id: row for row, seq_id in enumerate(seq_ids)})
         return [SamplerOutput([]) for _ in range(num_steps)]
 
-    def _continue_previous_run(self, seq_ids: list[int], positions: torch.Tensor, md: AttentionMetadata):
+    def _continue_previous_run(self, seq_ids: list[int], positions: torch.Tensor, md: AttentionMetadata,
+                               limits: torch.Tensor):
         """The inputs of a run that continues the previous one: each row's token from that
         run's last step (on the device), at the position after the host's last token."""
         if self._last_run is None:
@@ -153,24 +178,18 @@ class MultiStepModelRunner:
         if missing:
             raise RuntimeError(f"continues_previous_run, but sequences {missing[:5]} were not in the previous run.")
         rows = to_device(torch.tensor([row_of[seq_id] for seq_id in seq_ids]), positions.device)
-        every_row = torch.ones(len(seq_ids), dtype=torch.bool, device=positions.device)
-        return self.advance_step(last_tokens[rows], positions, md, every_row)
+        return self.advance_step(last_tokens[rows], positions, md, limits, 0)  # every limit >= 1: all move
 
     def advance_step(self, sampled: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata,
-                     active: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """The next decode step's inputs, computed on the device (vLLM's `advance_step`).
+                     limits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Step `step`'s inputs, computed on the device (vLLM's `advance_step`).
 
-        sampled, positions, active: `[num_seqs]`. An active row feeds its sampled token at
-        the next position and writes its K/V to that position's slot. A row out of reserved
-        slots stays where it is and writes nothing (its later tokens are dropped).
+        sampled, positions, limits: `[num_seqs]`. A row with limits > step feeds its sampled
+        token at the next position and writes its K/V to that position's slot. A row out of
+        reserved slots stays where it is and writes nothing (its later tokens are dropped).
         """
-        block_size = self.base.block_size
-        moved = active.long()
-        positions = positions + moved
-        seq_lens = md.seq_lens + moved.to(md.seq_lens.dtype)
-        rows = torch.arange(positions.shape[0], device=positions.device)
-        slots = slot_of(md.block_tables[rows, positions // block_size].long(), positions, block_size)
-        slot_mapping = torch.where(active, slots, _NO_SLOT)
+        positions, seq_lens, slot_mapping = self.advance(positions, md.seq_lens, md.block_tables, limits, step,
+                                                         self.base.block_size)
         md = dataclasses.replace(md, slot_mapping=slot_mapping, seq_lens=seq_lens, max_seq_len=md.max_seq_len + 1)
         return sampled, positions, md
 

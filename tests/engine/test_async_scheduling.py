@@ -179,7 +179,7 @@ def test_a_run_that_cannot_continue_is_refused():
     runner = MultiStepModelRunner.__new__(MultiStepModelRunner)
     runner._last_run = None
     with pytest.raises(RuntimeError, match="previous multi-step run"):
-        runner._continue_previous_run([0], None, None)
+        runner._continue_previous_run([0], None, None, None)
 
 
 def test_a_step_failing_after_the_next_run_was_queued_loses_no_token(checkpoint_dirs):

@@ -1,8 +1,9 @@
 """The multi-LoRA kernels (`kernels/lora_ops.py`) against their PyTorch references
 (`kernels/lora_reference.py`), and the references against a per-row loop (the definition).
 
-On a CPU the kernels run in Triton's interpreter (fp32); on the GPU also in bf16
-(`pytest -m gpu`), with a decode-sized and a prefill-sized batch."""
+Every case runs on the GPU when there is one (the kernels need their tensors there), else in
+Triton's interpreter on the CPU (fp32); on the GPU also in bf16 (`pytest -m gpu`), with a
+decode-sized and a prefill-sized batch."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def per_row(x, lora_a, lora_b, idx, y, bounds):
     return out
 
 
-def random_case(num_tokens, k, widths, rank, num_slots, dtype, seed, device="cpu"):
+def random_case(num_tokens, k, widths, rank, num_slots, dtype, seed, device=DEVICE):
     """x [T, K], A stacked over len(widths) slices [L, S*R, K], B [L, sum(widths), R], slots, y."""
     g = torch.Generator().manual_seed(seed)
     n, num_slices = sum(widths), len(widths)
@@ -54,7 +55,7 @@ def run(ops, x, lora_a, lora_b, idx, y, bounds):
 
 
 def test_mapping_groups_rows_by_slot():
-    m = LoRAMapping.build(torch.tensor([1, -1, 0, 1]), 2)
+    m = LoRAMapping.build(torch.tensor([1, -1, 0, 1], device=DEVICE), 2)
     assert m.sorted_token_ids.tolist() == [1, 2, 0, 3]
     assert m.num_tokens_per_slot.tolist() == [1, 2] and m.slot_start.tolist() == [1, 2]
 
@@ -140,7 +141,7 @@ def test_triton_kernels_skip_a_batch_without_adapters():
     from minivllm.kernels import lora_ops
 
     x, lora_a, lora_b, _, y, bounds = random_case(5, 16, [16], 16, 2, torch.float32, 0)
-    _, out = run(lora_ops, x, lora_a, lora_b, torch.full((5,), NO_LORA), y, bounds)
+    _, out = run(lora_ops, x, lora_a, lora_b, torch.full((5,), NO_LORA, device=DEVICE), y, bounds)
     assert torch.equal(out, y)
 
 
@@ -149,8 +150,7 @@ def test_triton_kernels_skip_a_batch_without_adapters():
 def test_triton_kernels_bf16_on_the_gpu(num_tokens):
     from minivllm.kernels import lora_ops
 
-    x, lora_a, lora_b, idx, y, bounds = random_case(num_tokens, 1024, [2048, 1024, 1024], 16, 8, torch.bfloat16, 0,
-                                                    device="cuda")
+    x, lora_a, lora_b, idx, y, bounds = random_case(num_tokens, 1024, [2048, 1024, 1024], 16, 8, torch.bfloat16, 0)
     h_ref, out_ref = run(ref, x, lora_a, lora_b, idx, y, bounds)
     h, out = run(lora_ops, x, lora_a, lora_b, idx, y, bounds)
     torch.testing.assert_close(h, h_ref, rtol=1e-3, atol=1e-3)  # both accumulate in fp32
