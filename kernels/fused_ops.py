@@ -90,7 +90,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             out, residual_out, x3, residual if residual is not None else x3, weight,
             inner, x3.stride(0), x3.stride(1), n, n, eps,
             N=n, BLOCK=triton.next_power_of_2(n), HAS_RESIDUAL=residual is not None,
-            num_warps=_NORM_WARPS, **pdl_options(x.device),
+            num_warps=_NORM_WARPS, **pdl_options(x),
         )
     return (out, residual_out) if residual is not None else out
 
@@ -119,7 +119,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, d, dtype=x.dtype, device=x.device)
     if rows:
         _silu_and_mul_kernel[(rows, triton.cdiv(d, _SILU_BLOCK))](
-            out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK, **pdl_options(x.device))
+            out, x, x.stride(0), d, d, BLOCK=_SILU_BLOCK, **pdl_options(x))
     return out
 
 
@@ -286,7 +286,7 @@ def qk_norm_rope_and_cache(
             query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
             key_cache.stride(0), key_cache.stride(1), key_cache.stride(2), cos_sin_cache.stride(0),
             NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_SIZE=key_cache.shape[1], HAS_NORM=has_norm,
-            num_warps=1, **pdl_options(query.device),
+            num_warps=1, **pdl_options(query),
         )
     return out
 

@@ -68,6 +68,6 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     _gemv_kernel[(triton.cdiv(num_rows, BLOCK_N),)](
         out, x, weight, bias if bias is not None else weight, num_rows, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_N=BLOCK_N, BLOCK_K=min(BLOCK_K, triton.next_power_of_2(k)),
-        num_warps=4, num_stages=3, **pdl_options(x.device),
+        num_warps=4, num_stages=3, **pdl_options(x),
     )
     return out

@@ -11,8 +11,10 @@ before it:
          -> SiLU-and-mul -> down GEMV -> next layer's norm
 
 A kernel that does not signal (cuBLAS, PyTorch's) makes the next one wait for its end as usual.
-Each kernel takes a `PDL` constexpr, False on a CPU, so the interpreter never meets the
-instructions.
+Only one-token launches (batch-1 decode) use it, where `docs/benchmarks.md` measures it (the
+batch-1 rows with and without); with many tokens each kernel runs long past its launch and the
+linear layers are cuBLAS's. Each kernel takes a `PDL` constexpr, False on a CPU,
+so the interpreter never meets the instructions.
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def programmatic_launch(device: torch.device) -> bool:
     return hasattr(getattr(getattr(tl, "extra", None), "cuda", None), "gdc_wait")
 
 
-def pdl_options(device: torch.device) -> dict:
-    """The launch keywords of a kernel with a `PDL` constexpr, on `device`."""
-    if programmatic_launch(device):
+def pdl_options(x: torch.Tensor) -> dict:
+    """The launch keywords of a kernel with a `PDL` constexpr over the tokens of x `[num_tokens, ...]`."""
+    if x.shape[0] == 1 and programmatic_launch(x.device):
         return {"PDL": True, "launch_pdl": True}
     return {"PDL": False}
 

@@ -315,7 +315,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         _paged_attention_v1_kernel[(num_seqs, num_kv_heads)](
             out, query, key_cache, value_cache, block_tables, seq_lens, qk_scale,
             *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0), **meta,
-            **pdl_options(query.device),
+            **pdl_options(query),
         )
         return out
 
@@ -327,6 +327,6 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
         out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
         qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),
-        **meta, **pdl_options(query.device),
+        **meta, **pdl_options(query),
     )
     return out

@@ -21,14 +21,16 @@ BLOCK_SIZE, CONTEXT, MAX_BLOCKS = 16, 600, 64
 
 def test_no_programmatic_launch_on_the_cpu():
     assert programmatic_launch(torch.device("cpu")) is False
-    assert pdl_options(torch.device("cpu")) == {"PDL": False}
+    assert pdl_options(torch.zeros(1, 8)) == {"PDL": False}
 
 
 @pytest.mark.gpu
-def test_programmatic_launch_on_hopper_and_newer():
+def test_programmatic_launch_on_hopper_and_newer_for_one_token():
     device = torch.device("cuda")
     assert programmatic_launch(device) == (torch.cuda.get_device_capability()[0] >= 9)
-    assert pdl_options(device).get("launch_pdl", False) == programmatic_launch(device)
+    one_token, two_tokens = torch.zeros(1, 8, device=device), torch.zeros(2, 8, device=device)
+    assert pdl_options(one_token).get("launch_pdl", False) == programmatic_launch(device)
+    assert pdl_options(two_tokens) == {"PDL": False}
 
 
 class DecoderStack:
