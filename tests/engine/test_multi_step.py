@@ -57,6 +57,23 @@ def test_greedy_matches_transformers_with_several_steps_per_schedule(checkpoint_
     assert_all_blocks_free(engine)
 
 
+def test_triton_backend_advances_each_step_in_one_kernel(checkpoint_dirs):
+    """The "triton" backend (Triton's interpreter on a CPU) builds each step's inputs with
+    `kernels/advance_step.py`; requests that run out of reserved slots mid-run (inactive rows)
+    keep the output transformers gives."""
+    _, hf_model = checkpoint_dirs["llama"]
+    prompts = mixed_prompts(4, seed=7)
+    max_tokens = [2, 5, 6, 9]
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4, attention_backend="triton")
+    assert engine.model_executor.driver_worker.multi_step_runner.advance.backend == "triton"
+    params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
+    results = run(engine, prompts, params)
+    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[str(i)].token_ids == checkpoints.hf_greedy(hf_model, prompt, m), f"prompt {i}"
+    assert engine.multi_step_runs
+    assert_all_blocks_free(engine)
+
+
 def test_stop_token_in_the_middle_of_a_run_cuts_the_output_there(checkpoint_dirs):
     """A stop token sampled at step 2 of 4: the tokens computed after it are dropped."""
     prompts = mixed_prompts(5, seed=6)
