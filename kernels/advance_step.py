@@ -51,8 +51,9 @@ def advance_step(positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: 
     num_seqs = positions.shape[0]
     if not (seq_lens.shape == limits.shape == (num_seqs,) and block_tables.shape[0] == num_seqs):
         raise ValueError("positions, seq_lens, limits and block_tables need one row per sequence.")
-    if block_tables.stride(1) != 1:
-        raise ValueError("block_tables must have unit stride along a row.")
+    if block_tables.stride(1) != 1 or not all(t.is_contiguous() for t in (positions, seq_lens, limits)):
+        raise ValueError("block_tables must have unit stride along a row, and positions, seq_lens and limits "
+                         "must be contiguous.")
     new_positions, new_seq_lens = torch.empty_like(positions), torch.empty_like(seq_lens)
     slot_mapping = torch.empty(num_seqs, dtype=torch.int64, device=positions.device)
     if num_seqs:

@@ -54,10 +54,11 @@ class AdvanceStep(CustomOp):
         slots = slot_of(block_tables[rows, positions // block_size].long(), positions, block_size)
         return positions, seq_lens, torch.where(active, slots, _NO_SLOT)
 
-    def forward_triton(self, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward_triton(self, positions: torch.Tensor, seq_lens: torch.Tensor, block_tables: torch.Tensor,
+                       limits: torch.Tensor, step: int, block_size: int):
         from minivllm.kernels.advance_step import advance_step  # imports triton: only on this backend
 
-        return advance_step(*args)
+        return advance_step(positions, seq_lens, block_tables, limits, step, block_size)
 
 
 @dataclass

@@ -54,19 +54,23 @@ def test_reference_is_the_per_row_definition(num_seqs, block_size, max_blocks, s
     assert [t.dtype for t in got] == [torch.int64, torch.int32, torch.int64]
 
 
-@pytest.mark.parametrize("num_seqs, block_size, max_blocks, step", [
-    (1, 16, 4, 1), (7, 4, 5, 3), (130, 16, 3, 2),  # 130 rows: two programs
+@pytest.mark.parametrize("num_seqs, block_size, max_blocks, step, all_inactive", [
+    (1, 16, 4, 1, False), (7, 4, 5, 3, False), (130, 16, 3, 2, False),  # 130 rows: two programs
+    (5, 16, 3, 0, False),  # step 0 (a run continuing the last one): every row moves
+    (6, 8, 3, 2, True),  # every row out of reserved slots: none moves, none writes
 ])
-def test_kernel_matches_the_reference(num_seqs, block_size, max_blocks, step):
+def test_kernel_matches_the_reference(num_seqs, block_size, max_blocks, step, all_inactive):
     from minivllm.kernels.advance_step import advance_step
 
     args = random_rows(num_seqs, block_size, max_blocks, step, seed=num_seqs)
+    if all_inactive:
+        args[3].fill_(step)
     for got, expected in zip(advance_step(*args, step, block_size), spec(*args, step, block_size)):
         assert got.dtype == expected.dtype
         assert torch.equal(got, expected)
 
 
-def test_kernel_rejects_mismatched_rows():
+def test_kernel_rejects_what_it_does_not_read():
     from minivllm.kernels.advance_step import advance_step
 
     positions, seq_lens, tables, limits = random_rows(4, 16, 2, 1, seed=0)
@@ -74,3 +78,5 @@ def test_kernel_rejects_mismatched_rows():
         advance_step(positions, seq_lens[:3], tables, limits, 1, 16)
     with pytest.raises(ValueError, match="unit stride"):
         advance_step(positions, seq_lens, tables.t().contiguous().t(), limits, 1, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        advance_step(torch.stack([positions, positions], dim=1)[:, 0], seq_lens, tables, limits, 1, 16)

@@ -62,7 +62,10 @@ SCRIPT = textwrap.dedent("""
         # (v2's SPLITS_PAD, the next power of 2 of the splits, is a constexpr on purpose: a wider
         # merge would cost batch 1. Decode runs in CUDA graphs, each compiled at capture.)
         "decode v2 (split-KV)": (lambda: decode(3, 17, 3), [lambda: decode(16, 32, 4), lambda: decode(5, 1, 3)]),
-        "decode v1": (lambda: decode(3, 17, 1), [lambda: decode(16, 32, 1), lambda: decode(1, 1, 1)]),
+        # A one-sequence launch is programmatically dependent on Hopper (`kernels/launch.py`):
+        # its own variant, compiled as the batch-1 graph's capture compiles it.
+        "decode v1": (lambda: (decode(3, 17, 1), decode(1, 17, 1)),
+                      [lambda: decode(16, 32, 1), lambda: decode(1, 1, 1), lambda: decode(2, 1, 1)]),
         "prefill": (lambda: prefill(3, 17), [lambda: prefill(16, 32), lambda: prefill(1, 1)]),
         "sampling, temperature": (lambda: sample(3, 0), [lambda: sample(1, 0), lambda: sample(16, 0), lambda: sample(256, 0)]),
         "sampling, top-k": (lambda: sample(3, 50), [lambda: sample(16, 50), lambda: sample(1, 50), lambda: sample(200, 50)]),
