@@ -156,6 +156,8 @@ def environment(device: str) -> dict:
            "commit": commit(), "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")}
     if device.startswith("cuda") and torch.cuda.is_available():
         env["gpu"], env["gpu_count"] = torch.cuda.get_device_name(), torch.cuda.device_count()
+        env.update(_gpu_machine())
+    env["cpu"] = _cpu_model()
     try:
         import triton
 
@@ -163,6 +165,29 @@ def environment(device: str) -> dict:
     except ImportError:
         pass
     return env
+
+
+def _gpu_machine() -> dict:
+    """The driver, and what else computes on the GPUs: two machines of one kind may differ in
+    these, and a batch-1 step can differ with them."""
+    query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+    apps = ["nvidia-smi", "--query-compute-apps=pid", "--format=csv,noheader"]
+    try:
+        driver = subprocess.run(query, capture_output=True, text=True, timeout=20).stdout.split()
+        pids = subprocess.run(apps, capture_output=True, text=True, timeout=20).stdout.split()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"driver": driver[0] if driver else None,
+            "other_gpu_processes": len([pid for pid in pids if pid != str(os.getpid())])}
+
+
+def _cpu_model() -> str:
+    """The host CPU (the host's share of a step depends on it)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return platform.processor()
 
 
 def commit() -> str:
