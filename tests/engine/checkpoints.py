@@ -79,6 +79,16 @@ def hf_greedy(model, prompt_token_ids: list[int], max_new_tokens: int) -> list[i
     return out[0, len(prompt_token_ids):].tolist()
 
 
+def greedy_margin(model, prompt_token_ids: list[int], output_token_ids: list[int]) -> float:
+    """The smallest gap between the top two logits over the steps that chose `output_token_ids`.
+    A GPU's fp32 sums in another order than the CPU's (differences near 1e-5): a reference
+    compared on a GPU needs gaps well above that, or either token is right."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt_token_ids + output_token_ids])).logits[0]
+    top2 = logits[len(prompt_token_ids) - 1:-1].topk(2, dim=-1).values
+    return float((top2[:, 0] - top2[:, 1]).min())
+
+
 def mixed_prompts(num: int, seed: int = 0, max_len: int = 40) -> list[list[int]]:
     """`num` prompts of token ids: lengths around block edges (block size 8), then random."""
     rng = random.Random(seed)

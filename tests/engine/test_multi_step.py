@@ -9,6 +9,7 @@ block came back.
 import random
 
 import pytest
+import torch
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.llm_engine import LLMEngine
@@ -18,9 +19,9 @@ import engine_test_checkpoints as checkpoints  # registered by conftest.py
 from engine_test_checkpoints import assert_all_blocks_free, mixed_prompts
 
 
-def make_engine(checkpoint_dirs, family="llama", **kwargs) -> LLMEngine:
+def make_engine(checkpoint_dirs, family="llama", device="cpu", **kwargs) -> LLMEngine:
     path, _ = checkpoint_dirs[family]
-    engine = LLMEngine.from_engine_args(EngineArgs(model=path, device="cpu", block_size=8, **kwargs))
+    engine = LLMEngine.from_engine_args(EngineArgs(model=path, device=device, block_size=8, **kwargs))
     engine.multi_step_runs = []
     worker = engine.model_executor.driver_worker
     if not hasattr(worker, "multi_step_runner"):  # num_scheduler_steps=1: the plain worker
@@ -58,18 +59,21 @@ def test_greedy_matches_transformers_with_several_steps_per_schedule(checkpoint_
 
 
 def test_triton_backend_advances_each_step_in_one_kernel(checkpoint_dirs):
-    """The "triton" backend (Triton's interpreter on a CPU) builds each step's inputs with
-    `kernels/advance_step.py`; requests that run out of reserved slots mid-run (inactive rows)
-    keep the output transformers gives."""
+    """The "triton" backend (on the GPU when there is one, else in Triton's interpreter) builds
+    each step's inputs with `kernels/advance_step.py`; requests that run out of reserved slots
+    mid-run (inactive rows) keep the output transformers gives."""
     _, hf_model = checkpoint_dirs["llama"]
-    prompts = mixed_prompts(4, seed=7)
+    prompts = mixed_prompts(4, seed=27)
     max_tokens = [2, 5, 6, 9]
-    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4, attention_backend="triton")
+    expected = [checkpoints.hf_greedy(hf_model, prompt, m) for prompt, m in zip(prompts, max_tokens)]
+    assert min(checkpoints.greedy_margin(hf_model, p, e) for p, e in zip(prompts, expected)) > 1e-3
+    engine = make_engine(checkpoint_dirs, num_scheduler_steps=4, attention_backend="triton",
+                         device="cuda" if torch.cuda.is_available() else "cpu")
     assert engine.model_executor.driver_worker.multi_step_runner.advance.backend == "triton"
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in max_tokens]
     results = run(engine, prompts, params)
-    for i, (prompt, m) in enumerate(zip(prompts, max_tokens)):
-        assert results[str(i)].token_ids == checkpoints.hf_greedy(hf_model, prompt, m), f"prompt {i}"
+    for i in range(len(prompts)):
+        assert results[str(i)].token_ids == expected[i], f"prompt {i}"
     assert engine.multi_step_runs
     assert_all_blocks_free(engine)
 
