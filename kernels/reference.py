@@ -192,9 +192,10 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     z = logits.float() / torch.where(greedy, 1.0, temperature.float()).unsqueeze(1)
     kept = kept_mask(z, top_k, top_p, min_p)
     kept_z = z.masked_fill(~kept, -float("inf"))
-    pairs = zip(seeds.tolist(), offsets.tolist())
-    noise = [row_race_noise(seed, offset, z.shape[1], z.device) for seed, offset in pairs]
-    noise = torch.stack(noise) if noise else z.double()
+    noise = torch.zeros_like(z, dtype=torch.float64)  # a greedy row draws none: its arg-max ignores it
+    for row, (seed, offset, is_greedy) in enumerate(zip(seeds.tolist(), offsets.tolist(), greedy.tolist())):
+        if not is_greedy:
+            noise[row] = row_race_noise(seed, offset, z.shape[1], z.device)
     # E = 0 makes the noise +inf, and -inf + inf is NaN, which would win the arg-max: a token of
     # probability 0 (dropped, or -inf from the start) keeps score -inf whatever its noise.
     finite = kept_z > -float("inf")
