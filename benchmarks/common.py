@@ -15,6 +15,7 @@ The scripts beside this module each measure one thing and import only this modul
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import inspect
@@ -22,6 +23,8 @@ import json
 import os
 import platform
 import random
+import shutil
+import statistics
 import subprocess
 import time
 from typing import Callable
@@ -181,6 +184,56 @@ def _gpu_machine() -> dict:
             "other_gpu_processes": len([pid for pid in pids if pid != str(os.getpid())])}
 
 
+@contextlib.contextmanager
+def gpu_clocks(device: str, every_ms: int = 250):
+    """While the block runs, nvidia-smi samples the GPU's SM clock, power and temperature every
+    `every_ms`; at its end the yielded dict holds their summary (empty without a CUDA GPU or
+    nvidia-smi). Two runs of one workload on one kind of GPU can differ by a sixth; a GPU
+    that clocks down (its power cap, its heat, a neighbour's) shows here."""
+    summary: dict = {}
+    if not device.startswith("cuda") or not torch.cuda.is_available() or shutil.which("nvidia-smi") is None:
+        yield summary
+        return
+    query = ["nvidia-smi", "--query-gpu=clocks.sm,power.draw,temperature.gpu", "--format=csv,noheader,nounits",
+             f"--loop-ms={every_ms}", f"--id={_nvidia_smi_id(torch.device(device))}"]
+    sampler = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        yield summary
+    finally:
+        sampler.terminate()
+        try:
+            out, _ = sampler.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            sampler.kill()
+            out, _ = sampler.communicate()
+        summary.update(clock_summary(out))
+
+
+def _nvidia_smi_id(device: torch.device) -> str:
+    """The GPU as nvidia-smi names it: by UUID, which CUDA_VISIBLE_DEVICES does not renumber."""
+    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
+    uuid = str(getattr(props, "uuid", ""))
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}" if uuid else str(device.index or 0)
+
+
+def clock_summary(csv_lines: str) -> dict:
+    """nvidia-smi's "clock MHz, power W, temperature C" lines -> min and median clock, peak power
+    and temperature. Lines that are not three numbers ("[N/A]", a line cut short) are skipped."""
+    samples = []
+    for line in csv_lines.splitlines():
+        try:
+            sm_mhz, watts, celsius = (float(field) for field in line.split(","))
+        except ValueError:
+            continue
+        samples.append((sm_mhz, watts, celsius))
+    if not samples:
+        return {}
+    clocks = [sample[0] for sample in samples]
+    return {"samples": len(samples), "sm_mhz_min": min(clocks), "sm_mhz_median": statistics.median(clocks),
+            "power_w_max": max(sample[1] for sample in samples),
+            "temperature_c_max": max(sample[2] for sample in samples)}
+
+
 def _cpu_model() -> str:
     """The host CPU (the host's share of a step depends on it)."""
     try:
@@ -191,15 +244,16 @@ def _cpu_model() -> str:
 
 
 def commit() -> str:
-    """The checkout's commit (short hash), or $MINIVLLM_COMMIT where the copy has no .git."""
+    """$MINIVLLM_COMMIT where set (a copy of the tree whose .git is missing or not its own),
+    else the checkout's commit (short hash)."""
+    if os.environ.get("MINIVLLM_COMMIT"):
+        return os.environ["MINIVLLM_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent,
                              capture_output=True, text=True, timeout=10)
     except (OSError, subprocess.TimeoutExpired):
         out = None
-    if out is not None and out.returncode == 0:
-        return out.stdout.strip()
-    return os.environ.get("MINIVLLM_COMMIT", "unknown")
+    return out.stdout.strip() if out is not None and out.returncode == 0 else "unknown"
 
 
 # --------------------------------------------------------------------------- loggers

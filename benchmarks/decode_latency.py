@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import (HOST_PROFILE_STEPS, IDLE_PROFILE_STEPS, NANO_MAX_MODEL_LEN, cuda_median_ms, engine_args_used,
+from common import (HOST_PROFILE_STEPS, IDLE_PROFILE_STEPS, NANO_MAX_MODEL_LEN, cuda_median_ms, engine_args_used, gpu_clocks,
                     make_workload, profile_every_rank, profile_gpu_idle, profile_host, profile_one_step,
                     resolved_engine_settings)
 
@@ -298,12 +298,13 @@ def batch1(ckpt: str, profile_path: Path | None, smoke: bool = False, cublas_lin
     for _ in range(B1_WARMUP_STEPS):
         engine.step()
     times, tokens = [], []
-    for _ in range(steps):
-        before, start = seq.get_output_len(), time.perf_counter()
-        engine.step()
-        times.append(time.perf_counter() - start)
-        tokens.append(seq.get_output_len() - before)
-    result.update(decode_step_ms_median=round(1e3 * sorted(times)[len(times) // 2], 4),
+    with gpu_clocks(str(engine.device_config.device)) as clocks:
+        for _ in range(steps):
+            before, start = seq.get_output_len(), time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+            tokens.append(seq.get_output_len() - before)
+    result.update(gpu_clocks=clocks, decode_step_ms_median=round(1e3 * sorted(times)[len(times) // 2], 4),
                   tokens_per_step_median=sorted(tokens)[len(tokens) // 2],
                   decode_ms_per_token=round(1e3 * sum(times) / max(1, sum(tokens)), 4),
                   decode_steps_timed=steps, target_decode_ms=1.0)

@@ -54,9 +54,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from common import (NANO_MAX_MODEL_LEN, NANO_WARMUP_PARAMS, NANO_WARMUP_PROMPT, GpuIdleProfile, ProgressLogger,
-                    StepTimeline, build_checkpoint, running_context_tokens, checked_result, engine_args_used, environment, kernel_name,
-                    make_workload, resolved_engine_settings, result_path, row_workload, run_hf_cb, sync,
-                    triton_cache_entries)
+                    StepTimeline, build_checkpoint, running_context_tokens, checked_result, engine_args_used, environment,
+                    gpu_clocks, kernel_name, make_workload, resolved_engine_settings, result_path, row_workload, run_hf_cb,
+                    sync, triton_cache_entries)
 
 HERE = Path(__file__).parent
 BUDGET_S = 480.0  # the whole run, checkpoints included: fits a 9-minute device call with margin
@@ -306,11 +306,13 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
         idle = GpuIdleProfile(llm.llm_engine, at_step=spec["idle_profile_at"])
         llm.llm_engine.add_logger("gpu_idle", idle)
-    start = time.perf_counter()
-    outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
-    sync(device)
-    elapsed = time.perf_counter() - start
+    with gpu_clocks(device) as clocks:
+        start = time.perf_counter()
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
+        sync(device)
+        elapsed = time.perf_counter() - start
     result = checked_result([list(o.outputs[0].token_ids) for o in outputs], max_tokens, elapsed)
+    result["gpu_clocks"] = clocks
     result["timeline"] = timeline.summary()
     result["stalls"] = timeline.stalls
     if idle is not None:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -241,6 +243,45 @@ def test_gpu_tag_names_a_result_for_its_machine():
     assert common.gpu_tag(None) == "cpu"
     env = {"gpu": "NVIDIA H100 80GB HBM3", "gpu_count": 1}
     assert common.result_path("throughput", env, Path("out")) == Path("out/throughput_h100.json")
+
+
+def test_clock_summary_reads_nvidia_smi_samples_and_skips_the_rest():
+    lines = "1980, 455.20, 41\n345, 88.10, 38\n[N/A], [N/A], 39\n1755, 690.00, 52\n1980, 51"
+    assert common.clock_summary(lines) == {"samples": 3, "sm_mhz_min": 345.0, "sm_mhz_median": 1755.0,
+                                           "power_w_max": 690.0, "temperature_c_max": 52.0}
+    assert common.clock_summary("") == {}
+
+
+def test_gpu_clocks_records_nothing_without_a_gpu():
+    with common.gpu_clocks("cpu") as clocks:
+        pass
+    assert clocks == {}
+
+
+def test_gpu_clocks_samples_while_the_block_runs_and_stops_the_sampler(tmp_path, monkeypatch):
+    """The sampling process (a stand-in nvidia-smi here) runs for the block and no longer."""
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1980, 400.5, 40'; sleep 0.02; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setattr(common.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(common, "_nvidia_smi_id", lambda device: "GPU-0")
+    started = []
+    popen = common.subprocess.Popen
+    monkeypatch.setattr(common.subprocess, "Popen", lambda *a, **k: started.append(popen(*a, **k)) or started[-1])
+    with common.gpu_clocks("cuda:0", every_ms=20) as clocks:
+        time.sleep(0.3)
+    assert started and started[0].poll() is not None  # the sampler has exited
+    assert clocks["samples"] >= 2 and clocks["sm_mhz_min"] == clocks["sm_mhz_median"] == 1980.0
+    assert clocks["power_w_max"] == 400.5 and clocks["temperature_c_max"] == 40.0
+
+
+def test_commit_prefers_the_one_named_in_the_environment(monkeypatch):
+    """A copy whose .git is another tree's (a device's stale checkout) names its commit itself."""
+    monkeypatch.setenv("MINIVLLM_COMMIT", "abc1234")
+    assert common.commit() == "abc1234"
+    monkeypatch.delenv("MINIVLLM_COMMIT")
+    assert common.commit() != "abc1234"
 
 
 def test_startup_reads_the_engine_log_and_charges_each_triton_build_to_its_phase():
