@@ -211,9 +211,11 @@ def gpu_clocks(device: str, every_ms: int = 250):
 
 def _nvidia_smi_id(device: torch.device) -> str:
     """The GPU as nvidia-smi names it: by UUID, which CUDA_VISIBLE_DEVICES does not renumber."""
-    props = torch.cuda.get_device_properties(device.index if device.index is not None else torch.cuda.current_device())
-    uuid = str(getattr(props, "uuid", ""))
-    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}" if uuid else str(device.index or 0)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    uuid = str(getattr(torch.cuda.get_device_properties(index), "uuid", ""))
+    if not uuid:
+        return str(index)
+    return uuid if uuid.startswith("GPU-") else f"GPU-{uuid}"
 
 
 def clock_summary(csv_lines: str) -> dict:
