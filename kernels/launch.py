@@ -14,8 +14,8 @@ A kernel that does not signal (cuBLAS, PyTorch's) makes the next one wait for it
 Only launches over a single token or sequence (batch-1 decode) use it, where
 `docs/benchmarks.md` measures it (the batch-1 rows with and without); with many tokens each
 kernel runs long past its launch and the linear layers are cuBLAS's. Such a launch is a variant
-of its own, compiled when the batch-1 CUDA graph is captured. Each kernel takes a `PDL` constexpr, False on a CPU,
-so the interpreter never meets the instructions.
+of its own, compiled when the batch-1 CUDA graph is captured. Each kernel takes a `PDL`
+constexpr, False on a CPU, so the interpreter never meets the instructions.
 """
 
 from __future__ import annotations

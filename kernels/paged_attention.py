@@ -187,7 +187,7 @@ def _paged_attention_v2_kernel(
     GROUP_SIZE: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
-    signal_dependents(PDL)  # `launch.py`
+    signal_dependents(PDL)
     wait_for_inputs(PDL)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
