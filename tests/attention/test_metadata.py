@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from minivllm.attention import build_attn_metadata
 
@@ -56,6 +58,17 @@ def test_invalid_layouts_are_errors():
         type(md)(**{**md.__dict__, "slot_mapping": md.slot_mapping[:2]})
 
 
+@given(st.lists(st.integers(0, 5000), max_size=6))
+def test_each_packed_part_starts_16_byte_aligned_and_fits_its_bytes(nbytes):
+    """Triton compiles a kernel again for a pointer off a 16-byte boundary: every part of the
+    one-copy buffer starts on one, whatever the sizes before it."""
+    from minivllm.attention.packed_copy import packed_starts
+
+    starts = packed_starts(nbytes)
+    assert all(start % 16 == 0 for start in starts)
+    assert all(starts[i] + n <= starts[i + 1] < starts[i] + n + 16 for i, n in enumerate(nbytes))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
@@ -67,9 +80,20 @@ def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
     for host, on_device in zip(tensors, to_device_together(tensors, "cuda")):
         assert on_device.device.type == "cuda" and on_device.dtype == host.dtype
         assert torch.equal(on_device.cpu(), host)
+        assert on_device.data_ptr() % 16 == 0
     tables, context_lens, query_lens = [[7, 2], [3], [5, 1, 6]], [5, 0, 8], [2, 3, 1]
     md_cpu = build_attn_metadata(tables, context_lens, query_lens, num_prefills=2, block_size=BLOCK_SIZE)
     md_gpu = build_attn_metadata(tables, context_lens, query_lens, num_prefills=2, block_size=BLOCK_SIZE,
                                  device="cuda")
     for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
         assert torch.equal(getattr(md_gpu, name).cpu(), getattr(md_cpu, name)), name
+
+
+@given(st.data())
+def test_slots_of_a_position_range_follow_the_slot_formula(data):
+    from minivllm.attention.metadata import slots_of
+
+    table = data.draw(st.lists(st.integers(0, 999), min_size=1, max_size=12))
+    start = data.draw(st.integers(0, len(table) * BLOCK_SIZE))
+    end = data.draw(st.integers(start, len(table) * BLOCK_SIZE))
+    assert list(slots_of(table, start, end, BLOCK_SIZE)) == [slot(table, p) for p in range(start, end)]

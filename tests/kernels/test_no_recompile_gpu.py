@@ -51,6 +51,17 @@ SCRIPT = textwrap.dedent("""
         prefill_attention.paged_prefill_attention(q, key_cache, value_cache, table(num_seqs, width), start, lens,
                                                   0.1, max_query_len=q_len)
 
+    def prefill_from_packed_copy(num_seqs, q_len):
+        # The engine's path: the metadata's tensors are views into one copied buffer, at offsets
+        # that move with the batch's sizes (`packed_copy.to_device_together`).
+        from minivllm.attention import build_attn_metadata
+        tables = [[s % 512 for s in range(i, i + 3)] for i in range(num_seqs)]
+        md = build_attn_metadata(tables, [0] * num_seqs, [q_len] * num_seqs, num_prefills=num_seqs,
+                                 block_size=block_size, device=dev)
+        q = torch.randn(num_seqs * q_len, heads, dim, device=dev, dtype=dtype)
+        prefill_attention.paged_prefill_attention(q, key_cache, value_cache, md.block_tables, md.query_start_loc,
+                                                  md.seq_lens, 0.1, max_query_len=q_len)
+
     def sample(rows, top_k):
         logits = torch.randn(rows, vocab, device=dev)
         full = lambda value, dt: torch.full((rows,), value, device=dev, dtype=dt)
@@ -67,6 +78,8 @@ SCRIPT = textwrap.dedent("""
         "decode v1": (lambda: (decode(3, 17, 1), decode(1, 17, 1)),
                       [lambda: decode(16, 32, 1), lambda: decode(1, 1, 1), lambda: decode(2, 1, 1)]),
         "prefill": (lambda: prefill(3, 17), [lambda: prefill(16, 32), lambda: prefill(1, 1)]),
+        "prefill, inputs from the packed copy": (lambda: prefill_from_packed_copy(4, 5),
+                                                 [lambda: prefill_from_packed_copy(n, q) for n, q in ((3, 5), (1, 7), (5, 3))]),
         "sampling, temperature": (lambda: sample(3, 0), [lambda: sample(1, 0), lambda: sample(16, 0), lambda: sample(256, 0)]),
         "sampling, top-k": (lambda: sample(3, 50), [lambda: sample(16, 50), lambda: sample(1, 50), lambda: sample(200, 50)]),
     }
