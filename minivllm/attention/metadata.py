@@ -11,7 +11,6 @@ Built once per step by the model runner and passed down to every layer, never a 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from functools import cached_property
 
@@ -94,14 +93,6 @@ def slot_of(block_number, position, block_size: int):
     return block_number * block_size + position % block_size
 
 
-def slots_of(block_table: list[int], start: int, end: int, block_size: int) -> Iterator[int]:
-    """The cache slots of positions [start, end): `slot_of` for each, made block by block as
-    ranges (a 1k-token prompt is 64 ranges, not 1k Python calls)."""
-    blocks = block_table[start // block_size: -(-end // block_size)]
-    slots = itertools.chain.from_iterable(range(b * block_size, (b + 1) * block_size) for b in blocks)
-    return itertools.islice(slots, start % block_size, start % block_size + end - start)
-
-
 def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], query_lens: list[int],
                         num_prefills: int, block_size: int,
                         device: torch.device | str = "cpu") -> AttentionMetadata:
@@ -124,7 +115,8 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
         if len(table) * block_size < context_len + query_len:
             raise ValueError(f"block table {table} holds {len(table) * block_size} tokens, "
                              f"fewer than {context_len + query_len}.")
-        slot_mapping.extend(slots_of(table, context_len, context_len + query_len, block_size))
+        slot_mapping.extend(slot_of(table[pos // block_size], pos, block_size)
+                            for pos in range(context_len, context_len + query_len))
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     query_start_loc = list(itertools.accumulate(query_lens, initial=0))
     slots, lens, starts, tables = to_device_together([  # one copy to a GPU

@@ -88,12 +88,3 @@ def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
     for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
         assert torch.equal(getattr(md_gpu, name).cpu(), getattr(md_cpu, name)), name
 
-
-@given(st.data())
-def test_slots_of_a_position_range_follow_the_slot_formula(data):
-    from minivllm.attention.metadata import slots_of
-
-    table = data.draw(st.lists(st.integers(0, 999), min_size=1, max_size=12))
-    start = data.draw(st.integers(0, len(table) * BLOCK_SIZE))
-    end = data.draw(st.integers(start, len(table) * BLOCK_SIZE))
-    assert list(slots_of(table, start, end, BLOCK_SIZE)) == [slot(table, p) for p in range(start, end)]
