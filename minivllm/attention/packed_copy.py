@@ -18,6 +18,8 @@ import itertools
 
 import torch
 
+ALIGN = 16  # bytes: the alignment Triton specializes pointer arguments on
+
 
 def to_device_together(tensors: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
     """Host tensors on `device`, each with its dtype and shape: one asynchronous copy on a GPU."""
@@ -32,11 +34,7 @@ def to_device_together(tensors: list[torch.Tensor], device: torch.device | str) 
     return [on_device[start : start + n].view(t.dtype).view(t.shape) for t, start, n in zip(tensors, starts, nbytes)]
 
 
-ALIGN = 16  # bytes: the alignment Triton specializes pointer arguments on
-
-
 def packed_starts(nbytes: list[int]) -> list[int]:
     """Byte offset of each part in the packed buffer, then its total size: each part rounded
     up to ALIGN bytes. nbytes [20, 12, 0, 8] -> [0, 32, 48, 48, 64]."""
     return list(itertools.accumulate((-(-n // ALIGN) * ALIGN for n in nbytes), initial=0))
-

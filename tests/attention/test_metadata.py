@@ -87,4 +87,3 @@ def test_one_packed_copy_gives_each_tensor_its_values_dtype_and_shape():
                                  device="cuda")
     for name in ("slot_mapping", "seq_lens", "query_start_loc", "block_tables"):
         assert torch.equal(getattr(md_gpu, name).cpu(), getattr(md_cpu, name)), name
-
