@@ -296,10 +296,13 @@ class StepTimeline:
     BUCKETS = ((224, "decode, 224-256 running"), (128, "decode, 128-223 running"), (32, "decode, 32-127 running"),
                (8, "decode, 8-31 running"), (1, "decode, 1-7 running"))
 
-    def __init__(self, context_tokens: Callable[[], int] | None = None) -> None:
+    def __init__(self, context_tokens: Callable[[], int] | None = None, builds: list | None = None) -> None:
         # context_tokens(): the summed lengths of the running sequences, read after each step,
         # so each record knows how much KV its decode steps read (benchmarks/roofline.py).
         self.context_tokens = context_tokens or (lambda: 0)
+        # builds: a `startup.TritonBuildTimer`'s list, (kernel, start, seconds) per Triton build,
+        # so a stalled step says which kernels it compiled or loaded.
+        self.builds, self.builds_seen = builds, len(builds or ())
         self.last, self.running, self.context, self.steps = time.monotonic(), 0, 0, []
         self.stalls: list[dict] = []  # steps that took over STALL_FACTOR x the previous one
         self.allocator_events = _allocator_events()
@@ -323,13 +326,21 @@ class StepTimeline:
             self.stalls.append({"step": len(self.steps), "ms": round(1e3 * seconds, 1), "running": self.running,
                                 "gc_ms": round(1e3 * (self.gc_s - self.gc_at_last_step), 1),
                                 "gc_full_collections": self.gc_full - self.gc_full_at_last_step,
-                                **{k: events[k] - self.allocator_events[k] for k in events}})
+                                **{k: events[k] - self.allocator_events[k] for k in events},
+                                **self._builds_since_last_step()})
+        self.builds_seen = len(self.builds or ())
         self.allocator_events, self.gc_at_last_step, self.gc_full_at_last_step = events, self.gc_s, self.gc_full
         self.steps.append((seconds, stats.num_prompt_tokens_iter, stats.num_generation_tokens_iter, self.running,
                            self.context))
         self.last, self.running, self.context = stats.now, stats.num_running_sys, self.context_tokens()
 
     STALL_FACTOR, STALL_MIN_S = 2.0, 0.1
+
+    def _builds_since_last_step(self) -> dict:
+        """{"triton_builds": [[kernel, ms], ...]} of the builds in the step just ended ({} without a timer)."""
+        if self.builds is None:
+            return {}
+        return {"triton_builds": [[name, round(1e3 * seconds, 1)] for name, _, seconds in self.builds[self.builds_seen:]]}
 
     def phase(self, prompt_tokens: int, running_before: int) -> str:
         if prompt_tokens:

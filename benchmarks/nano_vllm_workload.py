@@ -57,6 +57,7 @@ from common import (NANO_MAX_MODEL_LEN, NANO_WARMUP_PARAMS, NANO_WARMUP_PROMPT, 
                     StepTimeline, build_checkpoint, running_context_tokens, checked_result, engine_args_used, environment,
                     gpu_clocks, kernel_name, make_workload, resolved_engine_settings, result_path, row_workload, run_hf_cb,
                     sync, triton_cache_entries)
+from startup import TritonBuildTimer, summarize as summarize_builds
 
 HERE = Path(__file__).parent
 BUDGET_S = 480.0  # the whole run, checkpoints included: fits a 9-minute device call with margin
@@ -287,6 +288,7 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     max_model_len, plus the row's explicit extras), its one-line warm-up, one timed generate."""
     from minivllm import LLM, SamplingParams
 
+    builds = TritonBuildTimer()  # every kernel build of this process, timed: a stall names its kernel
     prompts, max_tokens = row_workload(spec)
     given = {"model": str(ckpt), "dtype": spec.get("dtype", "bfloat16"), "max_model_len": NANO_MAX_MODEL_LEN,
              **spec.get("engine_args", {})}
@@ -300,7 +302,9 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     sync(device)
     if progress is not None:
         llm.llm_engine.add_logger("progress", ProgressLogger(progress))
-    timeline = StepTimeline(context_tokens=lambda: running_context_tokens(llm.llm_engine))
+    timeline = StepTimeline(context_tokens=lambda: running_context_tokens(llm.llm_engine),
+                            builds=builds.builds if builds.installed else None)
+    built_before_run = len(builds.builds)
     llm.llm_engine.add_logger("timeline", timeline)
     idle = None
     if spec.get("idle_profile_at"):  # a diagnostic row: the profiler slows the steps it watches
@@ -315,6 +319,7 @@ def run_minivllm_row(spec: dict, ckpt: Path, progress: Path | None = None) -> di
     result["gpu_clocks"] = clocks
     result["timeline"] = timeline.summary()
     result["stalls"] = timeline.stalls
+    result["triton_builds_in_run"] = summarize_builds(builds.builds[built_before_run:]) if builds.installed else None
     if idle is not None:
         result["gpu_idle"] = idle.summary
     result.update(engine_args=engine_args_used(given), engine_resolved=resolved_engine_settings(llm.llm_engine),

@@ -150,6 +150,26 @@ def test_progress_logger_says_how_far_an_unfinished_row_got(tmp_path):
     assert "penalties row: timed out after 80 s (unfinished: 12 tokens" in nano_vllm_workload.markdown_table(report)
 
 
+def test_a_stalled_step_names_the_triton_kernels_built_in_it():
+    """The step timeline's stall record lists the builds of that step alone, from the timer's list."""
+    from types import SimpleNamespace
+
+    builds = [("_warm_kernel", 0.0, 0.004)]  # built before the run: never charged to a step
+    timeline = common.StepTimeline(builds=builds)
+    step = lambda now: SimpleNamespace(now=now, num_prompt_tokens_iter=0, num_generation_tokens_iter=8,
+                                       num_running_sys=4)
+    timeline.log(step(timeline.last + 0.02))
+    builds.append(("_paged_prefill_kernel", 0.0, 0.6))  # a compile inside the next step
+    timeline.log(step(timeline.last + 0.65))
+    timeline.log(step(timeline.last + 0.02))
+    [stall] = timeline.stalls
+    assert stall["step"] == 1 and stall["triton_builds"] == [["_paged_prefill_kernel", 600.0]]
+    plain = common.StepTimeline()  # no timer (a Triton without the hooks): no such field
+    plain.log(step(plain.last + 0.02))
+    plain.log(step(plain.last + 0.65))
+    assert plain.stalls and "triton_builds" not in plain.stalls[0]
+
+
 def test_serving_split_runs_each_layer(tmp_path):
     """benchmarks/serving_split.py on the CPU: the offline modes (a ramp included) and the engine
     process each deliver the whole workload (the script checks every stream's token count)."""
