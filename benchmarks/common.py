@@ -1,7 +1,8 @@
 """What every benchmark script shares: nano-vllm's workload, its checkpoints, timing, profiles, results.
 
 The scripts beside this module each measure one thing and import only this module (and
-`tensor_parallel.py` reuses `decode_latency.full_batch`). Sections:
+`tensor_parallel.py` reuses `decode_latency.full_batch`, `nano_vllm_workload.py` the Triton build
+timer of `startup.py`, which keeps it there to import no torch before its clock). Sections:
 
     workload      nano-vllm's bench.py draw (256 requests, seed 0) and its engine arguments
     checkpoints   random-weight bf16 models of benchmarks/configs, with a stand-in tokenizer
