@@ -27,6 +27,11 @@ prefill_attention_<gpu>.json. `--prefill --smoke` runs tiny shapes on the CPU (T
 sequences of short context, with block tables as wide as an engine's (max_model_len / 16). The
 time per launch of 28 launches (one per layer of the Qwen3-0.6B shape, each over its own blocks)
 captured in one CUDA graph, per launch config. It writes kernels_latency_<gpu>.json.
+
+`--batch-order` times the decode kernel on the running set of nano-vllm's workload (bench.py's
+256 requests) after `t` decode steps, the batch in arrival order and longest first (the
+scheduler's order), µs per launch of 28 in one CUDA graph. It writes
+kernels_batch_order_<gpu>.json.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ import time
 from pathlib import Path
 
 import torch
-from common import RESULTS_DIR, cuda_median_ms, gpu_tag
+from common import RESULTS_DIR, cuda_median_ms, gpu_tag, make_workload
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE = 16, 8, 128, 16  # Qwen3-0.6B attention layer
 DTYPE = torch.bfloat16
@@ -58,6 +63,8 @@ LATENCY_SHAPES = [(1, 128, 1024), (1, 640, 1024), (1, 2048, 4096), (2, 640, 1024
                   (4, 2048, 4096), (8, 1024, 4096), (16, 1024, 4096)]
 LATENCY_CONFIGS = [(32, 4, 3), (32, 2, 3), (32, 2, 2), (16, 2, 2), (32, 1, 2), (64, 4, 2)]
 LATENCY_LAYERS = 28
+# Batch order: decode steps after which the running set is timed (all prompts prefilled at t=0).
+ORDER_STEPS = [50, 200, 400, 600, 750, 850, 950]
 
 
 def kv_bytes(batch: int, context: int) -> int:
@@ -318,6 +325,43 @@ def run_latency_sweep(out: Path) -> list[dict]:
     return rows
 
 
+def run_batch_order(out: Path) -> list[dict]:
+    """The decode kernel over bench.py's running set after each of ORDER_STEPS decode steps,
+    rows in arrival order and longest first: µs per launch (28 launches in one graph)."""
+    import triton.testing
+
+    from minivllm.kernels import paged_attention as pa
+
+    prompts, max_tokens = make_workload()
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    num_blocks = sum(len(p) + m for p, m in zip(prompts, max_tokens)) // BLOCK_SIZE + 1
+    cache = torch.randn(2, num_blocks, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+    rows = []
+    for step in ORDER_STEPS:
+        lens = [len(p) + step for p, m in zip(prompts, max_tokens) if m > step]
+        query = torch.randn(len(lens), NUM_HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, generator=gen)
+        tables = torch.randint(0, num_blocks, (len(lens), 4096 // BLOCK_SIZE), device=DEVICE, dtype=torch.int32,
+                               generator=gen)  # as wide as the engine's (max_model_len 4096)
+        row = dict(step=step, batch=len(lens), kv_mb=round(kv_bytes(1, sum(lens)) / 1e6, 1))
+        for order in ("arrival", "longest first"):
+            rows_in_order = sorted(range(len(lens)), key=lambda i: -lens[i]) if order == "longest first" else None
+            pick = torch.tensor(rows_in_order or range(len(lens)), device=DEVICE)
+            seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)[pick]
+            args = (query[pick], cache[0], cache[1], tables[pick], seq_lens, HEAD_DIM**-0.5)
+            pa.paged_attention_decode(*args)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(LATENCY_LAYERS):
+                    pa.paged_attention_decode(*args)
+            row[order] = round(triton.testing.do_bench(graph.replay, return_mode="median") * 1e3 / LATENCY_LAYERS, 1)
+        row["speed-up"] = round(row["arrival"] / row["longest first"], 3)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    path = out / f"kernels_batch_order_{gpu_tag(torch.cuda.get_device_name())}.json"
+    path.write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+    return rows
+
+
 def profile_kernels(shapes) -> list[dict]:
     """Device time of each GPU kernel in one call of triton (auto) and sdpa, via torch.profiler.
 
@@ -527,6 +571,8 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="with --prefill: tiny shapes, CPU is fine")
     parser.add_argument("--latency-sweep", action="store_true",
                         help="split-KV launch configs at few short sequences only (µs per launch)")
+    parser.add_argument("--batch-order", action="store_true",
+                        help="the decode kernel on bench.py's running set, arrival order vs longest first")
     args = parser.parse_args()
     if args.prefill:
         if args.smoke and not torch.cuda.is_available():
@@ -540,9 +586,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         raise SystemExit("this benchmark needs a CUDA GPU")
-    if args.latency_sweep:
+    if args.latency_sweep or args.batch_order:
         args.out.mkdir(parents=True, exist_ok=True)
-        run_latency_sweep(args.out)
+        (run_latency_sweep if args.latency_sweep else run_batch_order)(args.out)
         return
     import triton
 

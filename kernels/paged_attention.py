@@ -7,7 +7,8 @@ Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2); 
     block_tables        [num_seqs, max_blocks_per_seq] int32
     seq_lens            [num_seqs] int32
 One program per (sequence, KV head) serves that KV head's query heads (GQA): each key and
-value is read once. Softmax is online, in fp32; addresses are 64-bit. v2 (split-KV) cuts a
+value is read once. Softmax is online, in fp32; addresses are 64-bit. Programs launch in batch
+order, a sequence's KV heads side by side: decodes come longest first (the scheduler's order). v2 (split-KV) cuts a
 context into `num_kv_splits` pieces when too few programs would fill the GPU; the last split
 of each pair to finish (an atomic counter) merges the partials, in the same launch.
 """
@@ -29,8 +30,7 @@ LOG2E = 1.4426950408889634
 # with transformers (bf16 and fp16 operands still run on tensor cores).
 MIN_DOT_SIZE = 16
 # (tile tokens, num_warps, num_stages), the fastest of `benchmarks/kernels.py --sweep` (v1) and
-# `--latency-sweep` (v2). A tile may span several cache blocks; num_stages tiles' loads are in
-# flight at once (pipelining).
+# `--latency-sweep` (v2). A tile may span cache blocks; num_stages tiles load at once (pipelining).
 V1_CONFIG = (64, 4, 3)  # long programs (whole contexts): big tiles, few iterations
 V2_CONFIG = (32, 2, 3)  # more, shorter programs: smaller tiles and fewer warps start sooner
 
@@ -99,7 +99,7 @@ def _load_query_group(
     return tl.load(query_ptr + offs, mask=mask, other=0.0), heads, mask
 
 
-# ---- v1: one pass. Grid (num_seqs, num_kv_heads); a program walks its whole context. ----
+# ---- v1: one pass. Grid (num_kv_heads, num_seqs); a program walks its whole context. ----
 # Triton compiles again for each value class of an int argument (1, a multiple of 16, other):
 # arguments that change per batch are exempt, so no run stops mid-way to compile.
 @triton.jit(do_not_specialize=["stride_bts"])
@@ -116,8 +116,8 @@ def _paged_attention_v1_kernel(
 ):
     signal_dependents(PDL)
     wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     seq_len = tl.load(seq_lens_ptr + seq)
     q, heads, mask = _load_query_group(
         query_ptr, seq, kv_head, stride_qs, stride_qh, stride_qd,
@@ -129,13 +129,12 @@ def _paged_attention_v1_kernel(
         stride_cb, stride_ct, stride_cd,
         BLOCK_SIZE, TILE_N, GROUP_PAD, HEAD_DIM, HEAD_DIM_PAD,
     )
-    out = acc / l_i[:, None]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     out_offs = seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :] * stride_od
-    tl.store(out_ptr + out_offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + out_offs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# ---- v2: split-KV. Grid (num_seqs, num_kv_heads, num_kv_splits): a slice of context each ----
+# ---- v2: split-KV. Grid (num_kv_heads, num_seqs, num_kv_splits): a slice of context each ----
 @triton.jit
 def _split_len(seq_len, num_splits, TILE_N: tl.constexpr):
     """Tokens per split, seq_len / num_splits rounded up to whole tiles: per sequence, on the
@@ -189,8 +188,8 @@ def _paged_attention_v2_kernel(
 ):
     signal_dependents(PDL)
     wait_for_inputs(PDL)
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    kv_head = tl.program_id(0)
+    seq = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + seq)
     split_len = _split_len(seq_len, num_splits, TILE_N)
@@ -312,7 +311,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
     qk_scale = scale * LOG2E
     cache_strides = key_cache.stride()
     if num_kv_splits == 1:
-        _paged_attention_v1_kernel[(num_seqs, num_kv_heads)](
+        _paged_attention_v1_kernel[(num_kv_heads, num_seqs)](
             out, query, key_cache, value_cache, block_tables, seq_lens, qk_scale,
             *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0), **meta,
             **pdl_options(query),
@@ -323,7 +322,7 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
                               dtype=torch.float32, device=query.device)
     partial_lse = torch.empty(num_seqs, num_heads, num_kv_splits, dtype=torch.float32, device=query.device)
     counters = split_counters(query.device, num_seqs * num_kv_heads)
-    _paged_attention_v2_kernel[(num_seqs, num_kv_heads, num_kv_splits)](
+    _paged_attention_v2_kernel[(num_kv_heads, num_seqs, num_kv_splits)](
         out, partial_out, partial_lse, counters, query, key_cache, value_cache, block_tables, seq_lens,
         qk_scale, num_kv_splits, *query.stride(), *out.stride(), *cache_strides, block_tables.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, SPLITS_PAD=triton.next_power_of_2(num_kv_splits),

@@ -93,9 +93,10 @@ class ScheduledSequenceGroup:
 @dataclass
 class SchedulerOutputs:
     """The decision of one `schedule()` call. `scheduled_seq_groups`: prefills first, then
-    decodes (the worker flattens the batch in this order). Block mappings: (src, dst) block
-    numbers the worker applies before the model runs. `ignored_seq_groups`: finished unrun,
-    FINISHED_IGNORED (can never fit) or FINISHED_ABORTED (no CPU swap space), with a reason."""
+    decodes, longest first (the worker flattens the batch in this order; the decode kernel's
+    longest programs start first). Block mappings: (src, dst) block numbers the worker applies
+    before the model runs. `ignored_seq_groups`: finished unrun, FINISHED_IGNORED (can never
+    fit) or FINISHED_ABORTED (no CPU swap space), with a reason."""
 
     scheduled_seq_groups: list[ScheduledSequenceGroup]
     num_prefill_groups: int
@@ -261,13 +262,13 @@ class Scheduler(PriorityPreemptionMixin, LookaheadSlotsMixin):
 
     def _finish_step(self, state: _StepState) -> SchedulerOutputs:
         """Put every group in its new queue and package the decision."""
-        scheduled = state.scheduled()
         self.waiting.extendleft(state.preempted_by_recompute)
         self.waiting = deque(sorted(self.waiting, key=self.policy.sort_key))
-        self.running.extend(s.seq_group for s in scheduled)
+        self.running.extend(s.seq_group for s in state.scheduled())
         self.swapped.extend(state.preempted_by_swap)
+        decodes = sorted(state.decodes, key=lambda s: s.seq_group.seqs[0].get_len(), reverse=True)
         return SchedulerOutputs(
-            scheduled_seq_groups=scheduled,
+            scheduled_seq_groups=state.prefills + state.running_prefills + decodes,
             num_prefill_groups=len(state.prefills) + len(state.running_prefills),
             num_batched_tokens=state.budget.num_batched_tokens,
             blocks_to_swap_in=state.blocks_to_swap_in,

@@ -174,6 +174,21 @@ def test_default_mode_separates_prefill_and_decode_steps():
     assert all(s.token_chunk_size == 1 for s in outputs.scheduled_seq_groups)
 
 
+def test_decodes_are_listed_longest_first_while_the_queue_keeps_arrival_order():
+    scheduler = make_scheduler(num_gpu_blocks=16, max_model_len=64)
+    for request_id, prompt_len, arrival in (("short", 3, 0.0), ("long", 20, 1.0), ("mid", 9, 2.0)):
+        scheduler.add_seq_group(make_group(request_id, prompt_len, max_tokens=30, arrival=arrival))
+    step(scheduler)  # the three prompts
+    _, outputs = step(scheduler)
+    assert scheduled_ids(outputs) == ["long", "mid", "short"]  # the kernel's longest programs first
+    assert [g.request_id for g in scheduler.running] == ["short", "long", "mid"]
+    # Preemption still follows arrival: the latest request ("mid") goes first, not the shortest.
+    outputs, moves = _step_until_preemption(scheduler)
+    assert moves.recomputed == ["mid"]
+    run_to_completion(scheduler)
+    assert_all_blocks_free(scheduler)
+
+
 def test_alloc_later_blocks_the_head_of_the_queue():
     scheduler = make_scheduler(num_gpu_blocks=6)
     scheduler.add_seq_group(make_group("big", 16, max_tokens=8))  # 4 blocks
