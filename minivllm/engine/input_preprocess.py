@@ -32,14 +32,15 @@ def process_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> tuple[str
         raise InvalidParameterError("prompt", f"prompt must be a string or a dict with 'prompt_token_ids', got {prompt!r:.200}.")
     if not token_ids:
         raise InvalidParameterError("prompt", "the prompt is empty: give at least one token.")
-    check_token_ids("prompt", token_ids, vocab_size)
-    return text, [int(t) for t in token_ids]
+    return text, check_token_ids("prompt", token_ids, vocab_size)
 
 
-def check_token_ids(name: str, ids: list, vocab_size: int) -> None:
-    """Every id must index the embedding table (and the logits): else a step would fail."""
+def check_token_ids(name: str, ids: list, vocab_size: int) -> list[int]:
+    """`ids` as plain ints. Every id must index the embedding table (and the logits): else a
+    step would fail."""
     if all(type(t) is int for t in ids) and 0 <= min(ids, default=0) <= max(ids, default=0) < vocab_size:
-        return  # plain ints, the usual prompt: checked at C speed
+        return ids  # plain ints, the usual prompt: checked at C speed
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
     if bad:
         raise InvalidParameterError(name, f"{name} must be token ids, integers in [0, {vocab_size}), got {bad[:5]}.")
+    return [int(t) for t in ids]
