@@ -36,8 +36,7 @@ def process_prompt(prompt: PromptInput, tokenizer, vocab_size: int) -> tuple[str
 
 
 def check_token_ids(name: str, ids: list, vocab_size: int) -> list[int]:
-    """`ids` as plain ints. Every id must index the embedding table (and the logits): else a
-    step would fail."""
+    """`ids` as plain ints; each must index the embedding table (and the logits), or a step fails."""
     if all(type(t) is int for t in ids) and 0 <= min(ids, default=0) <= max(ids, default=0) < vocab_size:
         return ids  # plain ints, the usual prompt: checked at C speed
     bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab_size]
