@@ -108,20 +108,20 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise ValueError("block_tables, context_lens and query_lens need one entry per sequence.")
     if any(q != 1 for q in query_lens[num_prefills:]):
-        raise ValueError(f"prefills come first: the sequences after the first {num_prefills} are "
-                         "decodes, with 1 new token each.")
-    slot_mapping = []
-    for table, context_len, query_len in zip(block_tables, context_lens, query_lens):
-        if len(table) * block_size < context_len + query_len:
-            raise ValueError(f"block table {table} holds {len(table) * block_size} tokens, "
-                             f"fewer than {context_len + query_len}.")
-        slot_mapping.extend(slot_of(table[pos // block_size], pos, block_size)
-                            for pos in range(context_len, context_len + query_len))
+        raise ValueError(f"prefills come first: the sequences after the first {num_prefills} are decodes, 1 new token each.")
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
+    for table, seq_len in zip(block_tables, seq_lens):
+        if len(table) * block_size < seq_len:
+            raise ValueError(f"block table {table} holds {len(table) * block_size} tokens, fewer than {seq_len}.")
     query_start_loc = list(itertools.accumulate(query_lens, initial=0))
+    padded = pad_block_tables(block_tables)
+    seq = np.repeat(np.arange(len(query_lens)), query_lens)  # [num_tokens] each token's sequence
+    row_to_position = np.array([c - s for c, s in zip(context_lens, query_start_loc)], dtype=np.int64)
+    positions = row_to_position[seq] + np.arange(len(seq))  # row query_start_loc[i] + t: context_lens[i] + t
+    slot_mapping = slot_of(padded.numpy()[seq, positions // block_size].astype(np.int64), positions, block_size)
     slots, lens, starts, tables = to_device_together([  # one copy to a GPU
-        torch.tensor(slot_mapping, dtype=torch.int64), torch.tensor(seq_lens, dtype=torch.int32),
-        torch.tensor(query_start_loc, dtype=torch.int32), pad_block_tables(block_tables)], device)
+        torch.from_numpy(slot_mapping), torch.tensor(seq_lens, dtype=torch.int32),
+        torch.tensor(query_start_loc, dtype=torch.int32), padded], device)
     return AttentionMetadata(
         num_prefills=num_prefills, num_prefill_tokens=sum(query_lens[:num_prefills]),
         num_decode_tokens=len(query_lens) - num_prefills, slot_mapping=slots, seq_lens=lens,

@@ -39,6 +39,21 @@ def test_slots_offsets_and_views_of_a_mixed_batch():
     assert md.prefill_metadata is prefill  # built once per step, shared by every layer
 
 
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 12), st.integers(0, 3)), max_size=8),
+       st.integers(0, 8), st.randoms(use_true_random=False))
+def test_every_new_token_gets_the_slot_of_its_position(seqs, num_prefills, rng):
+    """Random batches (context, new tokens, spare blocks per sequence; decodes after the
+    prefills have one new token): each token's slot is the formula's, in batch order."""
+    num_prefills = min(num_prefills, len(seqs))
+    context_lens = [c for c, _, _ in seqs]
+    query_lens = [q if i < num_prefills else 1 for i, (_, q, _) in enumerate(seqs)]
+    tables = [rng.sample(range(500), -(-(c + q) // BLOCK_SIZE) + spare)
+              for c, q, (_, _, spare) in zip(context_lens, query_lens, seqs)]
+    md = build_attn_metadata(tables, context_lens, query_lens, num_prefills, block_size=BLOCK_SIZE)
+    assert md.slot_mapping.tolist() == [slot(t, p) for t, c, q in zip(tables, context_lens, query_lens)
+                                        for p in range(c, c + q)]
+
+
 def test_views_are_none_for_an_all_prefill_or_all_decode_batch():
     only_prefill = build_attn_metadata([[0]], [0], [3], num_prefills=1, block_size=BLOCK_SIZE)
     only_decode = build_attn_metadata([[0]], [3], [1], num_prefills=0, block_size=BLOCK_SIZE)
