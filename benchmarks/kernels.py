@@ -344,8 +344,8 @@ def run_batch_order(out: Path) -> list[dict]:
                                generator=gen)  # as wide as the engine's (max_model_len 4096)
         row = dict(step=step, batch=len(lens), kv_mb=round(kv_bytes(1, sum(lens)) / 1e6, 1))
         for order in ("arrival", "longest first"):
-            rows_in_order = sorted(range(len(lens)), key=lambda i: -lens[i]) if order == "longest first" else None
-            pick = torch.tensor(rows_in_order or range(len(lens)), device=DEVICE)
+            picked = range(len(lens)) if order == "arrival" else sorted(range(len(lens)), key=lambda i: -lens[i])
+            pick = torch.tensor(list(picked), device=DEVICE)
             seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)[pick]
             args = (query[pick], cache[0], cache[1], tables[pick], seq_lens, HEAD_DIM**-0.5)
             pa.paged_attention_decode(*args)

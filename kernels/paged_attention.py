@@ -8,7 +8,7 @@ Mirrors vLLM's `csrc/attention/attention_kernels.cu` (paged_attention_v1 / v2); 
     seq_lens            [num_seqs] int32
 One program per (sequence, KV head) serves that KV head's query heads (GQA): each key and
 value is read once. Softmax is online, in fp32; addresses are 64-bit. Programs launch in batch
-order, a sequence's KV heads side by side: decodes come longest first (the scheduler's order). v2 (split-KV) cuts a
+order (decodes come longest first), a sequence's KV heads side by side. v2 (split-KV) cuts a
 context into `num_kv_splits` pieces when too few programs would fill the GPU; the last split
 of each pair to finish (an atomic counter) merges the partials, in the same launch.
 """

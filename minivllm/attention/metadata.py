@@ -108,7 +108,7 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
     if not len(block_tables) == len(context_lens) == len(query_lens):
         raise ValueError("block_tables, context_lens and query_lens need one entry per sequence.")
     if any(q != 1 for q in query_lens[num_prefills:]):
-        raise ValueError(f"prefills come first: the sequences after the first {num_prefills} are decodes, 1 new token each.")
+        raise ValueError(f"prefills come first: after the first {num_prefills} sequences, decodes of 1 new token each.")
     seq_lens = [c + q for c, q in zip(context_lens, query_lens)]
     for table, seq_len in zip(block_tables, seq_lens):
         if len(table) * block_size < seq_len:
@@ -116,8 +116,8 @@ def build_attn_metadata(block_tables: list[list[int]], context_lens: list[int], 
     query_start_loc = list(itertools.accumulate(query_lens, initial=0))
     padded = pad_block_tables(block_tables)
     seq = np.repeat(np.arange(len(query_lens)), query_lens)  # [num_tokens] each token's sequence
-    row_to_position = np.array([c - s for c, s in zip(context_lens, query_start_loc)], dtype=np.int64)
-    positions = row_to_position[seq] + np.arange(len(seq))  # row query_start_loc[i] + t: context_lens[i] + t
+    shift = np.array([c - s for c, s in zip(context_lens, query_start_loc)], dtype=np.int64)
+    positions = np.arange(len(seq)) + shift[seq]  # row query_start_loc[i] + t -> position context_lens[i] + t
     slot_mapping = slot_of(padded.numpy()[seq, positions // block_size].astype(np.int64), positions, block_size)
     slots, lens, starts, tables = to_device_together([  # one copy to a GPU
         torch.from_numpy(slot_mapping), torch.tensor(seq_lens, dtype=torch.int32),
