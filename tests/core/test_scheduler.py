@@ -116,6 +116,8 @@ def check_invariants(scheduler: Scheduler, outputs: SchedulerOutputs) -> None:
         assert {s.status for s in group.get_unfinished_seqs()} == {SequenceStatus.SWAPPED}
     prefill_flags = [s.seq_group.is_prefill() for s in outputs.scheduled_seq_groups]
     assert prefill_flags == sorted(prefill_flags, reverse=True), "prefills must come first"
+    decode_lens = [s.seq_group.seqs[0].get_len() for s in outputs.scheduled_seq_groups[outputs.num_prefill_groups:]]
+    assert decode_lens == sorted(decode_lens, reverse=True), "decodes are listed longest first"
 
 
 def run_to_completion(scheduler: Scheduler, max_steps=500) -> list[SchedulerOutputs]:

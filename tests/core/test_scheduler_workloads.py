@@ -10,7 +10,8 @@ and BlockSpaceManager run it to the end; then we check, for every step and at th
   one carries a reason; a request that ran to completion produced exactly its expected tokens;
 - no group is in two queues;
 - budgets (max_num_seqs, max_num_batched_tokens) are never exceeded in any step;
-- swap-outs never exceed the CPU pool; after the run every GPU and CPU block is free.
+- swap-outs never exceed the CPU pool; after the run every GPU and CPU block is free;
+- each step lists its decodes longest first (the order the decode kernel launches them in).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.engine.step_observer import StepObserver
 from minivllm.viz.sim import SimRequest, Simulator
 
 NUM_WORKLOADS = 500
@@ -103,6 +105,15 @@ def check_steps(result, scheduler_config, cache_config) -> None:
         assert len(snapshot.preempted_by_recompute) + len(snapshot.preempted_by_swap) == snapshot.preempted
 
 
+class DecodesLongestFirst(StepObserver):
+    """Checks every batch as scheduled: its decodes' lengths never grow along the batch."""
+
+    def on_scheduled(self, engine, scheduler_outputs) -> None:
+        decodes = scheduler_outputs.scheduled_seq_groups[scheduler_outputs.num_prefill_groups:]
+        lens = [s.seq_group.seqs[0].get_len() for s in decodes]
+        assert lens == sorted(lens, reverse=True), f"decodes not longest first: {lens}"
+
+
 def check_results(result, workload, max_model_len) -> None:
     assert set(result.results) == {r.request_id for r in workload}
     for request in workload:
@@ -127,6 +138,7 @@ def check_results(result, workload, max_model_len) -> None:
 def test_random_workloads_keep_the_scheduler_invariants(workload):
     scheduler_config, cache_config, reqs = workload
     simulator = Simulator(scheduler_config, cache_config, max_steps=MAX_STEPS)
+    simulator.engine.add_step_observer(DecodesLongestFirst())
     result = simulator.run(reqs)
     check_steps(result, scheduler_config, cache_config)
     check_results(result, reqs, scheduler_config.max_model_len)
