@@ -11,6 +11,12 @@ in newer releases). Measured here, each inside a CUDA graph as the engine runs t
                 can address over NVLink, then reads all peers' buffers and sums (one kernel)
     two_shot    symmetric memory, reduce-scatter then all-gather (half the reads per GPU)
 
+and, as the decoder runs them after o_proj and down_proj, with the residual add and RMSNorm:
+
+    two_shot+norm   two_shot, then minivllm's add + RMSNorm kernel (`fused_ops.rms_norm`)
+    fused           minivllm's one kernel for all three (`kernels/custom_all_reduce.py`:
+                    one-shot up to 64 KiB, two-shot above, as the engine picks)
+
     python benchmarks/all_reduce.py --out benchmarks/results/     # needs 2 GPUs; -> all_reduce_<gpu>x2.json
 
 Time per all-reduce: REPS of them captured in one graph, the graph replayed and timed with
@@ -69,11 +75,16 @@ def _methods(group_name: str, max_rows: int):
     try:
         import torch.distributed._symmetric_memory as symm_mem
 
-        buf = symm_mem.empty(max_rows * HIDDEN, dtype=torch.bfloat16, device="cuda")
-        symm_mem.rendezvous(buf, group_name)
+        # Twice the largest tensor: the fused two-shot keeps the sums in the buffer's second half.
+        buf = symm_mem.empty(2 * max_rows * HIDDEN, dtype=torch.bfloat16, device="cuda")
+        handle = symm_mem.rendezvous(buf, group_name)
     except Exception as e:  # noqa: BLE001 - reported, not fatal: NCCL still measured
         print(f"symmetric memory unavailable: {e!r}", flush=True)
         return methods
+    from minivllm.kernels import custom_all_reduce, fused_ops
+
+    addresses = [torch.tensor(a, dtype=torch.int64, device="cuda") for a in (handle.buffer_ptrs, handle.signal_pad_ptrs)]
+    weight = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
 
     def one_shot(x):
         out = torch.empty_like(x)
@@ -92,7 +103,20 @@ def _methods(group_name: str, max_rows: int):
             torch.ops.symm_mem.two_shot_all_reduce_(view, "sum", group_name)
         return fn
 
-    methods.update(one_shot=one_shot, two_shot=two_shot)
+    def two_shot_norm(x):
+        all_reduce, total, residual = two_shot(x), buf[: x.numel()].view_as(x), torch.randn_like(x)
+
+        def fn():
+            all_reduce()
+            fused_ops.rms_norm(total, weight, 1e-5, residual)
+        return fn
+
+    def fused(x):
+        residual, two_shot = torch.randn_like(x), x.numel() * x.element_size() > 64 * 1024
+        return lambda: custom_all_reduce.all_reduce_add_rms_norm(x, residual, weight, 1e-5, *addresses, handle.rank,
+                                                                 handle.world_size, two_shot=two_shot)
+
+    methods.update({"one_shot": one_shot, "two_shot": two_shot, "two_shot+norm": two_shot_norm, "fused": fused})
     return methods
 
 

@@ -100,13 +100,13 @@ class GroupCoordinator:
         dist.all_reduce(input_, group=self.device_group)
         return input_
 
-    def one_shot_peers(self, input_: torch.Tensor) -> tuple | None:
-        """The symmetric-memory addresses a fused all-reduce kernel reads (`SymmMemCommunicator.
-        one_shot_peers`) when `input_` is one-shot small; None for one rank, no symmetric memory
-        or a bigger tensor: the same answer on every rank, which see the same shapes."""
+    def fused_peers(self, input_: torch.Tensor) -> tuple | None:
+        """The symmetric-memory addresses a fused all-reduce kernel uses (`SymmMemCommunicator.
+        fused_peers`); None for one rank, no symmetric memory or a tensor too big for the
+        kernel: the same answer on every rank, which see the same shapes."""
         if self.world_size == 1 or self.symm_mem is None:
             return None
-        return self.symm_mem.one_shot_peers(input_)
+        return self.symm_mem.fused_peers(input_)
 
     def all_gather(self, input_: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """Concatenate every rank's `input_` along `dim` (same shape on every rank)."""

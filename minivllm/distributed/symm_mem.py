@@ -99,13 +99,15 @@ class SymmMemCommunicator:
             flat.copy_(staged)
         return tensor
 
-    def one_shot_peers(self, tensor: torch.Tensor) -> tuple | None:
-        """(buffer addresses, signal-pad addresses, rank, world size) for a kernel that sums
-        `tensor` over the group by reading its peers' buffers (`kernels/custom_all_reduce.py`),
-        when `tensor` is a one-shot size; None when it is not."""
-        if not self.should_use(tensor) or tensor.numel() * DTYPE.itemsize > ONE_SHOT_MAX_BYTES:
+    def fused_peers(self, tensor: torch.Tensor) -> tuple | None:
+        """(buffer addresses, signal-pad addresses, rank, world size, two-shot?) for a kernel
+        that sums `tensor` over the group through the buffers and its own barriers
+        (`kernels/custom_all_reduce.py`, which needs twice the tensor's bytes); None when
+        `tensor` does not fit."""
+        nbytes = tensor.numel() * tensor.element_size()
+        if not self.should_use(tensor) or 2 * nbytes > self.buffer.numel() * DTYPE.itemsize:
             return None
-        return self.buffer_ptrs, self.signal_pad_ptrs, self.rank, self.world_size
+        return self.buffer_ptrs, self.signal_pad_ptrs, self.rank, self.world_size, nbytes > ONE_SHOT_MAX_BYTES
 
     def close(self) -> None:
         self.buffer, self.disabled = None, True

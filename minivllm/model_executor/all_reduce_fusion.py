@@ -12,8 +12,9 @@ and swaps every norm that follows one (each layer's post-attention norm, the nex
 norm, the final norm) for an `AllReduceRMSNorm`, which sums the ranks first. The first layer's
 input norm stays: the embedding reduces its own lookup. It rewires only where the kernel can
 run, a TP group with symmetric memory (GPUs), and only the package's own layers (a lab's run as
-written). There, a one-shot-sized batch runs the three steps as one Triton kernel
-(`kernels/custom_all_reduce.py`); a bigger one runs the same all-reduce and norm as before.
+written). There, a batch that fits half the symmetric buffer (decoding's batches) runs the three
+steps as one Triton kernel (`kernels/custom_all_reduce.py`); a bigger one (a long prefill) runs
+the same all-reduce and norm apart.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class AllReduceRMSNorm(RMSNorm):
     def forward_triton(self, x: torch.Tensor, residual: torch.Tensor):
         from minivllm.kernels import custom_all_reduce  # imports triton: only on this backend
 
-        peers = get_tp_group().one_shot_peers(x)  # the ranks' symmetric buffers, when x is small
-        if peers is None or x.shape[0] > custom_all_reduce.MAX_ROWS:
+        peers = get_tp_group().fused_peers(x)  # the ranks' symmetric buffers, when x fits them
+        if peers is None:
             return super().forward_triton(tensor_model_parallel_all_reduce(x), residual)
-        return custom_all_reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, *peers)
-
+        *addresses, two_shot = peers
+        return custom_all_reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, *addresses,
+                                                         two_shot=two_shot)
 
 def fuse_all_reduce_into_norms(model: nn.Module) -> int:
     """Rewire a loaded Llama-family model as above, with a TP group of several ranks on

@@ -161,14 +161,15 @@ for _ in range(2):
     torch.cuda.synchronize()
     assert torch.equal(out, expected)
 # The all-reduce fused with the residual add and RMSNorm gives the bits of the chain it replaces
-# (NCCL, then the Triton add + norm), eagerly and from a graph that also holds PyTorch's
-# one-shot kernel (the two share the signal pads).
+# (NCCL, then the Triton add + norm), one-shot and two-shot, eagerly and from a graph that also
+# holds PyTorch's one-shot and two-shot kernels (they share the buffer and the signal pads).
 from minivllm.kernels import custom_all_reduce, fused_ops
 weight = torch.randn(hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
 
 
 def fused(x, residual):
-    return custom_all_reduce.all_reduce_add_rms_norm(x, residual, weight, 1e-5, *tp.one_shot_peers(x))
+    *addresses, two_shot = tp.fused_peers(x)
+    return custom_all_reduce.all_reduce_add_rms_norm(x, residual, weight, 1e-5, *addresses, two_shot=two_shot)
 
 
 def unfused(x, residual):
@@ -183,29 +184,33 @@ def same_residual(n, width=hidden):
     return residual
 
 
-for n in (1, 8):
+half_buffer_rows = MAX_BYTES // (2 * 2 * hidden)
+for n in (1, 8, 9, 63, 64, 65, 100, 256, half_buffer_rows):
     x = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
     residual = same_residual(n)
+    assert tp.fused_peers(x)[-1] == (n > 8), n  # one-shot up to 64 KiB
     assert all(torch.equal(a, b) for a, b in zip(fused(x, residual), unfused(x, residual))), n
-assert tp.one_shot_peers(torch.zeros(9, hidden, device="cuda", dtype=torch.bfloat16)) is None  # two-shot size
-static_r = torch.zeros(8, hidden, device="cuda", dtype=torch.bfloat16)
-fused(static, static_r)  # warm-up (compiles) outside the graph
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    first = fused(static, static_r)
-    between = tp.all_reduce(first[0].clone())
-    second = fused(between, first[1])
-for _ in range(3):
-    fresh = torch.randn(8, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
-    static.copy_(fresh)
-    static_r.copy_(same_residual(8))
-    graph.replay()
-    want_first = unfused(fresh, static_r)
-    want_between = want_first[0].clone()
-    dist.all_reduce(want_between, group=tp.device_group)
-    want_second = unfused(want_between, want_first[1])
-    for got, want in ((first, want_first), (second, want_second)):
-        assert all(torch.equal(a, b) for a, b in zip(got, want))
+assert tp.fused_peers(torch.zeros(half_buffer_rows + 1, hidden, device="cuda", dtype=torch.bfloat16)) is None
+for n in (8, 256):
+    static = torch.zeros(n, hidden, device="cuda", dtype=torch.bfloat16)
+    static_r = torch.zeros(n, hidden, device="cuda", dtype=torch.bfloat16)
+    fused(static, static_r)  # warm-up (compiles) outside the graph
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        first = fused(static, static_r)
+        between = tp.all_reduce(first[0].clone())
+        second = fused(between, first[1])
+    for _ in range(3):
+        fresh = torch.randn(n, hidden, device="cuda", dtype=torch.bfloat16, generator=generator)
+        static.copy_(fresh)
+        static_r.copy_(same_residual(n))
+        graph.replay()
+        want_first = unfused(fresh, static_r)
+        want_between = want_first[0].clone()
+        dist.all_reduce(want_between, group=tp.device_group)
+        want_second = unfused(want_between, want_first[1])
+        for got, want in ((first, want_first), (second, want_second)):
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), n
 destroy_distributed_environment()
 print("ok", rank)
 '''

@@ -61,31 +61,33 @@ def test_rms_norm_with_and_without_residual(dtype):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_all_reduce_add_rms_norm_over_one_rank_is_the_add_and_the_norm(dtype):
-    """The fused all-reduce kernel's arithmetic, with a world of one (the barrier has no peer):
+@pytest.mark.parametrize("rows, two_shot", [(5, False), (5, True), (130, False)], ids=["one-shot", "two-shot", "many-rows"])
+def test_all_reduce_add_rms_norm_over_one_rank_is_the_add_and_the_norm(dtype, rows, two_shot, monkeypatch):
+    """The fused all-reduce kernels' arithmetic, with a world of one (the barrier has no peer):
     its own partial copied through its buffer is the sum, then the norm layer's add and norm.
-    Two ranks, the barrier and CUDA graphs: tests/distributed/test_distributed_gpu.py."""
+    Over MAX_ROWS rows the two-shot runs. Two ranks, the barrier and CUDA graphs:
+    tests/distributed/test_distributed_gpu.py."""
     from minivllm.kernels import custom_all_reduce
 
+    monkeypatch.setattr(custom_all_reduce, "PROGRAMS", 16)  # two-shot programs of several rows each
     torch.manual_seed(0)
     norm = RMSNorm(96, eps=1e-6).to(DEVICE, dtype)
     norm.weight.data = torch.randn(96, device=DEVICE).to(dtype)
-    x, residual = (torch.randn(5, 96, device=DEVICE).to(dtype) for _ in range(2))
-    buffer = torch.full((5 * 96,), float("nan"), device=DEVICE, dtype=dtype)
-    signal_pad = torch.zeros(64, device=DEVICE, dtype=torch.int32)
+    x, residual = (torch.randn(rows, 96, device=DEVICE).to(dtype) for _ in range(2))
+    buffer = torch.full((2 * rows * 96,), float("nan"), device=DEVICE, dtype=dtype)
+    signal_pad = torch.zeros(2 * custom_all_reduce.PROGRAMS, device=DEVICE, dtype=torch.int32)
     addresses = (torch.tensor([t.data_ptr()], device=DEVICE) for t in (buffer, signal_pad))
     args = (norm.eps, *addresses, 0, 1)
-    out, new_residual = custom_all_reduce.all_reduce_add_rms_norm(x, residual, norm.weight, *args)
+    out, new_residual = custom_all_reduce.all_reduce_add_rms_norm(x, residual, norm.weight, *args,
+                                                                  two_shot=two_shot)
     ref_out, ref_residual = norm(x, residual)
     _close(new_residual, ref_residual, dtype)
     _close(out, ref_out, dtype)
-    assert torch.equal(buffer.view(5, 96), x)  # the partial went through the shared buffer
+    assert torch.equal(buffer[: rows * 96].view(rows, 96), x)  # the partial went through the shared buffer
+    assert torch.equal(buffer[rows * 96:].view(rows, 96), x) == (two_shot or rows > custom_all_reduce.MAX_ROWS)
     assert not signal_pad.any()
     with pytest.raises(ValueError, match="unit last stride"):
         custom_all_reduce.all_reduce_add_rms_norm(x.t(), residual.t(), norm.weight, *args)
-    many = torch.zeros(custom_all_reduce.MAX_ROWS + 1, 96, device=DEVICE, dtype=dtype)
-    with pytest.raises(ValueError, match="rows"):
-        custom_all_reduce.all_reduce_add_rms_norm(many, many, norm.weight, *args)
     with pytest.raises(ValueError, match="residual must be shaped like x"):
         custom_all_reduce.all_reduce_add_rms_norm(x, residual[:2], norm.weight, *args)
 
