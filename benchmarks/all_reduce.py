@@ -83,7 +83,8 @@ def _methods(group_name: str, max_rows: int):
         return methods
     from minivllm.kernels import custom_all_reduce, fused_ops
 
-    addresses = [torch.tensor(a, dtype=torch.int64, device="cuda") for a in (handle.buffer_ptrs, handle.signal_pad_ptrs)]
+    addresses = [torch.tensor(ptrs, dtype=torch.int64, device="cuda")  # every rank's buffer, signal pad
+                 for ptrs in (handle.buffer_ptrs, handle.signal_pad_ptrs)]
     weight = torch.randn(HIDDEN, dtype=torch.bfloat16, device="cuda")
 
     def one_shot(x):

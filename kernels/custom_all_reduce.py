@@ -1,40 +1,25 @@
-"""A tensor-parallel all-reduce fused with the residual add and RMSNorm that follow it, in Triton.
+"""A tensor-parallel all-reduce fused with the residual add and RMSNorm after it, in Triton.
 
-After a row-parallel layer (o_proj, down_proj) each TP rank holds a partial sum of the layer's
-output; the decoder then adds the residual and normalizes. Run apart, that is three kernels
-(copy into the symmetric buffer, all-reduce, add + norm) and three round trips through memory.
-Here it is one, over PyTorch's symmetric memory (every rank's buffer and signal pad mapped into
-every peer, `minivllm/distributed/symm_mem.py`). Two schedules, as for a plain all-reduce:
+After o_proj and down_proj each TP rank holds a partial sum; the decoder then adds the residual
+and normalizes. Apart that is three kernels (copy into the symmetric buffer, all-reduce, add +
+norm); here it is one, over PyTorch's symmetric memory (every rank's buffer and signal pad
+mapped into every peer, `minivllm/distributed/symm_mem.py`). x, out, residual `[rows, hidden]`:
 
-    one-shot (a few rows; one program per row)
-        x (this rank's partial) ──store──> my buffer[row]
-        barrier: every rank's row is in its buffer
-        s = sum over ranks r of buffer_r[row]         every row read from every peer
-        barrier: no rank reuses its buffer while a peer still reads it
-        residual = s + residual ; out = rms_norm(residual) * weight
+    one-shot (one program per row)         two-shot (rows spread over up to PROGRAMS programs)
+    x ──> my buffer[row]                    x ──> my buffer[row]
+    barrier                                 barrier
+    s = sum over ranks of buffer_r[row]     rows I own (row % world == rank): s = sum over ranks
+    barrier (buffers free again)                of buffer_r[row], stored into every buffer_r[rows + row]
+    out = rms_norm(s + residual)            barrier (every sum in place; no peer reads mine after)
+                                            out = rms_norm(buffer[rows + row] + residual)
 
-    two-shot (up to 512 rows of 4,096; a program per row, up to PROGRAMS)
-        x ──store──> my buffer[row]                    every row
-        barrier
-        rows this rank owns (row % world == rank): s = sum over ranks of buffer_r[row]
-                             s ──store──> every rank's buffer[rows + row]
-        barrier: every row's sum is in every rank's buffer
-        residual = s + residual ; out = rms_norm(residual) * weight
-
-At two ranks the two-shot reads and writes half the rows over NVLink where one-shot reads them
-all; its second barrier also frees the buffers (no peer touches mine after it).
-
-Shapes: x, out, residual `[num_tokens, hidden]`; weight `[hidden]`. Every rank gets the same
-bits: each sum is taken in rank order (on every rank, or once by the row's owner and copied).
-The roundings are those of the unfused chain (the sum to x's dtype, then the add), so it
-matches `all_reduce` + `fused_ops.rms_norm` exactly.
-
-The barrier is PyTorch's own signal-pad protocol (`put_signal` / `wait_signal`): a rank raises
-its flag in a peer's pad with a compare-and-swap 0 -> 1 (release, system scope: the peer sees
-the stores before the flag) and takes the peer's flag from its own pad with 1 -> 0 (acquire).
-A flag left up by the last use makes the next put wait until it is taken, so the pads are all
-zero between kernels and PyTorch's all-reduce kernels can share them. vLLM fuses the same
-three steps (its all-reduce fusion pass, built on FlashInfer's kernel).
+At two ranks the two-shot moves half the rows over NVLink. Every rank gets the same bits: each
+sum is taken in rank order, with the unfused chain's roundings (`all_reduce` then
+`fused_ops.rms_norm`). The barrier is PyTorch's signal-pad protocol (`put_signal` /
+`wait_signal`): a rank raises its flag in a peer's pad with a compare-and-swap 0 -> 1 (release,
+system scope) and takes the peer's from its own with 1 -> 0 (acquire), so the pads are zero
+between kernels and PyTorch's all-reduce kernels can share them. vLLM fuses the same three steps
+(its all-reduce fusion pass, on FlashInfer's kernel).
 """
 
 from __future__ import annotations
