@@ -30,9 +30,10 @@ import triton.language as tl
 
 from minivllm.kernels.fused_ops import add_residual_and_norm
 
-# Every program must be resident at once (each waits for its peers'): one-shot runs one per row.
+# Every program must be resident at once (each waits for its peers'): one-shot runs one per row,
+# two-shot at most PROGRAMS and two per SM (two 128-thread programs fit on any SM).
 MAX_ROWS = 64
-PROGRAMS = 256  # two-shot's most programs (an H100 or H200, 132 SMs, holds them all resident)
+PROGRAMS = 256
 _NUM_WARPS = 4
 
 
@@ -135,7 +136,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if not rows:
         return out, residual_out
     if two_shot or rows > MAX_ROWS:
-        _two_shot_kernel[(min(rows, PROGRAMS),)](
+        _two_shot_kernel[(min(rows, _max_programs(x.device)),)](
             out, residual_out, x, residual, weight, buffer_ptrs, signal_pad_ptrs,
             rows, x.stride(0), residual.stride(0), out.stride(0), eps,
             RANK=rank, WORLD=world_size, N=n, BLOCK=triton.next_power_of_2(n), num_warps=_NUM_WARPS,
@@ -147,3 +148,10 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
             RANK=rank, WORLD=world_size, N=n, BLOCK=triton.next_power_of_2(n), num_warps=_NUM_WARPS,
         )
     return out, residual_out
+
+
+def _max_programs(device: torch.device) -> int:
+    """Two-shot's most programs: PROGRAMS, and on a GPU two per SM."""
+    if device.type != "cuda":
+        return PROGRAMS
+    return min(PROGRAMS, 2 * torch.cuda.get_device_properties(device).multi_processor_count)

@@ -46,6 +46,7 @@ class AllReduceRMSNorm(RMSNorm):
         return custom_all_reduce.all_reduce_add_rms_norm(x, residual, self.weight, self.eps, *addresses,
                                                          two_shot=two_shot)
 
+
 def fuse_all_reduce_into_norms(model: nn.Module) -> int:
     """Rewire a loaded Llama-family model as above, with a TP group of several ranks on
     symmetric memory and one pipeline stage (a stage boundary would pass partial sums on);
