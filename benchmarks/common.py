@@ -687,7 +687,7 @@ def profile_every_rank(engine, path: Path) -> dict:
     engine.step()
     traces = engine.stop_profile()
     kernels = [_trace_kernels(trace) for trace in traces]
-    reduces = [[k for k in rank if _is_all_reduce(k[0])] for rank in kernels]
+    reduces = [[k for k in rank if is_all_reduce(k[0])] for rank in kernels]
     summary = {
         "traces": traces,
         "ranks": [{"kernels": len(k), "kernel_ms": round(sum(d for _, _, d in k) / 1e3, 2),
@@ -740,9 +740,10 @@ def _trace_kernels(trace: str) -> list[tuple[str, float, float]]:
                   key=lambda k: k[1])
 
 
-def _is_all_reduce(name: str) -> bool:
-    """Symmetric memory's `two_shot_all_reduce_kernel`, NCCL's `ncclDevKernel_AllReduce...`."""
-    return "allreduce" in name.lower().replace("_", "")
+def is_all_reduce(name: str) -> bool:
+    """Symmetric memory's `two_shot_all_reduce_kernel`, NCCL's `ncclDevKernel_AllReduce...` and
+    minivllm's all-reduce fused with the norm after it (`kernels/custom_all_reduce.py`)."""
+    return "allreduce" in name.lower().replace("_", "") or name in ("_one_shot_kernel", "_two_shot_kernel")
 
 
 def _overlapping_pairs(a: list, b: list) -> list[tuple]:

@@ -223,6 +223,20 @@ def test_all_reduce_waits_splits_each_collective_into_its_own_time_and_a_wait():
     assert waits["end_spread_median_us"] == 0
 
 
+def test_the_fused_all_reduce_kernels_count_as_all_reduces():
+    """Every collective of a TP step is paired across the ranks: the decoder's fused kernels
+    (their Triton names in a trace), PyTorch's and NCCL's; a norm or a GEMM is not one."""
+    from minivllm.kernels import custom_all_reduce
+
+    fused = [name for name in dir(custom_all_reduce) if name.endswith("_kernel") and name.startswith("_")]
+    assert sorted(fused) == ["_one_shot_kernel", "_two_shot_kernel"]
+    assert all(common.is_all_reduce(name) for name in fused)
+    assert common.is_all_reduce("void (anonymous namespace)::two_shot_all_reduce_kernel<c10::BFloat16, 16, 2>")
+    assert common.is_all_reduce("ncclDevKernel_AllReduce_Sum_bf16_RING_LL(ncclDevKernelArgsStorage<4096ul>)")
+    assert not any(common.is_all_reduce(name) for name in ("_rms_norm_kernel", "nvjet_sm90_tst_128x64_64x8_1x2_h_bz_TNT",
+                                                           "ncclDevKernel_Broadcast_RING_LL"))
+
+
 def _sibling_imports(path: Path, siblings: set[str]) -> set[str]:
     """The benchmarks/ modules that `path` imports, at the top or inside a function."""
     names = set()
