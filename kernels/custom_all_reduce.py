@@ -31,9 +31,11 @@ import triton.language as tl
 from minivllm.kernels.fused_ops import add_residual_and_norm
 
 # Every program must be resident at once (each waits for its peers'): one-shot runs one per row,
-# two-shot at most PROGRAMS and two per SM (two 128-thread programs fit on any SM).
+# two-shot at most PROGRAMS and two per SM (two 128-thread programs fit on any SM). A program
+# uses world-size flags of each signal pad; the smallest pad PyTorch allocates holds 512.
 MAX_ROWS = 64
 PROGRAMS = 256
+_SIGNAL_PAD_FLAGS = 512
 _NUM_WARPS = 4
 
 
@@ -136,7 +138,7 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     if not rows:
         return out, residual_out
     if two_shot or rows > MAX_ROWS:
-        _two_shot_kernel[(min(rows, _max_programs(x.device)),)](
+        _two_shot_kernel[(min(rows, _max_programs(x.device, world_size)),)](
             out, residual_out, x, residual, weight, buffer_ptrs, signal_pad_ptrs,
             rows, x.stride(0), residual.stride(0), out.stride(0), eps,
             RANK=rank, WORLD=world_size, N=n, BLOCK=triton.next_power_of_2(n), num_warps=_NUM_WARPS,
@@ -150,8 +152,9 @@ def all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: tor
     return out, residual_out
 
 
-def _max_programs(device: torch.device) -> int:
-    """Two-shot's most programs: PROGRAMS, and on a GPU two per SM."""
+def _max_programs(device: torch.device, world_size: int) -> int:
+    """Two-shot's most programs: PROGRAMS, the signal pads' flags, and on a GPU two per SM."""
+    most = min(PROGRAMS, _SIGNAL_PAD_FLAGS // world_size)
     if device.type != "cuda":
-        return PROGRAMS
-    return min(PROGRAMS, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+        return most
+    return min(most, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
