@@ -81,6 +81,7 @@ def _methods(group_name: str, max_rows: int):
     except Exception as e:  # noqa: BLE001 - reported, not fatal: NCCL still measured
         print(f"symmetric memory unavailable: {e!r}", flush=True)
         return methods
+    from minivllm.distributed.symm_mem import ONE_SHOT_MAX_BYTES
     from minivllm.kernels import custom_all_reduce, fused_ops
 
     addresses = [torch.tensor(ptrs, dtype=torch.int64, device="cuda")  # every rank's buffer, signal pad
@@ -113,7 +114,7 @@ def _methods(group_name: str, max_rows: int):
         return fn
 
     def fused(x):
-        residual, two_shot = torch.randn_like(x), x.numel() * x.element_size() > 64 * 1024
+        residual, two_shot = torch.randn_like(x), x.numel() * x.element_size() > ONE_SHOT_MAX_BYTES
         return lambda: custom_all_reduce.all_reduce_add_rms_norm(x, residual, weight, 1e-5, *addresses, handle.rank,
                                                                  handle.world_size, two_shot=two_shot)
 

@@ -24,6 +24,8 @@ between kernels and PyTorch's all-reduce kernels can share them. vLLM fuses the 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -157,4 +159,10 @@ def _max_programs(device: torch.device, world_size: int) -> int:
     most = min(PROGRAMS, _SIGNAL_PAD_FLAGS // world_size)
     if device.type != "cuda":
         return most
-    return min(most, 2 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(most, 2 * _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()))
+
+
+@functools.cache
+def _multiprocessors(device_index: int) -> int:
+    """The GPU's SM count, asked once (the launch path runs twice a layer)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
