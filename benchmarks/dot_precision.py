@@ -34,7 +34,7 @@ def compile_all(dtype: torch.dtype) -> None:
         paged_attention_decode(query, key_cache, value_cache, tables, seq_lens, 0.1, num_kv_splits=splits)
     starts = torch.tensor([0, 10, 20, 30, 40], device="cuda", dtype=torch.int32)
     paged_prefill_attention(torch.randn(40, heads, head_dim, device="cuda", dtype=dtype), key_cache, value_cache,
-                            tables, starts, seq_lens, 0.1, max_query_len=10)
+                            tables, starts, seq_lens, 0.1)
 
 
 def main() -> int:

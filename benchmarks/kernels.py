@@ -471,7 +471,7 @@ def prefill_inputs(batch: int, seq_len: int, device: str, dtype: torch.dtype, se
     # SDPA's layout: [batch, heads, tokens, head_dim], contiguous.
     to_sdpa = lambda x: x.view(batch, seq_len, x.shape[1], HEAD_DIM).transpose(1, 2).contiguous()  # noqa: E731
     return dict(query=q, key_cache=key_cache, value_cache=value_cache, block_tables=block_tables,
-                query_start_loc=start_loc, seq_lens=seq_lens, max_query_len=seq_len,
+                query_start_loc=start_loc, seq_lens=seq_lens,
                 q_sdpa=to_sdpa(q), k_sdpa=to_sdpa(k), v_sdpa=to_sdpa(v))
 
 
@@ -521,7 +521,7 @@ def bench_prefill(batch: int, seq_len: int, device: str, warmup: int, reps: int)
 
     def paged():
         return paged_op(x["query"], x["key_cache"], x["value_cache"], x["block_tables"], x["query_start_loc"],
-                        x["seq_lens"], scale, max_query_len=x["max_query_len"])
+                        x["seq_lens"], scale)
 
     sdpa, sdpa_note = _sdpa_flash(device, x)
     # Same numbers? SDPA's [batch, heads, tokens, dim] back to the kernel's [tokens, heads, dim].

@@ -50,7 +50,8 @@ TARGETS_S = {"empty": 20.0, "filled": 8.0}  # the project's targets, import to f
 # The engine's line (startup_log.py): "start-up <s> s: <phase> <s> s, <phase> <s> s, ..."
 STARTUP_LINE = re.compile(r"start-up ([\d.]+) s: (.*)")
 PHASE = re.compile(r"([^,]+?) ([\d.]+) s(?:,|$)")
-GRAPHS_LINE = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes .* in ([\d.]+) s")
+GRAPHS_LINE = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes .* and (\d+) prefill token counts .* "
+                         r"in ([\d.]+) s")
 HF_CONFIG_LINE = re.compile(r"model config: \S+ from (.+?) in ([\d.]+) s \((\d+) modules imported\)")
 
 
@@ -173,15 +174,16 @@ class LogRecorder(logging.Handler):
 
 def parse_engine_log(messages: list[tuple[float, str]]) -> dict:
     """{"engine_startup_s", "engine_startup_logged_at", "phases_s": {phase: s}, "graph_capture_s",
-    "graph_batch_sizes", "hf_config_s", "hf_config_modules", "hf_config_from"} from the start-up line, the graph
-    capture line and the (first) model config line."""
+    "graph_batch_sizes", "prefill_graph_sizes", "hf_config_s", "hf_config_modules", "hf_config_from"}
+    from the start-up line, the graph capture line and the (first) model config line."""
     found: dict = {}
     for created, message in messages:
         if match := STARTUP_LINE.match(message):
             found["engine_startup_s"], found["engine_startup_logged_at"] = float(match.group(1)), created
             found["phases_s"] = {name.strip(): float(s) for name, s in PHASE.findall(match.group(2))}
         elif match := GRAPHS_LINE.match(message):
-            found["graph_batch_sizes"], found["graph_capture_s"] = int(match.group(1)), float(match.group(2))
+            found["graph_batch_sizes"], found["prefill_graph_sizes"] = int(match.group(1)), int(match.group(2))
+            found["graph_capture_s"] = float(match.group(3))
         elif (match := HF_CONFIG_LINE.match(message)) and "hf_config_s" not in found:
             found["hf_config_from"] = match.group(1)
             found["hf_config_s"], found["hf_config_modules"] = float(match.group(2)), int(match.group(3))
@@ -259,7 +261,8 @@ def markdown_table(report: dict) -> str:
                               if name == "config" and "hf_config_s" in r else "")
                            for name, s in r.get("phases_s", {}).items())
         if "graph_capture_s" in r:
-            phases += f" (graph capture {r['graph_capture_s']:.1f}, {r['graph_batch_sizes']} sizes)"
+            phases += (f" (graph capture {r['graph_capture_s']:.1f}: {r['graph_batch_sizes']} decode, "
+                       f"{r.get('prefill_graph_sizes', 0)} prefill)")
         builds = r["triton_builds_in_llm"]
         built = f"{builds['count']} in {builds['seconds']:.1f} s" if r.get("triton_hooks") else "no hooks"
         target = report["targets_s"].get(case)

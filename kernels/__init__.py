@@ -33,7 +33,9 @@ def register_backend(name: str, module_path: str | ModuleType, cuda_graphs: bool
     when an engine first asks for it (vLLM selects attention backends by name the same way).
     A module object (a lab's ops, built in a notebook) serves engines of this process only;
     workers in other processes import the module by its path string.
-    `cuda_graphs=True` declares the ops capturable; otherwise its decode steps run eagerly."""
+    `cuda_graphs=True` declares the ops capturable: no host sync, grids from tensor shapes
+    alone, and sequences of 0 tokens allowed (a graph pads its batch); otherwise every step
+    runs eagerly."""
     if name in BACKENDS:
         raise ValueError(f"{name!r} is a built-in backend; choose another name.")
     _REGISTERED_BACKENDS[name] = module_path

@@ -11,8 +11,16 @@ A sequence has `context = seq_len - query_len` tokens in the cache; new token i 
 read through the block table (reshape_and_cache wrote the new tokens first), so a prefix hit
 or an earlier chunk is never recomputed. FlashAttention-style tiling: a program owns a tile of
 query rows and streams K/V tiles with an online softmax in fp32, so the `[query_len, seq_len]`
-scores never exist in memory. One program per (sequence, query tile, KV head) takes all query
-heads of that KV head as its rows (row = token * GROUP_PAD + head): each K/V tile loads once.
+scores never exist in memory. One program per (query tile, KV head) takes all query heads of
+that KV head as its rows (row = token * GROUP_PAD + head): each K/V tile loads once.
+
+The grid depends on num_tokens and num_seqs alone, never on how the tokens split into sequences,
+so a CUDA graph captured for one batch shape replays for any batch of that shape. Sequence i's
+tiles are numbered from tile_start(i) = query_start_loc[i] // BLOCK_Q + i (one spare tile per
+sequence for its partial last one); a program finds its sequence by binary search:
+
+    query_start_loc [0, 40, 41, 41]  BLOCK_Q 32  ->  tile_start [0, 2, 3, 4]
+    program 0, 1: sequence 0 (tokens 0-31, 32-39)   2: sequence 1   3: nothing (a 0-token sequence)
 """
 
 from __future__ import annotations
@@ -31,10 +39,10 @@ NUM_STAGES = 2
 
 
 # Batch-dependent int arguments: not specialized (why: kernels/paged_attention.py, v1).
-@triton.jit(do_not_specialize=["stride_bts"])
+@triton.jit(do_not_specialize=["num_seqs", "stride_bts"])
 def _paged_prefill_kernel(
     out_ptr, query_ptr, key_cache_ptr, value_cache_ptr, block_tables_ptr,
-    query_start_loc_ptr, seq_lens_ptr, qk_scale,
+    query_start_loc_ptr, seq_lens_ptr, num_seqs, qk_scale,
     stride_qt, stride_qh, stride_qd,
     stride_ot, stride_oh, stride_od,
     stride_cb, stride_ct, stride_ch, stride_cd,
@@ -45,15 +53,23 @@ def _paged_prefill_kernel(
     BLOCK_Q: tl.constexpr,  # query tokens per program; rows = BLOCK_Q * GROUP_PAD
     BLOCK_N: tl.constexpr,
 ):
-    seq = tl.program_id(0)
-    q_tile = tl.program_id(1)
-    kv_head = tl.program_id(2)
+    tile = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    # The last sequence whose first tile is at or before this one (tile_start is increasing).
+    lo, hi = tl.full((), 0, tl.int32), num_seqs - 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= tile:
+            lo = mid
+        else:
+            hi = mid - 1
+    seq = lo
     query_start = tl.load(query_start_loc_ptr + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - query_start
     seq_len = tl.load(seq_lens_ptr + seq)
     context_len = seq_len - query_len  # tokens cached before this step
-    first_token = q_tile * BLOCK_Q
-    # The grid is sized for the longest query of the batch: shorter ones have idle tiles.
+    first_token = (tile - query_start // BLOCK_Q - seq) * BLOCK_Q
+    # A sequence's spare tile, and every tile past the last sequence, is idle.
     if first_token < query_len:
         # Rows of this program: BLOCK_Q new tokens x GROUP_PAD query heads (head-minor).
         offs_row = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -113,14 +129,8 @@ def paged_prefill_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
-    max_query_len: int | None = None,
 ) -> torch.Tensor:
-    """Prefill attention over the paged cache (see the module docstring). Returns out like query.
-
-    max_query_len: the longest new-token run of the batch, a python int (AttentionMetadata
-    carries it). It sizes the grid without reading device memory (no host sync). None = use
-    num_tokens, always enough but it launches idle tiles for every shorter sequence.
-    """
+    """Prefill attention over the paged cache (see the module docstring). Returns out like query."""
     if query.dim() != 3 or key_cache.dim() != 4:
         raise ValueError("query must be [num_tokens, num_heads, head_dim] and key_cache "
                          "[num_blocks, block_size, num_kv_heads, head_dim]")
@@ -142,10 +152,9 @@ def paged_prefill_attention(
     group_pad = triton.next_power_of_2(group_size)
     # BLOCK_M rows = BLOCK_Q tokens x group_pad heads, and at least 16 rows for tl.dot.
     block_q = max(1, BLOCK_M // group_pad, MIN_DOT_SIZE // group_pad)
-    longest = num_tokens if max_query_len is None else max_query_len
-    grid = (num_seqs, triton.cdiv(longest, block_q), num_kv_heads)
+    grid = (num_tokens // block_q + num_seqs, num_kv_heads)  # tile_start(num_seqs) at most
     _paged_prefill_kernel[grid](
-        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens,
+        out, query, key_cache, value_cache, block_tables, query_start_loc, seq_lens, num_seqs,
         scale * LOG2E,
         *query.stride(), *out.stride(), *key_cache.stride(), block_tables.stride(0),
         BLOCK_SIZE=block_size, GROUP_SIZE=group_size, GROUP_PAD=group_pad,

@@ -116,13 +116,11 @@ def paged_attention_decode(query: torch.Tensor, key_cache: torch.Tensor, value_c
 
 def paged_prefill_attention(query: torch.Tensor, key_cache: torch.Tensor,
                             value_cache: torch.Tensor, block_tables: torch.Tensor,
-                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                            max_query_len: int | None = None) -> torch.Tensor:
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """Attention of each sequence's new tokens over its cached context and themselves: query
     `[num_tokens, num_heads, head_dim]`, sequence i's at `query[query_start_loc[i]:
     query_start_loc[i + 1]]`; seq_lens `[num_seqs]` int32, context + new tokens, every key read
-    from the cache (reshape_and_cache writes the new ones first). max_query_len sizes the Triton
-    kernel's grid, ignored here."""
+    from the cache (reshape_and_cache writes the new ones first)."""
     out = torch.empty_like(query)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):

@@ -320,11 +320,12 @@ def test_commit_prefers_the_one_named_in_the_environment(monkeypatch):
 
 def test_startup_reads_the_engine_log_and_charges_each_triton_build_to_its_phase():
     logged_at = 1000.0  # the start-up line's time: the engine started 4 s before it, at 996
-    messages = [(998.0, "captured CUDA graphs for 3 decode batch sizes [1, 2, 4] in 1.25 s"),
+    messages = [(998.0, "captured CUDA graphs for 3 decode batch sizes [1, 2, 4] and 1 prefill token counts [512] in 1.25 s"),
                 (logged_at, "start-up 4.00 s: tokenizer 0.50 s, workers and weights 1.00 s, profile run 1.00 s, "
                             "KV cache and graphs 1.50 s")]
     found = startup.parse_engine_log(messages)
-    assert found["engine_startup_s"] == 4.0 and found["graph_capture_s"] == 1.25 and found["graph_batch_sizes"] == 3
+    assert found["engine_startup_s"] == 4.0 and found["graph_capture_s"] == 1.25
+    assert (found["graph_batch_sizes"], found["prefill_graph_sizes"]) == (3, 1)
     assert found["phases_s"] == {"tokenizer": 0.5, "workers and weights": 1.0, "profile run": 1.0,
                                  "KV cache and graphs": 1.5}
     builds = [("a", 995.0, 0.1), ("b", 997.6, 0.3), ("c", 998.0, 0.2), ("d", 999.0, 0.5)]

@@ -52,8 +52,7 @@ class Attention(nn.Module):
         if prefill is not None:  # causal over the new tokens, full over cached context
             outputs.append(self.ops.paged_prefill_attention(
                 q[:num_prefill_tokens], key_cache, value_cache, prefill.block_tables,
-                prefill.query_start_loc, prefill.seq_lens, self.scale,
-                max_query_len=prefill.max_query_len))  # sizes the kernel grid, no host sync
+                prefill.query_start_loc, prefill.seq_lens, self.scale))
         if decode is not None:  # one query token per sequence
             outputs.append(self.ops.paged_attention_decode(
                 q[num_prefill_tokens:], key_cache, value_cache, decode.block_tables,

@@ -22,8 +22,9 @@ PROMPTS = ["ROMEO:", "JULIET:\nO Romeo, Romeo", "First Citizen:\nBefore we proce
 GiB = 1 << 30
 
 
-def greedy_run(**engine_args) -> tuple[list[list[int]], list[int], bool]:
-    """Greedy tokens for PROMPTS, the captured graph sizes, and whether every block came back.
+def greedy_run(**engine_args) -> tuple[list[list[int]], tuple[list[int], list[int]], bool]:
+    """Greedy tokens for PROMPTS, the captured graphs' sizes (decode batch sizes, prefill token
+    counts), and whether every block came back.
 
     The engine lives only inside this function: the next engine's memory profile must see
     its KV cache freed (`Worker.init_device` collects garbage and empties the CUDA cache).
@@ -35,15 +36,17 @@ def greedy_run(**engine_args) -> tuple[list[list[int]], list[int], bool]:
     engine = llm.llm_engine
     runner = engine.model_executor.driver_worker.model_runner
     # An eager engine runs the plain ModelRunner; a graphed one the CUDA-graph subclass.
-    graph_sizes = sorted(runner.graph_runners) if isinstance(runner, CUDAGraphModelRunner) else []
+    graphed = isinstance(runner, CUDAGraphModelRunner)
+    graph_sizes = (sorted(runner.graph_runners), sorted(runner.prefill_graph_runners)) if graphed else ([], [])
     all_free = engine.scheduler.block_manager.get_num_free_gpu_blocks() == engine.cache_config.num_gpu_blocks
     return tokens, graph_sizes, all_free
 
 
-def test_cuda_graph_decode_gives_the_eager_tokens():
+def test_cuda_graphs_give_the_eager_tokens():
     eager, eager_graphs, _ = greedy_run(enforce_eager=True)
     graphed, graph_sizes, all_free = greedy_run()
-    assert eager_graphs == [] and graph_sizes == [1, 2, 4, 8]
+    # Prompts are prefilled from graphs of up to 2048 tokens (the budget: max(max_model_len, 2048)).
+    assert eager_graphs == ([], []) and graph_sizes == ([1, 2, 4, 8], [512, 1024, 1536, 2048])
     assert graphed == eager
     assert all_free
 

@@ -12,7 +12,8 @@ from minivllm.engine.startup_log import StartupTimer
 
 PHASES = ["tokenizer", "workers and weights", "profile run", "KV cache and graphs"]
 LINE = re.compile(r"start-up (\d+\.\d+) s: (.*)")
-GRAPHS = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes (\[.*\]) in (\d+\.\d+) s")
+GRAPHS = re.compile(r"captured CUDA graphs for (\d+) decode batch sizes (\[.*\]) and (\d+) prefill token counts "
+                    r"(\[.*\]) in (\d+\.\d+) s")
 
 
 def logged_phases(caplog) -> tuple[float, dict[str, float]]:
@@ -45,7 +46,8 @@ def test_a_gpu_engine_logs_its_graph_capture_inside_the_cache_phase(caplog):
     _, phases = logged_phases(caplog)
     captures = [GRAPHS.fullmatch(r.getMessage()) for r in caplog.records if r.getMessage().startswith("captured")]
     assert len(captures) == 1 and captures[0].group(1, 2) == ("4", "[1, 2, 4, 8]")
-    assert 0 <= float(captures[0].group(3)) <= phases["KV cache and graphs"] + 0.01
+    assert captures[0].group(3, 4) == ("4", "[512, 1024, 1536, 2048]")
+    assert 0 <= float(captures[0].group(5)) <= phases["KV cache and graphs"] + 0.01
 
 
 def test_laps_split_the_time_into_consecutive_phases(monkeypatch, caplog):

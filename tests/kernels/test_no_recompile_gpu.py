@@ -49,7 +49,7 @@ SCRIPT = textwrap.dedent("""
         start = torch.arange(0, (num_seqs + 1) * q_len, q_len, device=dev, dtype=torch.int32)
         lens = torch.full((num_seqs,), width * block_size, device=dev, dtype=torch.int32)
         prefill_attention.paged_prefill_attention(q, key_cache, value_cache, table(num_seqs, width), start, lens,
-                                                  0.1, max_query_len=q_len)
+                                                  0.1)
 
     def prefill_from_packed_copy(num_seqs, q_len):
         # The engine's path: the metadata's tensors are views into one copied buffer, at offsets
@@ -60,7 +60,7 @@ SCRIPT = textwrap.dedent("""
                                  block_size=block_size, device=dev)
         q = torch.randn(num_seqs * q_len, heads, dim, device=dev, dtype=dtype)
         prefill_attention.paged_prefill_attention(q, key_cache, value_cache, md.block_tables, md.query_start_loc,
-                                                  md.seq_lens, 0.1, max_query_len=q_len)
+                                                  md.seq_lens, 0.1)
 
     def sample(rows, top_k):
         logits = torch.randn(rows, vocab, device=dev)

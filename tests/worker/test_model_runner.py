@@ -107,10 +107,16 @@ def test_cuda_graph_batch_sizes_cover_every_batch_up_to_max_num_seqs(llama_dir):
     assert type(Worker(config).model_runner) is ModelRunner  # no graphs on a CPU
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
-def test_cuda_graph_decode_matches_eager(llama_dir):
-    """The replayed graph (padded batch of 3 -> 4) gives the eager forward's hidden states."""
+@pytest.mark.parametrize("budget,sizes", [(64, [64]), (2048, [512, 1024, 1536, 2048]),
+                                          (1300, [512, 1024, 1300]), (16384, [512 * i for i in range(1, 9)])])
+def test_prefill_graph_token_counts_cover_the_step_budget_up_to_4096(llama_dir, budget, sizes):
+    scheduler_config = SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=budget)
+    config = EngineConfig(ModelConfig(model=llama_dir[0]), CacheConfig(block_size=BLOCK_SIZE), scheduler_config)
+    assert CUDAGraphModelRunner(config).prefill_graph_sizes() == sizes
+
+
+def graphed_runner(llama_dir) -> tuple[CUDAGraphModelRunner, list[torch.Tensor]]:
+    """A CUDA-graph runner (fp32) over a random cache, its graphs captured."""
     model_config = ModelConfig(model=llama_dir[0], dtype="float32")
     scheduler_config = SchedulerConfig(max_num_seqs=8, max_model_len=64, max_num_batched_tokens=64)
     cache_config = CacheConfig(block_size=BLOCK_SIZE)
@@ -121,10 +127,41 @@ def test_cuda_graph_decode_matches_eager(llama_dir):
     for layer in kv_caches:
         layer.normal_()
     runner.capture_model(kv_caches)
-    batch = runner.prepare_model_input([
-        group(str(i), i, list(range(3, 3 + 6 + i)), 5 + i, [3 * i, 3 * i + 1, 3 * i + 2], False, 1) for i in range(3)
-    ])
+    return runner, kv_caches
+
+
+def graph_and_eager(runner, kv_caches, groups) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = runner.prepare_model_input(groups)
     with torch.inference_mode():  # as in execute_model: the graph's buffers are inference tensors
         graph_out = runner.run_model(batch.input_ids, batch.positions, batch.attn_metadata, kv_caches).clone()
         eager_out = runner.model(batch.input_ids, batch.positions, kv_caches, batch.attn_metadata)
+    return graph_out, eager_out
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_decode_matches_eager(llama_dir):
+    """The replayed graph (padded batch of 3 -> 4) gives the eager forward's hidden states."""
+    runner, kv_caches = graphed_runner(llama_dir)
+    graph_out, eager_out = graph_and_eager(runner, kv_caches, [
+        group(str(i), i, list(range(3, 3 + 6 + i)), 5 + i, [3 * i, 3 * i + 1, 3 * i + 2], False, 1) for i in range(3)
+    ])
     torch.testing.assert_close(graph_out, eager_out)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_prefill_matches_eager(llama_dir):
+    """Prefills of 3 sequences (one after a cached prefix), 21 tokens padded to the graph's 64,
+    give the eager forward's hidden states; the graph replays again for another split."""
+    runner, kv_caches = graphed_runner(llama_dir)
+    assert sorted(runner.prefill_graph_runners) == [64]
+    replays, graph = [], runner.prefill_graph_runners[64]
+    graph.replay = lambda *args, _replay=graph.replay: (replays.append(1), _replay(*args))[1]
+    for groups in ([group("A", 0, list(range(3, 10)), 0, [1, 2], True, 7),
+                    group("B", 1, list(range(20, 30)), 4, [3, 4, 5], True, 6),
+                    group("C", 2, list(range(40, 48)), 0, [6, 7], True, 8)],
+                   [group("D", 3, list(range(5, 45)), 0, list(range(8, 18)), True, 40)]):
+        graph_out, eager_out = graph_and_eager(runner, kv_caches, groups)
+        torch.testing.assert_close(graph_out, eager_out, rtol=1e-4, atol=1e-4)
+    assert len(replays) == 2
