@@ -115,6 +115,38 @@ def test_prefill_graph_token_counts_cover_the_step_budget_up_to_4096(llama_dir, 
     assert CUDAGraphModelRunner(config).prefill_graph_sizes() == sizes
 
 
+class _Recorded:
+    """A stand-in graph runner: records which graph a batch replayed."""
+
+    def __init__(self, size, calls):
+        self.size, self.calls = size, calls
+
+    def replay(self, input_ids, positions, md):
+        self.calls.append(self.size)
+        return input_ids
+
+
+def test_each_batch_replays_the_smallest_graph_of_its_kind_that_holds_it(llama_dir, monkeypatch):
+    """Decode-only batches pick a decode graph by batch size, prefill-only batches a prefill
+    graph by token count; a mixed batch, or one too big for every graph, runs eagerly."""
+    scheduler_config = SchedulerConfig(max_num_seqs=4, max_model_len=64, max_num_batched_tokens=64)
+    config = EngineConfig(ModelConfig(model=llama_dir[0]), CacheConfig(block_size=BLOCK_SIZE), scheduler_config)
+    runner, calls = CUDAGraphModelRunner(config), []
+    runner.graph_runners = {s: _Recorded(("decode", s), calls) for s in (1, 2, 4)}
+    runner.prefill_graph_runners = {s: _Recorded(("prefill", s), calls) for s in (16, 32)}
+    monkeypatch.setattr(ModelRunner, "run_model", lambda self, ids, *args: calls.append("eager"))
+    prompt = lambda i, n: group(str(i), i, list(range(n)), 0, list(range(4 * i, 4 * i + 4)), True, n)  # noqa: E731
+    decode = lambda i: group(str(i), i, list(range(10, 16)), 5, [i, i + 8], False, 1)  # noqa: E731
+    for batch in ([decode(0)], [decode(0), decode(1), decode(2)], [prompt(0, 5), prompt(1, 11)],
+                  [prompt(0, 16), prompt(1, 16)], [prompt(0, 13), decode(1)]):
+        md = runner.prepare_model_input(batch)
+        runner.run_model(md.input_ids, md.positions, md.attn_metadata, [])
+    assert calls == [("decode", 1), ("decode", 4), ("prefill", 16), ("prefill", 32), "eager"]
+    too_long = runner.prepare_model_input([prompt(0, 16), prompt(1, 16), prompt(2, 2)])  # 34 tokens
+    runner.run_model(too_long.input_ids, too_long.positions, too_long.attn_metadata, [])
+    assert calls[-1] == "eager"
+
+
 def graphed_runner(llama_dir) -> tuple[CUDAGraphModelRunner, list[torch.Tensor]]:
     """A CUDA-graph runner (fp32) over a random cache, its graphs captured."""
     model_config = ModelConfig(model=llama_dir[0], dtype="float32")
