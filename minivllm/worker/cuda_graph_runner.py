@@ -135,16 +135,20 @@ class CUDAGraphRunner:
 
     def __init__(self, model, kv_caches, buffers: _GraphBuffers, batch_size: int, max_seq_len: int) -> None:
         self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
-        self.batch_size = batch_size
-        b = batch_size
-        self.attn_metadata = AttentionMetadata(
+        self.batch_size = batch_size  # rows of the forward pass: decode sequences, or prefill tokens
+        self.attn_metadata = self._captured_metadata(max_seq_len)
+        self.graph = torch.cuda.CUDAGraph()
+        self.output: torch.Tensor | None = None
+
+    def _captured_metadata(self, max_seq_len: int) -> AttentionMetadata:
+        """The metadata the graph reads: views of the buffers, `batch_size` decode rows."""
+        b, buffers = self.batch_size, self.buffers
+        return AttentionMetadata(
             num_prefills=0, num_prefill_tokens=0, num_decode_tokens=b,
             slot_mapping=buffers.slot_mapping[:b], seq_lens=buffers.seq_lens[:b],
             query_start_loc=buffers.query_start_loc[: b + 1], block_tables=buffers.block_tables[:b],
             max_query_len=1, max_seq_len=max_seq_len,
         )
-        self.graph = torch.cuda.CUDAGraph()
-        self.output: torch.Tensor | None = None
 
     def _forward(self) -> torch.Tensor:
         b = self.batch_size
@@ -175,20 +179,17 @@ class CUDAGraphRunner:
 
 
 class PrefillCUDAGraphRunner(CUDAGraphRunner):
-    """One captured prefill forward pass for a fixed token count, for up to `max_num_seqs`
-    sequences of any lengths (the buffers' rows)."""
+    """One captured prefill forward pass for a fixed token count (`batch_size`), for up to
+    `max_num_seqs` sequences of any lengths (the buffers' rows)."""
 
-    def __init__(self, model, kv_caches, buffers: _GraphBuffers, num_tokens: int, max_seq_len: int) -> None:
-        self.model, self.kv_caches, self.buffers = model, kv_caches, buffers
-        self.batch_size = num_tokens
-        self.attn_metadata = AttentionMetadata(
-            num_prefills=buffers.seq_lens.shape[0], num_prefill_tokens=num_tokens, num_decode_tokens=0,
-            slot_mapping=buffers.slot_mapping[:num_tokens], seq_lens=buffers.seq_lens,
+    def _captured_metadata(self, max_seq_len: int) -> AttentionMetadata:
+        t, buffers = self.batch_size, self.buffers
+        return AttentionMetadata(
+            num_prefills=buffers.seq_lens.shape[0], num_prefill_tokens=t, num_decode_tokens=0,
+            slot_mapping=buffers.slot_mapping[:t], seq_lens=buffers.seq_lens,
             query_start_loc=buffers.query_start_loc, block_tables=buffers.block_tables,
-            max_query_len=num_tokens, max_seq_len=max_seq_len,
+            max_query_len=t, max_seq_len=max_seq_len,
         )
-        self.graph = torch.cuda.CUDAGraph()
-        self.output: torch.Tensor | None = None
 
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, md: AttentionMetadata) -> torch.Tensor:
         n, seqs, buffers = input_ids.shape[0], md.num_prefills, self.buffers
