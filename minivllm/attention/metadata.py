@@ -30,7 +30,8 @@ class AttentionMetadata:
     query_start_loc  [num_seqs + 1] int32 cumulative new-token counts: sequence i's tokens are
                                           rows query_start_loc[i]:query_start_loc[i+1]
     block_tables     [num_seqs, max_blocks] int32  physical block numbers, row per sequence
-    max_query_len, max_seq_len            python ints: kernel grids sized with no host sync
+    max_query_len, max_seq_len            python ints (vLLM's fields): the longest query and sequence,
+                                          known on the host with no device read
     """
 
     num_prefills: int
